@@ -1,0 +1,1 @@
+"""Durable background jobs for Django on PostgreSQL."""

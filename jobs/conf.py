@@ -1,0 +1,90 @@
+"""The ``JOBS`` settings dict: documented defaults, read lazily, reset by ``override_settings``.
+
+Durations may be given as :class:`~datetime.timedelta` or as a number of seconds; they are always
+read back as ``timedelta``. Invalid values are reported by the system checks in
+:mod:`jobs.checks` with stable ids, not by a crash later.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.core.signals import setting_changed
+
+#: Every setting with its default. The README's configuration table documents each one.
+DEFAULTS: dict[str, Any] = {
+    # Tenant stored on jobs enqueued without one.
+    "DEFAULT_TENANT": "default",
+    # Queue label stored on jobs enqueued without one.
+    "DEFAULT_QUEUE": "default",
+    # Attempts allowed to jobs enqueued without a policy or explicit limit.
+    "DEFAULT_MAX_ATTEMPTS": 5,
+    # Lease a claim holds before another worker may take the job (PostgreSQL clock).
+    "LEASE": timedelta(seconds=10),
+    # A succeeded job keeps its job_id this long: a repeat enqueue returns it, runs nothing.
+    "SUCCESS_WINDOW": timedelta(hours=24),
+    # A failed job keeps its job_id this long before the same work may be submitted again.
+    "FAILURE_WINDOW": timedelta(minutes=1),
+    # Terminal rows are deleted this long after they finished (see prune()).
+    "SUCCEEDED_RETENTION": timedelta(hours=24),
+    "FAILED_RETENTION": timedelta(days=14),
+    "CANCELLED_RETENTION": timedelta(days=7),
+    # Rows deleted per statement when pruning, so no statement holds locks for long.
+    "PRUNE_BATCH_SIZE": 1000,
+    # Send a NOTIFY on enqueue so idle workers wake at once (turn off behind
+    # transaction-mode poolers that drop notifications; workers then poll).
+    "NOTIFY": True,
+    # A running row of a run table without a heartbeat for this long is reaped as stale.
+    "STALE_AFTER": timedelta(seconds=60),
+}
+
+DURATION_KEYS = frozenset(key for key, value in DEFAULTS.items() if isinstance(value, timedelta))
+
+#: The PostgreSQL channel that enqueue notifies and workers listen on.
+NOTIFY_CHANNEL = "jobs_enqueued"
+
+
+def as_timedelta(value: timedelta | float | int) -> timedelta:
+    """Accept seconds or a timedelta (the two spellings settings allow)."""
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"expected a timedelta or a number of seconds, got {value!r}")
+    return timedelta(seconds=value)
+
+
+class JobsSettings:
+    """Attribute access to ``settings.JOBS`` merged over :data:`DEFAULTS`."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] = {}
+
+    @property
+    def user_settings(self) -> dict[str, Any]:
+        return getattr(settings, "JOBS", None) or {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in DEFAULTS:
+            raise AttributeError(f"unknown JOBS setting {name!r}")
+        if name not in self._cache:
+            value = self.user_settings.get(name, DEFAULTS[name])
+            if name in DURATION_KEYS:
+                value = as_timedelta(value)
+            self._cache[name] = value
+        return self._cache[name]
+
+    def reload(self) -> None:
+        self._cache.clear()
+
+
+jobs_settings = JobsSettings()
+
+
+def _reload(*, setting: str, **kwargs: Any) -> None:
+    if setting == "JOBS":
+        jobs_settings.reload()
+
+
+setting_changed.connect(_reload)

@@ -1,0 +1,161 @@
+"""The jobs table and the tenant-overrides table.
+
+Every state change of these rows goes through :mod:`jobs.queue`; nothing else writes them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+
+from django.db import models
+from django.db.models import F, Q
+from django.db.models.functions import Now
+from django.utils.translation import gettext_lazy as _
+
+from jobs.conf import jobs_settings
+from jobs.runs import ACTIVE_STATES, TERMINAL_STATES, RunContract, RunState
+
+PRIORITY_MIN, PRIORITY_MAX = -100, 100  # Django's task priority range; higher runs first.
+
+
+def default_tenant() -> str:
+    return jobs_settings.DEFAULT_TENANT
+
+
+def default_queue() -> str:
+    return jobs_settings.DEFAULT_QUEUE
+
+
+def default_max_attempts() -> int:
+    return jobs_settings.DEFAULT_MAX_ATTEMPTS
+
+
+def new_job_id() -> str:
+    """Job id for work enqueued without an idempotency key: unique, so never deduplicated."""
+    return uuid.uuid4().hex
+
+
+class Job(RunContract):
+    """One unit of work. A retry is the same row with ``attempts + 1``, never a new row.
+
+    ``key_held`` says whether this row holds its ``(tenant, job_id)`` idempotency key. Active
+    rows always hold it (a check constraint); terminal rows keep holding it through their
+    window (``SUCCESS_WINDOW`` after success, ``FAILURE_WINDOW`` after failure) so a repeat
+    enqueue returns them instead of running the work again, then let it go. The partial
+    UNIQUE index over key-holding rows is the whole idempotency lock: the database decides.
+    """
+
+    job_id = models.CharField(_("job id"), max_length=255, default=new_job_id)
+    name = models.CharField(_("job type"), max_length=200, help_text=_("Versioned type name."))
+    payload = models.JSONField(_("payload"), default=dict)
+    tenant = models.CharField(_("tenant"), max_length=64, default=default_tenant)
+    queue = models.CharField(_("queue"), max_length=64, default=default_queue)
+    priority = models.SmallIntegerField(_("priority"), default=0)
+    max_attempts = models.PositiveIntegerField(_("max attempts"), default=default_max_attempts)
+    run_after = models.DateTimeField(
+        _("run after"),
+        db_default=Now(),
+        help_text=_("Earliest time the job may run; a scheduled retry moves it forward."),
+    )
+    lease_expires_at = models.DateTimeField(_("lease expires at"), null=True, blank=True)
+    claim_token = models.UUIDField(_("claim token"), null=True, blank=True)
+    claimed_by = models.CharField(_("claimed by"), max_length=200, blank=True, default="")
+    started_at = models.DateTimeField(_("started at"), null=True, blank=True)
+    key_held = models.BooleanField(_("holds its job id"), default=True)
+    result = models.JSONField(_("result"), null=True, blank=True)
+    replayed_at = models.DateTimeField(_("replayed at"), null=True, blank=True)
+    replayed_by = models.CharField(_("replayed by"), max_length=150, blank=True, default="")
+
+    class Meta:
+        verbose_name = _("job")
+        verbose_name_plural = _("jobs")
+        permissions = [("replay_job", _("Can replay failed jobs"))]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "job_id"],
+                condition=Q(key_held=True),
+                name="jobs_job_key_lock",
+            ),
+            models.CheckConstraint(
+                condition=Q(key_held=True) | ~Q(state__in=ACTIVE_STATES),
+                name="jobs_job_active_holds_key",
+            ),
+            models.CheckConstraint(
+                condition=Q(priority__gte=PRIORITY_MIN, priority__lte=PRIORITY_MAX),
+                name="jobs_job_priority_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_attempts__gte=1), name="jobs_job_max_attempts_positive"
+            ),
+            models.CheckConstraint(
+                condition=Q(state__in=RunState.values), name="jobs_job_state_valid"
+            ),
+            models.CheckConstraint(
+                condition=~Q(state=RunState.RUNNING)
+                | Q(claim_token__isnull=False, lease_expires_at__isnull=False),
+                name="jobs_job_running_is_leased",
+            ),
+        ]
+        indexes = [
+            # The claim path: due queued rows of one type, in claim order. Lease and heartbeat
+            # columns stay out of every index so lease renewals are HOT updates.
+            models.Index(
+                F("name"),
+                F("priority").desc(),
+                F("run_after"),
+                F("id"),
+                condition=Q(state=RunState.QUEUED),
+                name="jobs_job_claim",
+            ),
+            # Running rows (few): lease sweeps, per-type running counts, the watchdog.
+            models.Index(
+                fields=["name"], condition=Q(state=RunState.RUNNING), name="jobs_job_running"
+            ),
+            # Terminal rows by age: retention, the failure monitor, key release.
+            models.Index(
+                fields=["state", "finished_at"],
+                condition=Q(state__in=TERMINAL_STATES),
+                name="jobs_job_finished",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.job_id} ({self.state})"
+
+    @property
+    def next_retry_at(self) -> datetime | None:
+        """When a retry is scheduled: the due time of a queued job that already ran.
+
+        The jobs table keeps the retry time in ``run_after`` (the claim path orders by it), so
+        this run-contract field is derived here instead of stored twice.
+        """
+        if self.state == RunState.QUEUED and self.attempts > 0:
+            return self.run_after
+        return None
+
+
+class TenantOverride(models.Model):
+    """A (tenant, component) row takes that tenant away from the component's base workers.
+
+    Base workers of the component skip the tenant entirely (claims, backlog, exhaustion); a
+    branch worker started with ``--tenant`` runs it instead. Insert the row before starting
+    the branch worker; stop that worker before deleting the row.
+    """
+
+    tenant = models.CharField(_("tenant"), max_length=64)
+    component = models.CharField(_("component"), max_length=64)
+    note = models.CharField(_("note"), max_length=200, blank=True, default="")
+    created_at = models.DateTimeField(_("created at"), db_default=Now(), editable=False)
+
+    class Meta:
+        verbose_name = _("tenant override")
+        verbose_name_plural = _("tenant overrides")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "component"], name="jobs_tenantoverride_unique"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant} → {self.component}"

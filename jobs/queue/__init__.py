@@ -1,0 +1,75 @@
+"""The queue: every SQL statement on the jobs table lives in this package.
+
+Job states and who moves them::
+
+                 enqueue
+                    │
+                    ▼        claim (new token, attempts + 1, lease)
+    ┌──────────▶ queued ─────────────────────────────▶ running ──complete──▶ succeeded
+    │  replay       │  ▲                                 │  │
+    │               │  └─ retry(delay) / release ────────┘  ├──fail──────────▶ failed
+    │            cancel  └─ requeue_expired (lease lost) ───┘  └─fail_exhausted─▶ failed
+    │               ▼
+    └────────── cancelled / failed
+
+Every outcome write is fenced by the claim token. Every function takes ``using`` (a database
+alias) and runs on that connection, so it joins the caller's transaction when there is one.
+The worker, the scheduler, the admin and management commands call these functions; none of
+them writes the jobs table itself.
+"""
+
+from jobs.queue.claim import claim, claim_sql, renew
+from jobs.queue.enqueue import enqueue, enqueue_many
+from jobs.queue.maintenance import backlog, fail_exhausted, prune, requeue_expired
+from jobs.queue.operations import cancel, replay, run_now
+from jobs.queue.outcomes import complete, fail, record, release, retry
+from jobs.queue.types import (
+    AllTenants,
+    AllTenantsExcept,
+    BacklogRow,
+    ClaimedJob,
+    ClaimRequest,
+    Enqueued,
+    InvalidJob,
+    NewJob,
+    OnlyTenant,
+    Outcome,
+    OutcomeReport,
+    ReplayReport,
+    Scope,
+    SweepRow,
+)
+
+__all__ = [
+    "AllTenants",
+    "AllTenantsExcept",
+    "BacklogRow",
+    "ClaimRequest",
+    "ClaimedJob",
+    "Enqueued",
+    "InvalidJob",
+    "NewJob",
+    "OnlyTenant",
+    "Outcome",
+    "OutcomeReport",
+    "ReplayReport",
+    "Scope",
+    "SweepRow",
+    "backlog",
+    "cancel",
+    "claim",
+    "claim_sql",
+    "complete",
+    "enqueue",
+    "enqueue_many",
+    "fail",
+    "fail_exhausted",
+    "prune",
+    "record",
+    "release",
+    "renew",
+    "replay",
+    "requeue_expired",
+    "retry",
+    "run_now",
+]

@@ -1,0 +1,30 @@
+"""Small helpers the queue modules share: cursors, parameters, and decoding rows."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.backends.utils import CursorWrapper
+
+
+@contextmanager
+def cursor(using: str | None) -> Iterator[CursorWrapper]:
+    """A cursor on the caller's connection, so every call joins the caller's transaction."""
+    with connections[using or DEFAULT_DB_ALIAS].cursor() as cur:
+        yield cur
+
+
+def seconds(value: timedelta) -> float:
+    return value.total_seconds()
+
+
+def load_json(value: Any) -> Any:
+    """Django's psycopg setup may hand jsonb back as text; accept either form."""
+    if isinstance(value, str):
+        return json.loads(value)
+    return value

@@ -1,0 +1,150 @@
+"""Claim and lease renewal.
+
+A claim is one statement: for each requested name, in the order given (the worker rotates it),
+take up to that name's limit of due queued rows with ``FOR UPDATE SKIP LOCKED``, stopping at
+the overall limit, and mark them running with a fresh claim token and a lease timed by
+PostgreSQL's clock. Rows are locked only as the outer LIMIT pulls them, so nothing is locked
+and then dropped. The claim counts as an attempt. Nothing is prefetched: the caller asks for
+exactly its free capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+from django.db import DEFAULT_DB_ALIAS
+
+from jobs.conf import jobs_settings
+from jobs.queue import _db
+from jobs.queue.types import ClaimedJob, ClaimRequest, Scope
+
+_CLAIM = """
+WITH wanted AS (
+    SELECT * FROM unnest(%(names)s::text[], %(limits)s::int[], %(caps)s::int[])
+        WITH ORDINALITY AS w(name, lim, cap, ord)
+),
+picked AS (
+    SELECT c.id
+    FROM wanted w
+    CROSS JOIN LATERAL (
+        SELECT j.id FROM jobs_job j
+        WHERE j.state = 'queued'
+          AND j.name = w.name
+          AND j.run_after <= statement_timestamp()
+          AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
+          AND {scope}
+        ORDER BY j.priority DESC, j.run_after, j.id
+        LIMIT w.lim
+        FOR UPDATE SKIP LOCKED
+    ) c
+    LIMIT %(total)s
+)
+UPDATE jobs_job j
+SET state = 'running',
+    attempts = j.attempts + 1,
+    claim_token = gen_random_uuid(),
+    lease_expires_at = statement_timestamp() + make_interval(secs => %(lease)s),
+    heartbeat_at = statement_timestamp(),
+    started_at = statement_timestamp(),
+    claimed_by = %(worker)s
+FROM picked
+WHERE j.id = picked.id
+RETURNING j.id, j.job_id, j.name, j.payload, j.tenant, j.queue, j.priority, j.attempts,
+          j.max_attempts, j.claim_token, j.lease_expires_at, j.run_after, j.started_at,
+          j.created_at
+"""
+
+
+def claim_sql(scope: Scope) -> tuple[str, dict]:
+    """The claim statement for a scope and the scope's parameters (also used for EXPLAIN)."""
+    scope_sql, scope_params = scope.sql("j")
+    return _CLAIM.format(scope=scope_sql), scope_params
+
+
+def claim(
+    requests: Sequence[ClaimRequest],
+    *,
+    scope: Scope,
+    limit: int | None = None,
+    lease: timedelta | None = None,
+    worker: str = "",
+    using: str = DEFAULT_DB_ALIAS,
+) -> list[ClaimedJob]:
+    """Claim up to ``limit`` due jobs (default: the sum of the requests' limits).
+
+    Within a name, jobs come highest priority first, then earliest due, then oldest.
+    """
+    requests = [r for r in requests if r.limit > 0]
+    total = (
+        sum(r.limit for r in requests)
+        if limit is None
+        else min(limit, sum(r.limit for r in requests))
+    )
+    if total <= 0:
+        return []
+    sql, scope_params = claim_sql(scope)
+    params = {
+        "names": [r.name for r in requests],
+        "limits": [r.limit for r in requests],
+        "caps": [r.max_attempts for r in requests],
+        "total": total,
+        "lease": _db.seconds(lease or jobs_settings.LEASE),
+        "worker": worker,
+        **scope_params,
+    }
+    with _db.cursor(using) as cur:
+        cur.execute(sql, params)
+        rows = cur.fetchall()
+    return [
+        ClaimedJob(
+            id=row[0],
+            job_id=row[1],
+            name=row[2],
+            payload=_db.load_json(row[3]),
+            tenant=row[4],
+            queue=row[5],
+            priority=row[6],
+            attempts=row[7],
+            max_attempts=row[8],
+            claim_token=row[9],
+            lease_expires_at=row[10],
+            run_after=row[11],
+            started_at=row[12],
+            created_at=row[13],
+        )
+        for row in rows
+    ]
+
+
+def renew(
+    jobs: Sequence[ClaimedJob],
+    *,
+    lease: timedelta | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> set[int]:
+    """Extend the leases of jobs this worker still holds, in one statement.
+
+    Stamps ``heartbeat_at``. Returns the ids whose lease was lost (token no longer matches or
+    the job left ``running``): their handlers must stop and write no outcome.
+    """
+    if not jobs:
+        return set()
+    with _db.cursor(using) as cur:
+        cur.execute(
+            """
+            UPDATE jobs_job j
+            SET lease_expires_at = statement_timestamp() + make_interval(secs => %(lease)s),
+                heartbeat_at = statement_timestamp()
+            FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS l(id, token)
+            WHERE j.id = l.id AND j.claim_token = l.token AND j.state = 'running'
+            RETURNING j.id
+            """,
+            {
+                "ids": [job.id for job in jobs],
+                "tokens": [job.claim_token for job in jobs],
+                "lease": _db.seconds(lease or jobs_settings.LEASE),
+            },
+        )
+        kept = {id_ for (id_,) in cur.fetchall()}
+    return {job.id for job in jobs} - kept

@@ -1,0 +1,199 @@
+"""Enqueue: validate a whole batch, then insert-or-skip it in one statement.
+
+Idempotency is the database's job. Each row is inserted with ``ON CONFLICT … DO NOTHING``
+against the partial UNIQUE index over key-holding rows (``jobs_job_key_lock``); a conflict
+means another row holds ``(tenant, job_id)`` and that row is returned instead. A terminal row
+whose window has passed still holds its key until someone needs it: enqueue then releases it
+(a conditional UPDATE, so concurrent enqueuers agree on one winner) and inserts again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, transaction
+from django.utils import timezone
+
+from jobs.conf import NOTIFY_CHANNEL, jobs_settings
+from jobs.models import PRIORITY_MAX, PRIORITY_MIN, new_job_id
+from jobs.queue import _db, keys
+from jobs.queue.types import Enqueued, InvalidJob, NewJob, validate_key
+
+# Rounds of "insert, find the key holders, release the expired ones" before giving up. Each
+# round only repeats for rows whose key holder vanished or expired in the meantime.
+_MAX_ROUNDS = 5
+
+
+def enqueue(job: NewJob, *, using: str = DEFAULT_DB_ALIAS) -> Enqueued:
+    """Enqueue one job, or return the job already holding its ``(tenant, job_id)``."""
+    return enqueue_many([job], using=using)[0]
+
+
+def enqueue_many(jobs: Sequence[NewJob], *, using: str = DEFAULT_DB_ALIAS) -> list[Enqueued]:
+    """Enqueue a batch atomically; results come back in input order.
+
+    Every job is validated before anything is inserted, so one bad job rejects the whole
+    batch with :class:`InvalidJob`. Inside the caller's ``transaction.atomic()`` the jobs
+    commit or roll back with the caller's writes; workers never see them before commit.
+    """
+    rows = [_row(job, index) for index, job in enumerate(jobs)]
+    if not rows:
+        return []
+    # The first job with a key is the one inserted; later copies in the batch return it.
+    firsts: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        firsts.setdefault((row["tenant"], row["job_id"]), row)
+    with transaction.atomic(using=using, savepoint=False), _db.cursor(using) as cur:
+        done = _insert_or_find(cur, list(firsts.values()))
+    results = []
+    for row in rows:
+        key = (row["tenant"], row["job_id"])
+        result = done[key]
+        if row is not firsts[key] and result.created:
+            result = Enqueued(
+                result.id, result.job_id, result.tenant, result.name, result.state, False
+            )
+        results.append(result)
+    return results
+
+
+def _row(job: NewJob, index: int) -> dict[str, Any]:
+    """Validate one job and turn it into column values (raises InvalidJob)."""
+    if not isinstance(job, NewJob):
+        raise InvalidJob(f"expected a NewJob, got {type(job).__name__}", index=index)
+    if not isinstance(job.name, str) or not job.name or len(job.name) > 200:
+        raise InvalidJob(
+            f"name must be a non-empty string of at most 200 characters, got {job.name!r}",
+            index=index,
+        )
+    job_id = new_job_id() if job.job_id is None else job.job_id
+    if not isinstance(job_id, str) or not job_id or len(job_id) > 255:
+        raise InvalidJob(
+            f"job_id must be a non-empty string of at most 255 characters, got {job_id!r}",
+            index=index,
+        )
+    try:
+        tenant = validate_key(job.tenant or jobs_settings.DEFAULT_TENANT, "tenant")
+        queue = validate_key(job.queue or jobs_settings.DEFAULT_QUEUE, "queue")
+    except ValueError as exc:
+        raise InvalidJob(str(exc), index=index) from None
+    if (
+        isinstance(job.priority, bool)
+        or not isinstance(job.priority, int)
+        or not PRIORITY_MIN <= job.priority <= PRIORITY_MAX
+    ):
+        raise InvalidJob(
+            f"priority must be a whole number from {PRIORITY_MIN} to {PRIORITY_MAX}, "
+            f"got {job.priority!r}",
+            index=index,
+        )
+    max_attempts = (
+        jobs_settings.DEFAULT_MAX_ATTEMPTS if job.max_attempts is None else job.max_attempts
+    )
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise InvalidJob(
+            f"max_attempts must be a whole number of at least 1, got {max_attempts!r}", index=index
+        )
+    if job.run_after is not None and job.delay is not None:
+        raise InvalidJob("give run_after or delay, not both", index=index)
+    if job.run_after is not None and (
+        not isinstance(job.run_after, datetime) or timezone.is_naive(job.run_after)
+    ):
+        raise InvalidJob(f"run_after must be an aware datetime, got {job.run_after!r}", index=index)
+    delay = 0.0 if job.delay is None else _db.seconds(job.delay)
+    if not isinstance(job.payload, dict):
+        raise InvalidJob(
+            f"payload must be a dict (a JSON object), got {type(job.payload).__name__}", index=index
+        )
+    try:
+        payload = json.dumps(job.payload, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidJob(f"payload is not JSON-serializable: {exc}", index=index) from None
+    return {
+        "job_id": job_id,
+        "name": job.name,
+        "payload": payload,
+        "tenant": tenant,
+        "queue": queue,
+        "priority": job.priority,
+        "max_attempts": max_attempts,
+        "run_after": job.run_after,
+        "delay": delay,
+    }
+
+
+def _insert_or_find(cur, rows: list[dict[str, Any]]) -> dict[tuple[str, str], Enqueued]:
+    done: dict[tuple[str, str], Enqueued] = {}
+    pending = rows
+    for _round in range(_MAX_ROUNDS):
+        for id_, tenant, job_id, name in _insert(cur, pending):
+            done[(tenant, job_id)] = Enqueued(id_, job_id, tenant, name, "queued", True)
+        skipped = [row for row in pending if (row["tenant"], row["job_id"]) not in done]
+        if not skipped:
+            return done
+        holders = keys.holders(cur, [(row["tenant"], row["job_id"]) for row in skipped])
+        released = keys.release(cur, [h["id"] for h in holders.values() if h["expired"]])
+        pending = []
+        for row in skipped:
+            key = (row["tenant"], row["job_id"])
+            holder = holders.get(key)
+            if holder is None or holder["id"] in released:
+                pending.append(row)  # the key is free now: insert again
+            else:
+                done[key] = Enqueued(
+                    holder["id"],
+                    row["job_id"],
+                    row["tenant"],
+                    holder["name"],
+                    holder["state"],
+                    False,
+                )
+        if not pending:
+            return done
+    raise RuntimeError(
+        f"enqueue could not settle {len(pending)} job keys after {_MAX_ROUNDS} rounds"
+    )
+
+
+def _insert(cur, rows: list[dict[str, Any]]) -> list[tuple[int, str, str, str]]:
+    columns = {key: [row[key] for row in rows] for key in rows[0]}
+    notify = (
+        f""",
+        notified AS (
+            SELECT count(pg_notify('{NOTIFY_CHANNEL}', due.name)) AS sent
+            FROM (
+                SELECT DISTINCT name FROM inserted WHERE run_after <= statement_timestamp()
+            ) AS due
+        )
+        SELECT inserted.id, inserted.tenant, inserted.job_id, inserted.name
+        FROM inserted, notified"""
+        if jobs_settings.NOTIFY
+        else """
+        SELECT id, tenant, job_id, name FROM inserted"""
+    )
+    cur.execute(
+        """
+        WITH inserted AS (
+            INSERT INTO jobs_job (
+                job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
+                state, attempts, last_error, error_detail, claimed_by, key_held,
+                replayed_by, created_at
+            )
+            SELECT r.job_id, r.name, r.payload, r.tenant, r.queue, r.priority, r.max_attempts,
+                   COALESCE(r.run_after, statement_timestamp() + make_interval(secs => r.delay)),
+                   'queued', 0, '', '', '', TRUE, '', statement_timestamp()
+            FROM unnest(
+                %(job_id)s::text[], %(name)s::text[], %(payload)s::jsonb[], %(tenant)s::text[],
+                %(queue)s::text[], %(priority)s::smallint[], %(max_attempts)s::int[],
+                %(run_after)s::timestamptz[], %(delay)s::float8[]
+            ) AS r(job_id, name, payload, tenant, queue, priority, max_attempts, run_after, delay)
+            ON CONFLICT (tenant, job_id) WHERE key_held DO NOTHING
+            RETURNING id, tenant, job_id, name, run_after
+        )"""
+        + notify,
+        columns,
+    )
+    return cur.fetchall()

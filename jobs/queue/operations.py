@@ -1,0 +1,108 @@
+"""Operator actions on jobs: replay failed work, cancel queued work, run delayed work now.
+
+Each action is one conditional statement over a set of ids that only touches eligible rows,
+so a double click or two operators at once act once: the second statement finds nothing left
+to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, transaction
+
+from jobs.queue import _db, keys
+from jobs.queue.types import ReplayReport
+from jobs.runs import ErrorCode
+
+_REPLAY = """
+WITH target AS (
+    SELECT j.id FROM jobs_job j
+    WHERE j.id = ANY(%(ids)s) AND j.state IN ('failed', 'cancelled')
+      AND NOT EXISTS (
+          SELECT 1 FROM jobs_job o
+          WHERE o.tenant = j.tenant AND o.job_id = j.job_id AND o.key_held AND o.id <> j.id
+      )
+    FOR UPDATE OF j
+)
+UPDATE jobs_job j
+SET state = 'queued', attempts = 0, run_after = statement_timestamp(), key_held = TRUE,
+    started_at = NULL, finished_at = NULL, heartbeat_at = NULL, result = NULL,
+    replayed_at = statement_timestamp(), replayed_by = %(by)s
+FROM target WHERE j.id = target.id
+RETURNING j.id
+"""
+
+
+def replay(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> ReplayReport:
+    """Send failed or cancelled jobs back to the queue with a fresh set of attempts.
+
+    The same row runs again (its id, job_id and payload are kept, ``last_error`` stays as
+    the reason it failed until it runs), and who replayed it and when is recorded. A job
+    whose job_id was taken by newer work since it failed is left alone (``key_taken``).
+    """
+    wanted = sorted(set(ids))
+    if not wanted:
+        return ReplayReport((), (), ())
+    with transaction.atomic(using=using), _db.cursor(using) as cur:
+        keys.release_for(cur, wanted)
+        try:
+            with transaction.atomic(using=using):
+                cur.execute(_REPLAY, {"ids": wanted, "by": by})
+                replayed = {id_ for (id_,) in cur.fetchall()}
+        except IntegrityError:
+            # Two of the rows share a key: replay one at a time, the first one wins.
+            replayed = set()
+            for id_ in wanted:
+                try:
+                    with transaction.atomic(using=using):
+                        cur.execute(_REPLAY, {"ids": [id_], "by": by})
+                        replayed.update(i for (i,) in cur.fetchall())
+                except IntegrityError:
+                    continue  # a concurrent enqueue took the key: reported as key_taken
+        cur.execute(
+            "SELECT id, state IN ('failed', 'cancelled') FROM jobs_job WHERE id = ANY(%s)",
+            [[id_ for id_ in wanted if id_ not in replayed]],
+        )
+        rest = cur.fetchall()
+    return ReplayReport(
+        replayed=tuple(id_ for id_ in wanted if id_ in replayed),
+        not_failed=tuple(sorted(id_ for id_, eligible in rest if not eligible)),
+        key_taken=tuple(sorted(id_ for id_, eligible in rest if eligible)),
+    )
+
+
+def cancel(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> list[int]:
+    """Cancel queued jobs (running ones are left alone); their job_id is released at once."""
+    wanted = sorted(set(ids))
+    if not wanted:
+        return []
+    with _db.cursor(using) as cur:
+        cur.execute(
+            """
+            UPDATE jobs_job
+            SET state = 'cancelled', key_held = FALSE, finished_at = statement_timestamp(),
+                last_error = %(code)s, error_detail = 'cancelled by ' || %(by)s
+            WHERE id = ANY(%(ids)s) AND state = 'queued'
+            RETURNING id
+            """,
+            {"ids": wanted, "by": by, "code": ErrorCode.CANCELLED},
+        )
+        return sorted(id_ for (id_,) in cur.fetchall())
+
+
+def run_now(ids: Iterable[int], *, using: str = DEFAULT_DB_ALIAS) -> list[int]:
+    """Make queued jobs due now (skip a scheduled delay or retry backoff)."""
+    wanted = sorted(set(ids))
+    if not wanted:
+        return []
+    with _db.cursor(using) as cur:
+        cur.execute(
+            """
+            UPDATE jobs_job SET run_after = statement_timestamp()
+            WHERE id = ANY(%(ids)s) AND state = 'queued' AND run_after > statement_timestamp()
+            RETURNING id
+            """,
+            {"ids": wanted},
+        )
+        return sorted(id_ for (id_,) in cur.fetchall())

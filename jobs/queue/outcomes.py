@@ -1,0 +1,105 @@
+"""Fenced outcome writes: complete, retry, fail, release.
+
+Every write is conditional on the claim token the worker got at claim time::
+
+    UPDATE … WHERE id = $id AND claim_token = $token AND state = 'running'
+
+A worker whose lease expired and whose job was taken by another worker (new token) or moved by
+a maintenance pass (token cleared) matches nothing: its outcome changes nothing and is reported
+as *fenced*. Outcomes of many jobs are written in one statement (``UPDATE … FROM unnest(…)``)
+so a busy worker acknowledges in batches instead of one commit per job.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS
+
+from jobs.queue import _db
+from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport
+
+_RECORD = """
+UPDATE jobs_job j
+SET state = o.state,
+    attempts = j.attempts - o.give_back::int,
+    run_after = CASE WHEN o.state = 'queued'
+                     THEN COALESCE(o.at, statement_timestamp() + make_interval(secs => o.delay))
+                     ELSE j.run_after END,
+    finished_at = CASE WHEN o.state = 'queued' THEN NULL ELSE statement_timestamp() END,
+    last_error = CASE WHEN o.give_back THEN j.last_error ELSE o.code END,
+    error_detail = CASE WHEN o.give_back THEN j.error_detail ELSE o.detail END,
+    result = o.result,
+    claim_token = NULL,
+    lease_expires_at = NULL,
+    claimed_by = ''
+FROM unnest(
+    %(ids)s::bigint[], %(tokens)s::uuid[], %(states)s::text[], %(codes)s::text[],
+    %(details)s::text[], %(delays)s::float8[], %(ats)s::timestamptz[], %(give_backs)s::bool[],
+    %(results)s::jsonb[]
+) AS o(id, token, state, code, detail, delay, at, give_back, result)
+WHERE j.id = o.id AND j.claim_token = o.token AND j.state = 'running'
+RETURNING j.id
+"""
+
+# Error details are for people reading the admin; keep a runaway traceback from bloating rows.
+MAX_DETAIL = 8000
+
+
+def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> OutcomeReport:
+    """Write many outcomes in one statement; report which were applied and which fenced."""
+    if not outcomes:
+        return OutcomeReport((), ())
+    params = {
+        "ids": [o.id for o in outcomes],
+        "tokens": [o.token for o in outcomes],
+        "states": [o.state for o in outcomes],
+        "codes": [o.code for o in outcomes],
+        "details": [o.detail[:MAX_DETAIL] for o in outcomes],
+        "delays": [max(0.0, o.delay) for o in outcomes],
+        "ats": [o.at for o in outcomes],
+        "give_backs": [o.give_back_attempt for o in outcomes],
+        "results": [None if o.result is None else json.dumps(o.result) for o in outcomes],
+    }
+    with _db.cursor(using) as cur:
+        cur.execute(_RECORD, params)
+        applied = {id_ for (id_,) in cur.fetchall()}
+    return OutcomeReport(
+        applied=tuple(o.id for o in outcomes if o.id in applied),
+        fenced=tuple(o.id for o in outcomes if o.id not in applied),
+    )
+
+
+def complete(job: ClaimedJob, result: Any = None, *, using: str = DEFAULT_DB_ALIAS) -> bool:
+    """Mark a claimed job succeeded; False if fenced out (the lease was lost)."""
+    return _one(Outcome.succeeded(job, result), using)
+
+
+def retry(
+    job: ClaimedJob,
+    *,
+    code: str,
+    detail: str = "",
+    delay: timedelta | float = 0.0,
+    at: datetime | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> bool:
+    """Put a claimed job back in the queue, due after ``delay`` (or at ``at``)."""
+    return _one(Outcome.retry(job, code=code, detail=detail, delay=delay, at=at), using)
+
+
+def fail(job: ClaimedJob, *, code: str, detail: str = "", using: str = DEFAULT_DB_ALIAS) -> bool:
+    """Mark a claimed job failed with an error code from the outcome table."""
+    return _one(Outcome.failed(job, code=code, detail=detail), using)
+
+
+def release(jobs: Sequence[ClaimedJob], *, using: str = DEFAULT_DB_ALIAS) -> OutcomeReport:
+    """Hand claimed jobs back untried (graceful shutdown): due at once, attempt returned."""
+    return record([Outcome.released(job) for job in jobs], using=using)
+
+
+def _one(outcome: Outcome, using: str) -> bool:
+    return bool(record([outcome], using=using).applied)

@@ -1,0 +1,230 @@
+"""Values the queue API takes and returns. No SQL here, no business payloads."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from jobs.runs import RunState
+
+_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+
+
+class InvalidJob(ValueError):
+    """A job (or one job of a batch) cannot be enqueued; nothing was inserted."""
+
+    def __init__(self, message: str, *, index: int | None = None) -> None:
+        self.index = index
+        prefix = f"job #{index}: " if index is not None else ""
+        super().__init__(prefix + message)
+
+
+def validate_key(value: object, what: str) -> str:
+    """Tenants, components and queues are short identifiers: letters, digits, ``_.:-``."""
+    if not isinstance(value, str) or not _KEY.match(value):
+        raise ValueError(
+            f"{what} must be 1-64 characters of letters, digits, '_', '.', ':' or '-' "
+            f"starting with a letter or digit, got {value!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """A job to enqueue. Omitted fields take the ``JOBS`` defaults.
+
+    ``job_id`` is the idempotency key within a tenant; leave it out for work that should never
+    be deduplicated. Give either ``run_after`` (an aware datetime) or ``delay``, not both.
+    """
+
+    name: str
+    payload: Mapping[str, Any] = field(default_factory=dict)
+    job_id: str | None = None
+    tenant: str | None = None
+    queue: str | None = None
+    priority: int = 0
+    run_after: datetime | None = None
+    delay: timedelta | None = None
+    max_attempts: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    """What enqueue did for one job: ``created`` is False when an existing job was returned."""
+
+    id: int
+    job_id: str
+    tenant: str
+    name: str
+    state: str
+    created: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedJob:
+    """A job this worker holds a lease on; ``claim_token`` fences every outcome write."""
+
+    id: int
+    job_id: str
+    name: str
+    payload: dict[str, Any]
+    tenant: str
+    queue: str
+    priority: int
+    attempts: int
+    max_attempts: int
+    claim_token: UUID
+    lease_expires_at: datetime
+    run_after: datetime
+    started_at: datetime
+    created_at: datetime
+
+    @property
+    def final_attempt(self) -> bool:
+        return self.attempts >= self.max_attempts
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    """Claim up to ``limit`` due jobs named ``name``.
+
+    ``max_attempts``, when given, is the type's current policy: rows enqueued under a higher
+    limit are not claimed past it (the exhaustion pass fails them instead).
+    """
+
+    name: str
+    limit: int
+    max_attempts: int | None = None
+
+
+class Scope:
+    """Which tenants a worker serves. Use one of the two subclasses."""
+
+    def sql(self, alias: str) -> tuple[str, dict[str, Any]]:
+        """A condition on the jobs table aliased ``alias``, with its named parameters."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class AllTenantsExcept(Scope):
+    """Base workers of ``component``: every tenant without a (tenant, component) override."""
+
+    component: str
+
+    def __post_init__(self) -> None:
+        validate_key(self.component, "component")
+
+    def sql(self, alias: str) -> tuple[str, dict[str, Any]]:
+        return (
+            f"NOT EXISTS (SELECT 1 FROM jobs_tenantoverride o "
+            f"WHERE o.tenant = {alias}.tenant AND o.component = %(scope_component)s)",
+            {"scope_component": self.component},
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class OnlyTenant(Scope):
+    """A branch worker: this one tenant only, whatever the overrides say."""
+
+    tenant: str
+
+    def __post_init__(self) -> None:
+        validate_key(self.tenant, "tenant")
+
+    def sql(self, alias: str) -> tuple[str, dict[str, Any]]:
+        return f"{alias}.tenant = %(scope_tenant)s", {"scope_tenant": self.tenant}
+
+
+@dataclass(frozen=True, slots=True)
+class AllTenants(Scope):
+    """Every tenant: for the scheduler's maintenance passes and for operators."""
+
+    def sql(self, alias: str) -> tuple[str, dict[str, Any]]:
+        return "TRUE", {}
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The result of one claimed attempt, written only while ``token`` still holds the job.
+
+    Build one with :meth:`succeeded`, :meth:`retry`, :meth:`failed` or :meth:`released`.
+    """
+
+    id: int
+    token: UUID
+    state: str
+    code: str = ""
+    detail: str = ""
+    delay: float = 0.0
+    at: datetime | None = None
+    give_back_attempt: bool = False
+    result: Any = None
+
+    @classmethod
+    def succeeded(cls, job: ClaimedJob, result: Any = None) -> Outcome:
+        return cls(job.id, job.claim_token, RunState.SUCCEEDED, result=result)
+
+    @classmethod
+    def retry(
+        cls,
+        job: ClaimedJob,
+        *,
+        code: str,
+        detail: str = "",
+        delay: timedelta | float = 0.0,
+        at: datetime | None = None,
+    ) -> Outcome:
+        seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+        return cls(job.id, job.claim_token, RunState.QUEUED, code, detail, seconds, at)
+
+    @classmethod
+    def failed(cls, job: ClaimedJob, *, code: str, detail: str = "") -> Outcome:
+        return cls(job.id, job.claim_token, RunState.FAILED, code, detail)
+
+    @classmethod
+    def released(cls, job: ClaimedJob) -> Outcome:
+        """Hand the job back untried (shutdown): due at once, and the attempt is returned."""
+        return cls(job.id, job.claim_token, RunState.QUEUED, give_back_attempt=True)
+
+
+@dataclass(frozen=True, slots=True)
+class OutcomeReport:
+    """Which outcomes were written and which were fenced out (the lease was lost)."""
+
+    applied: tuple[int, ...]
+    fenced: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayReport:
+    """``replayed`` went back to the queue; ``not_failed`` were not failed or cancelled;
+    ``key_taken`` lost their job_id to a newer active job with the same key."""
+
+    replayed: tuple[int, ...]
+    not_failed: tuple[int, ...]
+    key_taken: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BacklogRow:
+    """Queued jobs of one name and tenant: all of them, and those due now."""
+
+    name: str
+    tenant: str
+    supported: bool
+    queued: int
+    due: int
+
+
+@dataclass(frozen=True, slots=True)
+class SweepRow:
+    """A job a maintenance pass moved, with the state it moved to."""
+
+    id: int
+    name: str
+    tenant: str
+    state: str

@@ -1,0 +1,119 @@
+"""The run contract: the lifecycle vocabulary every run table shares.
+
+A run table is any table whose rows are units of background work: the jobs table itself, an
+email delivery table, a dead-letter table, a curation run table. They share one skeleton so the
+watchdog and the failure monitor can work over all of them, while each domain keeps its data and
+its own meaning of "redo the work" (:meth:`RunContract.replay`)::
+
+    queued ──claim──▶ running ──▶ succeeded
+      ▲                 │    └──▶ failed   (last_error: a code, e.g. handler_error, stale)
+      └──retry/release──┘
+    queued ──cancel──▶ cancelled
+
+``queued`` and ``running`` are the *active* states. Every transition between two active states
+stays inside that set, so a row never enters the active-state lock except on creation or on an
+explicit replay, and the partial UNIQUE index can only be tripped at those two places.
+
+This module is importable without the ``jobs`` app's models (like Django's
+``AbstractBaseSession``), so domain apps can subclass :class:`RunContract` freely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, ClassVar
+
+from django.apps import apps
+from django.db import models
+from django.db.models import Q
+from django.db.models.functions import Now
+from django.utils.translation import gettext_lazy as _
+
+if TYPE_CHECKING:
+    from datetime import timedelta
+
+
+class RunState(models.TextChoices):
+    QUEUED = "queued", _("Queued")
+    RUNNING = "running", _("Running")
+    SUCCEEDED = "succeeded", _("Succeeded")
+    FAILED = "failed", _("Failed")
+    CANCELLED = "cancelled", _("Cancelled")
+
+
+ACTIVE_STATES: tuple[str, ...] = (RunState.QUEUED, RunState.RUNNING)
+TERMINAL_STATES: tuple[str, ...] = (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED)
+
+
+class ErrorCode(models.TextChoices):
+    """Values of ``last_error``: why a run failed or was last retried (the outcome table)."""
+
+    INVALID_PAYLOAD = "invalid_payload", _("Invalid payload")
+    REJECTED = "rejected", _("Rejected by handler")
+    DEADLINE_EXCEEDED = "deadline_exceeded", _("Deadline exceeded")
+    HANDLER_ERROR = "handler_error", _("Handler error")
+    LEASE_EXPIRED = "lease_expired", _("Lease expired")
+    ATTEMPTS_EXHAUSTED = "attempts_exhausted", _("Attempts exhausted")
+    STALE = "stale", _("Stale (reaped by the watchdog)")
+    UNSUPPORTED = "unsupported", _("No handler registered")
+    CANCELLED = "cancelled", _("Cancelled")
+
+
+class RunContract(models.Model):
+    """Abstract base for run tables; subclass it and fill in :meth:`replay`.
+
+    A subclass may drop a field that does not apply to it by setting it to ``None`` (Django's
+    rule for abstract fields), e.g. ``next_retry_at = None`` for a table that never retries.
+    The active-state lock is ``UNIQUE (job_id) WHERE state IN ('queued', 'running')``; a
+    subclass that needs a wider key replaces ``Meta.constraints``.
+    """
+
+    job_id = models.CharField(
+        _("job id"),
+        max_length=255,
+        help_text=_("Idempotency key: at most one active row per key."),
+    )
+    state = models.CharField(
+        _("state"), max_length=16, choices=RunState.choices, default=RunState.QUEUED
+    )
+    attempts = models.PositiveIntegerField(_("attempts"), default=0)
+    heartbeat_at = models.DateTimeField(_("heartbeat at"), null=True, blank=True)
+    last_error = models.CharField(
+        _("last error"), max_length=32, blank=True, default="", choices=ErrorCode.choices
+    )
+    error_detail = models.TextField(_("error detail"), blank=True, default="")
+    next_retry_at = models.DateTimeField(_("next retry at"), null=True, blank=True)
+    created_at = models.DateTimeField(_("created at"), db_default=Now(), editable=False)
+    finished_at = models.DateTimeField(_("finished at"), null=True, blank=True)
+
+    # How long a running row may go without a heartbeat before the watchdog reaps it;
+    # None means the JOBS["STALE_AFTER"] setting.
+    stale_after: ClassVar[timedelta | None] = None
+
+    class Meta:
+        abstract = True
+        constraints = [
+            models.UniqueConstraint(
+                fields=["job_id"],
+                condition=Q(state__in=ACTIVE_STATES),
+                name="%(app_label)s_%(class)s_active_lock",
+            ),
+        ]
+
+    @classmethod
+    def replay(cls, pks: Iterable[int], *, by: str) -> int:
+        """Redo the work of the given failed rows in this domain's own way; return how many.
+
+        The jobs table re-queues the same row; a mail table resends; a curation table starts
+        a new run. Must be idempotent: replaying a row twice redoes the work once.
+        """
+        raise NotImplementedError(f"{cls.__name__} must define replay()")
+
+
+def run_contract_models() -> list[type[RunContract]]:
+    """Every concrete (non-abstract, non-proxy) run table known to Django's app registry."""
+    return [
+        model
+        for model in apps.get_models()
+        if issubclass(model, RunContract) and not model._meta.proxy
+    ]

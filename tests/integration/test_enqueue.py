@@ -1,0 +1,204 @@
+"""Enqueue: validation, idempotency through the partial unique index, transactions."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection, transaction
+from django.test import override_settings
+from django.utils import timezone
+
+from jobs import queue
+from jobs.models import Job
+from jobs.queue import AllTenants, ClaimRequest, InvalidJob, NewJob
+from tests.factories import JobFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def test_enqueue_creates_a_queued_job_with_defaults():
+    result = queue.enqueue(NewJob("mail.send.v1", {"to": "a@example.com"}, job_id="m-1"))
+
+    job = Job.objects.get(pk=result.id)
+    assert result.created is True
+    assert (job.name, job.job_id, job.state, job.attempts) == ("mail.send.v1", "m-1", "queued", 0)
+    assert (job.tenant, job.queue, job.priority, job.max_attempts) == ("default", "default", 0, 5)
+    assert job.payload == {"to": "a@example.com"}
+    assert job.key_held is True
+
+
+def test_job_without_job_id_gets_a_unique_one():
+    first = queue.enqueue(NewJob("a.v1"))
+    second = queue.enqueue(NewJob("a.v1"))
+    assert first.id != second.id
+    assert first.job_id != second.job_id
+    assert second.created
+
+
+def test_repeat_enqueue_while_active_returns_the_existing_job():
+    first = queue.enqueue(NewJob("a.v1", {"n": 1}, job_id="same"))
+    again = queue.enqueue(NewJob("a.v1", {"n": 2}, job_id="same"))
+
+    assert again.id == first.id
+    assert again.created is False
+    assert Job.objects.count() == 1
+    assert Job.objects.get().payload == {"n": 1}
+
+
+def test_same_job_id_in_other_tenant_is_separate_work():
+    first = queue.enqueue(NewJob("a.v1", job_id="same", tenant="acme"))
+    second = queue.enqueue(NewJob("a.v1", job_id="same", tenant="globex"))
+    assert first.id != second.id and second.created
+
+
+def test_duplicates_inside_one_batch_return_the_first():
+    results = queue.enqueue_many(
+        [
+            NewJob("a.v1", {"n": 1}, job_id="dup"),
+            NewJob("b.v1", job_id="other"),
+            NewJob("a.v1", {"n": 2}, job_id="dup"),
+        ]
+    )
+    assert [r.created for r in results] == [True, True, False]
+    assert results[0].id == results[2].id
+    assert Job.objects.count() == 2
+
+
+def test_empty_batch_inserts_nothing():
+    assert queue.enqueue_many([]) == []
+
+
+@pytest.mark.parametrize(
+    ("job", "message"),
+    [
+        (NewJob(""), "name must be a non-empty string"),
+        (NewJob("a.v1", job_id=""), "job_id must be a non-empty string"),
+        (NewJob("a.v1", priority=101), "priority must be a whole number from -100 to 100"),
+        (NewJob("a.v1", max_attempts=0), "max_attempts must be a whole number of at least 1"),
+        (NewJob("a.v1", tenant="bad tenant"), "tenant must be 1-64 characters"),
+        (NewJob("a.v1", payload=["x"]), "payload must be a dict"),
+        (NewJob("a.v1", payload={"x": object()}), "payload is not JSON-serializable"),
+        (
+            NewJob("a.v1", run_after=timezone.now(), delay=timedelta(seconds=1)),
+            "give run_after or delay, not both",
+        ),
+        (
+            NewJob("a.v1", run_after=timezone.now().replace(tzinfo=None)),
+            "run_after must be an aware datetime",
+        ),
+    ],
+)
+def test_one_invalid_job_rejects_the_whole_batch(job, message):
+    batch = [NewJob("ok.v1", job_id="fine-1"), job, NewJob("ok.v1", job_id="fine-2")]
+
+    with pytest.raises(InvalidJob, match=f"job #1: {message}") as raised:
+        queue.enqueue_many(batch)
+
+    assert raised.value.index == 1
+    assert Job.objects.count() == 0
+
+
+def test_delay_and_run_after_set_the_due_time():
+    later = timezone.now() + timedelta(hours=1)
+    delayed = queue.enqueue(NewJob("a.v1", delay=timedelta(minutes=5)))
+    scheduled = queue.enqueue(NewJob("a.v1", run_after=later))
+
+    delayed_job = Job.objects.get(pk=delayed.id)
+    assert delayed_job.run_after - delayed_job.created_at == timedelta(minutes=5)
+    assert Job.objects.get(pk=scheduled.id).run_after == later
+    assert queue.claim([ClaimRequest("a.v1", 10)], scope=AllTenants()) == []
+
+
+class TestWindows:
+    """A terminal job keeps its job_id for its window, then lets the same work run again."""
+
+    def test_success_window_returns_the_succeeded_job(self):
+        done = JobFactory(job_id="w", succeeded=True)
+        again = queue.enqueue(NewJob("test.noop.v1", job_id="w"))
+        assert (again.id, again.created, again.state) == (done.id, False, "succeeded")
+
+    def test_after_the_success_window_the_work_runs_again(self):
+        old = JobFactory(
+            job_id="w", succeeded=True, finished_at=timezone.now() - timedelta(hours=24, seconds=1)
+        )
+        again = queue.enqueue(NewJob("test.noop.v1", job_id="w"))
+        assert again.created and again.id != old.id
+        old.refresh_from_db()
+        assert old.key_held is False
+
+    def test_just_inside_the_success_window_nothing_runs(self):
+        JobFactory(
+            job_id="w", succeeded=True, finished_at=timezone.now() - timedelta(hours=23, minutes=59)
+        )
+        assert queue.enqueue(NewJob("test.noop.v1", job_id="w")).created is False
+
+    @override_settings(JOBS={"FAILURE_WINDOW": 30})
+    def test_failure_window_is_short_and_configurable(self):
+        recent = JobFactory(
+            job_id="f", failed=True, finished_at=timezone.now() - timedelta(seconds=20)
+        )
+        assert queue.enqueue(NewJob("test.noop.v1", job_id="f")).id == recent.id
+        Job.objects.filter(pk=recent.pk).update(finished_at=timezone.now() - timedelta(seconds=31))
+        again = queue.enqueue(NewJob("test.noop.v1", job_id="f"))
+        assert again.created and again.id != recent.id
+
+    def test_cancelled_job_releases_its_id_at_once(self):
+        first = queue.enqueue(NewJob("a.v1", job_id="c"))
+        assert queue.cancel([first.id], by="tester") == [first.id]
+        again = queue.enqueue(NewJob("a.v1", job_id="c"))
+        assert again.created and again.id != first.id
+
+
+@pytest.mark.django_db(transaction=True)
+class TestTransactions:
+    def test_rolled_back_transaction_leaves_no_job(self):
+        with pytest.raises(RuntimeError), transaction.atomic():
+            queue.enqueue(NewJob("a.v1", job_id="rollback"))
+            raise RuntimeError("business write failed")
+        assert not Job.objects.exists()
+
+    def test_workers_do_not_see_a_job_before_commit(self, threads):
+        seen_before_commit = []
+        with transaction.atomic():
+            queue.enqueue(NewJob("a.v1", job_id="pending"))
+            seen_before_commit = threads(
+                1, lambda _: queue.claim([ClaimRequest("a.v1", 1)], scope=AllTenants())
+            )[0]
+        after_commit = queue.claim([ClaimRequest("a.v1", 1)], scope=AllTenants())
+        assert seen_before_commit == []
+        assert [job.job_id for job in after_commit] == ["pending"]
+
+    def test_twenty_threads_enqueueing_one_job_id_create_one_row(self, threads):
+        results = threads(20, lambda i: queue.enqueue(NewJob("a.v1", {"i": i}, job_id="race")))
+
+        assert Job.objects.filter(job_id="race").count() == 1
+        assert len({r.id for r in results}) == 1
+        assert sum(r.created for r in results) == 1
+
+    def test_concurrent_batches_sharing_keys_never_duplicate(self, threads):
+        def enqueue_batch(i):
+            keys = [f"k{(i + n) % 10}" for n in range(10)]
+            return queue.enqueue_many([NewJob("a.v1", job_id=k) for k in keys])
+
+        results = threads(8, enqueue_batch)
+
+        assert Job.objects.count() == 10
+        assert sum(r.created for batch in results for r in batch) == 10
+
+    def test_notify_is_sent_on_commit_for_due_work(self):
+        with connection.cursor() as cur:
+            cur.execute("LISTEN jobs_enqueued")
+        try:
+            queue.enqueue_many(
+                [NewJob("n.v1"), NewJob("n.v1"), NewJob("m.v1", delay=timedelta(hours=1))]
+            )
+            pg = connection.connection
+            first = [n.payload for n in pg.notifies(timeout=5, stop_after=1)]
+            rest = [n.payload for n in pg.notifies(timeout=0.2)]
+            # One notification per due name, none for work scheduled later.
+            assert first == ["n.v1"]
+            assert rest == []
+        finally:
+            with connection.cursor() as cur:
+                cur.execute("UNLISTEN *")

@@ -1,0 +1,65 @@
+"""Values and settings that need no database."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.test import override_settings
+
+from jobs.conf import DEFAULTS, as_timedelta, jobs_settings
+from jobs.queue import ClaimedJob, Outcome
+
+
+def claimed(attempts=1, max_attempts=3):
+    now = datetime.now(UTC)
+    return ClaimedJob(
+        1,
+        "j",
+        "a.v1",
+        {},
+        "default",
+        "default",
+        0,
+        attempts,
+        max_attempts,
+        uuid.uuid4(),
+        now,
+        now,
+        now,
+        now,
+    )
+
+
+def test_final_attempt_flag():
+    assert not claimed(attempts=2, max_attempts=3).final_attempt
+    assert claimed(attempts=3, max_attempts=3).final_attempt
+
+
+def test_outcome_constructors_carry_the_token():
+    job = claimed()
+    assert Outcome.succeeded(job, 5) == Outcome(job.id, job.claim_token, "succeeded", result=5)
+    retry = Outcome.retry(job, code="handler_error", delay=timedelta(seconds=2))
+    assert (retry.state, retry.delay, retry.code) == ("queued", 2.0, "handler_error")
+    assert Outcome.released(job).give_back_attempt is True
+
+
+def test_settings_have_defaults_and_accept_seconds():
+    assert timedelta(seconds=10) == jobs_settings.LEASE
+    assert DEFAULTS["SUCCESS_WINDOW"] == jobs_settings.SUCCESS_WINDOW
+    with override_settings(JOBS={"LEASE": 30, "DEFAULT_MAX_ATTEMPTS": 2}):
+        assert timedelta(seconds=30) == jobs_settings.LEASE
+        assert jobs_settings.DEFAULT_MAX_ATTEMPTS == 2
+    assert timedelta(seconds=10) == jobs_settings.LEASE
+
+
+def test_unknown_setting_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="unknown JOBS setting 'NOPE'"):
+        _ = jobs_settings.NOPE
+
+
+@pytest.mark.parametrize("bad", ["10", None, True])
+def test_durations_must_be_numbers_or_timedeltas(bad):
+    with pytest.raises(TypeError, match="expected a timedelta or a number of seconds"):
+        as_timedelta(bad)
