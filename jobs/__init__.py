@@ -1,1 +1,27 @@
-"""Durable background jobs for Django on PostgreSQL."""
+"""Durable background jobs for Django on PostgreSQL.
+
+The public API for defining and enqueueing job types. Importing this package must stay cheap
+and must not touch models: it is imported before Django's app registry is ready.
+"""
+
+from jobs.context import JobContext
+from jobs.errors import Cancelled, Reject, RetryAfter
+from jobs.payloads import InvalidPayload, Payload
+from jobs.producer import JobSpec, enqueue, enqueue_many
+from jobs.registry import Backoff, Policy, job, register
+
+__all__ = [
+    "Backoff",
+    "Cancelled",
+    "InvalidPayload",
+    "JobContext",
+    "JobSpec",
+    "Payload",
+    "Policy",
+    "Reject",
+    "RetryAfter",
+    "enqueue",
+    "enqueue_many",
+    "job",
+    "register",
+]

@@ -38,6 +38,13 @@ DEFAULTS: dict[str, Any] = {
     "NOTIFY": True,
     # A running row of a run table without a heartbeat for this long is reaped as stale.
     "STALE_AFTER": timedelta(seconds=60),
+    # Retry backoff of job types whose policy sets none: after failed attempt n, wait a random
+    # delay (full jitter) up to BACKOFF_BASE * 2**(n-1), never more than BACKOFF_CAP.
+    "BACKOFF_BASE": timedelta(seconds=1),
+    "BACKOFF_CAP": timedelta(seconds=300),
+    # A retry due within this long is waited out in the worker (keeping the slot); a longer
+    # one goes back to the queue and frees the slot. Policies may override it; 0 never waits.
+    "RETRY_IN_PROCESS_UP_TO": timedelta(seconds=60),
 }
 
 DURATION_KEYS = frozenset(key for key, value in DEFAULTS.items() if isinstance(value, timedelta))

@@ -20,7 +20,7 @@ them writes the jobs table itself.
 
 from jobs.queue.claim import claim, claim_sql, renew
 from jobs.queue.enqueue import enqueue, enqueue_many
-from jobs.queue.maintenance import backlog, fail_exhausted, prune, requeue_expired
+from jobs.queue.maintenance import backlog, fail_exhausted, pending, prune, requeue_expired
 from jobs.queue.operations import cancel, replay, run_now
 from jobs.queue.outcomes import complete, fail, record, release, retry
 from jobs.queue.types import (
@@ -64,6 +64,7 @@ __all__ = [
     "enqueue_many",
     "fail",
     "fail_exhausted",
+    "pending",
     "prune",
     "record",
     "release",

@@ -25,7 +25,7 @@ WITH wanted AS (
         WITH ORDINALITY AS w(name, lim, cap, ord)
 ),
 picked AS (
-    SELECT c.id
+    SELECT c.id, w.cap
     FROM wanted w
     CROSS JOIN LATERAL (
         SELECT j.id FROM jobs_job j
@@ -51,8 +51,8 @@ SET state = 'running',
 FROM picked
 WHERE j.id = picked.id
 RETURNING j.id, j.job_id, j.name, j.payload, j.tenant, j.queue, j.priority, j.attempts,
-          j.max_attempts, j.claim_token, j.lease_expires_at, j.run_after, j.started_at,
-          j.created_at
+          LEAST(j.max_attempts, COALESCE(picked.cap, j.max_attempts)), j.claim_token,
+          j.lease_expires_at, j.run_after, j.started_at, j.created_at
 """
 
 
@@ -73,7 +73,8 @@ def claim(
 ) -> list[ClaimedJob]:
     """Claim up to ``limit`` due jobs (default: the sum of the requests' limits).
 
-    Within a name, jobs come highest priority first, then earliest due, then oldest.
+    Within a name, jobs come highest priority first, then earliest due, then oldest. A
+    returned job's ``max_attempts`` is the lower of its own limit and the request's.
     """
     requests = [r for r in requests if r.limit > 0]
     total = (

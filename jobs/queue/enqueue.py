@@ -47,7 +47,9 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str = DEFAULT_DB_ALIAS) -> li
     for row in rows:
         firsts.setdefault((row["tenant"], row["job_id"]), row)
     with transaction.atomic(using=using, savepoint=False), _db.cursor(using) as cur:
-        done = _insert_or_find(cur, list(firsts.values()))
+        # Insert in key order: concurrent batches that share keys then wait on each other
+        # in the same order instead of deadlocking.
+        done = _insert_or_find(cur, [firsts[key] for key in sorted(firsts)])
     results = []
     for row in rows:
         key = (row["tenant"], row["job_id"])

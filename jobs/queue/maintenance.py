@@ -53,7 +53,7 @@ def requeue_expired(
             error_detail = 'lease expired while held by ' || j.claimed_by,
             claim_token = NULL, lease_expires_at = NULL, claimed_by = ''
         FROM expired WHERE j.id = expired.id
-        RETURNING j.id, j.name, j.tenant, j.state
+        RETURNING j.id, j.job_id, j.name, j.tenant, j.state, j.last_error
         """,
         {"limit": limit, "now": now, "code": ErrorCode.LEASE_EXPIRED, **scope_params},
         using,
@@ -100,7 +100,7 @@ def fail_exhausted(
             state = 'failed', finished_at = {_NOW},
             claim_token = NULL, lease_expires_at = NULL, claimed_by = ''
         FROM exhausted WHERE j.id = exhausted.id
-        RETURNING j.id, j.name, j.tenant, j.state
+        RETURNING j.id, j.job_id, j.name, j.tenant, j.state, j.last_error
         """,
         {
             "cap_names": list(limits),
@@ -182,6 +182,31 @@ def backlog(
     return [
         BacklogRow(name, tenant, name in names, queued, due) for name, tenant, queued, due in rows
     ]
+
+
+def pending(
+    *,
+    scope: Scope | None = None,
+    names: Collection[str] = (),
+    due_within: timedelta = timedelta(0),
+    using: str = DEFAULT_DB_ALIAS,
+) -> dict[str, int]:
+    """Unfinished work of these names: running jobs, and queued jobs due within the horizon."""
+    scope_sql, scope_params = (scope or AllTenants()).sql("j")
+    with _db.cursor(using) as cur:
+        cur.execute(
+            f"""
+            SELECT j.name, count(*) FROM jobs_job j
+            WHERE j.name = ANY(%(names)s) AND {scope_sql}
+              AND (j.state = 'running'
+                   OR (j.state = 'queued' AND j.attempts < j.max_attempts
+                       AND j.run_after <= statement_timestamp()
+                                          + make_interval(secs => %(horizon)s)))
+            GROUP BY j.name
+            """,
+            {"names": list(names), "horizon": _db.seconds(due_within), **scope_params},
+        )
+        return dict(cur.fetchall())
 
 
 def _sweep(sql: str, params: dict, using: str) -> list[SweepRow]:

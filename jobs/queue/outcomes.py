@@ -25,22 +25,22 @@ from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport
 _RECORD = """
 UPDATE jobs_job j
 SET state = o.state,
-    attempts = j.attempts - o.give_back::int,
+    attempts = j.attempts + o.attempts_delta,
     run_after = CASE WHEN o.state = 'queued'
                      THEN COALESCE(o.at, statement_timestamp() + make_interval(secs => o.delay))
                      ELSE j.run_after END,
     finished_at = CASE WHEN o.state = 'queued' THEN NULL ELSE statement_timestamp() END,
-    last_error = CASE WHEN o.give_back THEN j.last_error ELSE o.code END,
-    error_detail = CASE WHEN o.give_back THEN j.error_detail ELSE o.detail END,
+    last_error = COALESCE(o.code, j.last_error),
+    error_detail = COALESCE(o.detail, j.error_detail),
     result = o.result,
     claim_token = NULL,
     lease_expires_at = NULL,
     claimed_by = ''
 FROM unnest(
     %(ids)s::bigint[], %(tokens)s::uuid[], %(states)s::text[], %(codes)s::text[],
-    %(details)s::text[], %(delays)s::float8[], %(ats)s::timestamptz[], %(give_backs)s::bool[],
+    %(details)s::text[], %(delays)s::float8[], %(ats)s::timestamptz[], %(deltas)s::int[],
     %(results)s::jsonb[]
-) AS o(id, token, state, code, detail, delay, at, give_back, result)
+) AS o(id, token, state, code, detail, delay, at, attempts_delta, result)
 WHERE j.id = o.id AND j.claim_token = o.token AND j.state = 'running'
 RETURNING j.id
 """
@@ -58,10 +58,10 @@ def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> Out
         "tokens": [o.token for o in outcomes],
         "states": [o.state for o in outcomes],
         "codes": [o.code for o in outcomes],
-        "details": [o.detail[:MAX_DETAIL] for o in outcomes],
+        "details": [None if o.detail is None else o.detail[:MAX_DETAIL] for o in outcomes],
         "delays": [max(0.0, o.delay) for o in outcomes],
         "ats": [o.at for o in outcomes],
-        "give_backs": [o.give_back_attempt for o in outcomes],
+        "deltas": [o.attempts_delta for o in outcomes],
         "results": [None if o.result is None else json.dumps(o.result) for o in outcomes],
     }
     with _db.cursor(using) as cur:

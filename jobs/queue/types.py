@@ -157,11 +157,11 @@ class Outcome:
     id: int
     token: UUID
     state: str
-    code: str = ""
-    detail: str = ""
+    code: str | None = ""  # None keeps the job's last_error as it is
+    detail: str | None = ""
     delay: float = 0.0
     at: datetime | None = None
-    give_back_attempt: bool = False
+    attempts_delta: int = 0  # -1 gives the claimed attempt back; +n adds in-process retries
     result: Any = None
 
     @classmethod
@@ -188,7 +188,7 @@ class Outcome:
     @classmethod
     def released(cls, job: ClaimedJob) -> Outcome:
         """Hand the job back untried (shutdown): due at once, and the attempt is returned."""
-        return cls(job.id, job.claim_token, RunState.QUEUED, give_back_attempt=True)
+        return cls(job.id, job.claim_token, RunState.QUEUED, None, None, attempts_delta=-1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,9 +222,11 @@ class BacklogRow:
 
 @dataclass(frozen=True, slots=True)
 class SweepRow:
-    """A job a maintenance pass moved, with the state it moved to."""
+    """A job a maintenance pass moved, with the state and error code it moved to."""
 
     id: int
+    job_id: str
     name: str
     tenant: str
     state: str
+    code: str

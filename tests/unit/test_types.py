@@ -42,7 +42,8 @@ def test_outcome_constructors_carry_the_token():
     assert Outcome.succeeded(job, 5) == Outcome(job.id, job.claim_token, "succeeded", result=5)
     retry = Outcome.retry(job, code="handler_error", delay=timedelta(seconds=2))
     assert (retry.state, retry.delay, retry.code) == ("queued", 2.0, "handler_error")
-    assert Outcome.released(job).give_back_attempt is True
+    assert Outcome.released(job).attempts_delta == -1
+    assert Outcome.released(job).code is None  # keeps the job's last error
 
 
 def test_settings_have_defaults_and_accept_seconds():

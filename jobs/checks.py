@@ -1,0 +1,195 @@
+"""System checks: a bad ``JOBS`` setting or job catalogue is a clear error at start-up.
+
+Ids are stable so they can be looked up and, for warnings, silenced:
+
+* ``jobs.E001`` unknown key in ``JOBS`` (``E007``: ``JOBS`` is not a dict)
+* ``jobs.E002`` a duration setting that is not a valid duration
+* ``jobs.E003`` a whole-number setting out of range; ``E008`` ``NOTIFY`` not a bool
+* ``jobs.E004`` ``DEFAULT_TENANT`` / ``DEFAULT_QUEUE`` not a valid key
+* ``jobs.E005`` a retention shorter than the idempotency window it must outlive
+* ``jobs.E006`` ``BACKOFF_BASE`` greater than ``BACKOFF_CAP``
+* ``jobs.E010`` two payload classes claim one name (only one of them can be registered)
+* ``jobs.W001`` a payload class without a registered handler (its jobs would stay queued)
+"""
+
+from __future__ import annotations
+
+import difflib
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.core.checks import CheckMessage, Error, Warning
+
+from jobs.conf import DEFAULTS, DURATION_KEYS, as_timedelta
+from jobs.payloads import Payload
+from jobs.registry import MAX_ATTEMPTS_MAX, catalogue
+
+# Durations where zero is meaningful: no window at all, or never wait in-process.
+ZERO_ALLOWED = frozenset({"SUCCESS_WINDOW", "FAILURE_WINDOW", "RETRY_IN_PROCESS_UP_TO"})
+INT_RANGES = {"DEFAULT_MAX_ATTEMPTS": (1, MAX_ATTEMPTS_MAX), "PRUNE_BATCH_SIZE": (1, None)}
+# A terminal row must outlive the window in which it holds its job_id, or pruning it lets a
+# repeat enqueue run the work again.
+RETENTION_WINDOWS = (
+    ("SUCCEEDED_RETENTION", "SUCCESS_WINDOW"),
+    ("FAILED_RETENTION", "FAILURE_WINDOW"),
+    ("CANCELLED_RETENTION", "FAILURE_WINDOW"),
+)
+
+
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Check ``settings.JOBS`` as written (not through the cached reader)."""
+    user = getattr(settings, "JOBS", None)
+    if user is None:
+        user = {}
+    if not isinstance(user, dict):
+        return [
+            Error(
+                f"JOBS must be a dict, got {type(user).__name__}.",
+                hint="Set JOBS = {...} with the keys you want to change, or leave it out.",
+                id="jobs.E007",
+            )
+        ]
+    errors: list[CheckMessage] = [_unknown(key) for key in user if key not in DEFAULTS]
+    values = {**DEFAULTS, **{key: user[key] for key in user if key in DEFAULTS}}
+    durations: dict[str, timedelta] = {}
+    for key in sorted(DURATION_KEYS):
+        duration, error = _duration(key, values[key])
+        if error:
+            errors.append(error)
+        else:
+            durations[key] = duration
+    errors.extend(_ints(values))
+    errors.extend(_keys(values))
+    if not isinstance(values["NOTIFY"], bool):
+        errors.append(
+            Error(
+                f"JOBS['NOTIFY'] must be True or False, got {values['NOTIFY']!r}.",
+                id="jobs.E008",
+            )
+        )
+    errors.extend(_consistency(durations))
+    return errors
+
+
+def check_registry(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Payload classes the registry cannot see: name clashes and types nobody handles."""
+    classes = _payload_classes()
+    registry = catalogue.get() if catalogue.frozen else None
+    by_name: dict[str, list[type[Payload]]] = {}
+    for cls in classes:
+        by_name.setdefault(cls.job_name, []).append(cls)
+    messages: list[CheckMessage] = []
+    for name, owners in sorted(by_name.items()):
+        if len(owners) > 1:
+            messages.append(
+                Error(
+                    f"Payload classes {', '.join(_label(cls) for cls in owners)} all claim the "
+                    f"job name {name!r}.",
+                    hint="Give each contract its own versioned name, e.g. by bumping .vN.",
+                    id="jobs.E010",
+                )
+            )
+        elif registry is not None and name not in registry:
+            messages.append(
+                Warning(
+                    f"Payload class {_label(owners[0])} ({name!r}) has no registered handler.",
+                    hint=(
+                        f"Register one with @job({owners[0].__name__}) in <app>/jobs.py; until "
+                        f"a worker registers the name, its jobs stay queued."
+                    ),
+                    id="jobs.W001",
+                )
+            )
+    return messages
+
+
+def _unknown(key: object) -> CheckMessage:
+    close = difflib.get_close_matches(str(key), DEFAULTS, n=1)
+    hint = f"Did you mean {close[0]!r}?" if close else f"Known keys: {', '.join(sorted(DEFAULTS))}."
+    return Error(f"JOBS has an unknown key {key!r}.", hint=hint, id="jobs.E001")
+
+
+def _duration(key: str, value: Any) -> tuple[timedelta, None] | tuple[None, CheckMessage]:
+    zero_ok = key in ZERO_ALLOWED
+    try:
+        duration = as_timedelta(value)
+    except (TypeError, ValueError, OverflowError):
+        duration = None
+    if duration is not None and (duration > timedelta(0) or (zero_ok and not duration)):
+        return duration, None
+    wanted = "zero or a positive duration" if zero_ok else "a positive duration"
+    return None, Error(
+        f"JOBS[{key!r}] must be {wanted}, got {value!r}.",
+        hint="Give a datetime.timedelta or a number of seconds.",
+        id="jobs.E002",
+    )
+
+
+def _ints(values: dict[str, Any]) -> list[CheckMessage]:
+    errors: list[CheckMessage] = []
+    for key, (low, high) in INT_RANGES.items():
+        value = values[key]
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if not whole or value < low or (high is not None and value > high):
+            bounds = f"from {low} to {high}" if high is not None else f"of at least {low}"
+            errors.append(
+                Error(
+                    f"JOBS[{key!r}] must be a whole number {bounds}, got {value!r}.", id="jobs.E003"
+                )
+            )
+    return errors
+
+
+def _keys(values: dict[str, Any]) -> list[CheckMessage]:
+    from jobs.queue.types import validate_key  # needs the app registry, ready by check time
+
+    errors: list[CheckMessage] = []
+    for key, what in (("DEFAULT_TENANT", "tenant"), ("DEFAULT_QUEUE", "queue")):
+        try:
+            validate_key(values[key], what)
+        except ValueError as exc:
+            errors.append(Error(f"JOBS[{key!r}] is invalid: {exc}.", id="jobs.E004"))
+    return errors
+
+
+def _consistency(durations: dict[str, timedelta]) -> list[CheckMessage]:
+    errors: list[CheckMessage] = []
+    for retention, window in RETENTION_WINDOWS:
+        if durations.get(retention, timedelta.max) < durations.get(window, timedelta(0)):
+            errors.append(
+                Error(
+                    f"JOBS[{retention!r}] ({durations[retention]}) is shorter than "
+                    f"JOBS[{window!r}] ({durations[window]}).",
+                    hint=(
+                        f"Rows would be pruned while they still hold their job_id, so a "
+                        f"repeat enqueue inside {window} would run the work again. "
+                        f"Raise {retention} or lower {window}."
+                    ),
+                    id="jobs.E005",
+                )
+            )
+    base, cap = durations.get("BACKOFF_BASE"), durations.get("BACKOFF_CAP")
+    if base is not None and cap is not None and base > cap:
+        errors.append(
+            Error(
+                f"JOBS['BACKOFF_BASE'] ({base}) is greater than JOBS['BACKOFF_CAP'] ({cap}).",
+                hint="The first retry would already wait longer than the cap allows.",
+                id="jobs.E006",
+            )
+        )
+    return errors
+
+
+def _payload_classes() -> list[type[Payload]]:
+    found: list[type[Payload]] = []
+    stack = list(Payload.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        found.append(cls)
+        stack.extend(cls.__subclasses__())
+    return sorted(set(found), key=_label)
+
+
+def _label(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"

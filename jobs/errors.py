@@ -1,0 +1,32 @@
+"""Exceptions a handler raises to say how its attempt ended (besides returning normally).
+
+* :class:`Reject` — the payload is valid but the work can never succeed (the user is gone,
+  the order was refunded). Terminal at once: ``failed`` / ``rejected``, no retry.
+* :class:`RetryAfter` — try again after ``delay`` (an upstream 429 or 503 with Retry-After).
+  Short delays are waited out in the worker; long ones go back to the queue.
+* Any other exception is classified by the job type's policy: transient errors (the default)
+  retry with backoff until attempts run out; permanent ones fail at once as ``rejected``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+
+class Reject(Exception):
+    """The job can never complete; fail it now without retrying."""
+
+
+class RetryAfter(Exception):
+    """Retry this job after ``delay`` (seconds or a timedelta)."""
+
+    def __init__(self, delay: timedelta | float, message: str = "") -> None:
+        seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+        if seconds < 0:
+            raise ValueError("RetryAfter delay must not be negative")
+        self.delay = seconds
+        super().__init__(message or f"retry requested after {seconds:g}s")
+
+
+class Cancelled(Exception):
+    """Raised by :meth:`jobs.JobContext.raise_if_cancelled` once the worker asked to stop."""

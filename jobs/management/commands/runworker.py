@@ -1,0 +1,102 @@
+"""``manage.py runworker``: run a worker process until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import os
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError
+
+from jobs.registry import get_registry
+from jobs.worker.config import WorkerConfig, env_scope, scope_from
+from jobs.worker.runner import Worker
+
+
+def _env_number(name: str, kind: type, default):
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise CommandError(f"{name} must be a number, got {raw!r}") from None
+
+
+class Command(BaseCommand):
+    help = (
+        "Run a background job worker. Claims jobs of every registered type in its tenant "
+        "scope; drains gracefully on SIGTERM/SIGINT (a second signal stops at once)."
+    )
+
+    def add_arguments(self, parser) -> None:
+        branch, component = env_scope()
+        parser.add_argument(
+            "--tenant",
+            default=branch,
+            help="Branch worker: run only this tenant's jobs (env WORKER_BRANCH).",
+        )
+        parser.add_argument(
+            "--component",
+            default=component,
+            help="Component name matched against tenant overrides (env WORKER_COMPONENT; "
+            "default 'worker').",
+        )
+        parser.add_argument(
+            "--concurrency",
+            type=int,
+            default=_env_number("WORKER_CONCURRENCY", int, 10),
+            help="Handler threads, i.e. jobs run at once (env WORKER_CONCURRENCY; default 10).",
+        )
+        parser.add_argument(
+            "--shutdown-timeout",
+            type=float,
+            default=_env_number("WORKER_SHUTDOWN_TIMEOUT", float, 30.0),
+            help="Seconds to let running jobs finish on SIGTERM (default 30).",
+        )
+        parser.add_argument(
+            "--poll-interval",
+            type=float,
+            default=0.5,
+            help="Seconds between claims when no NOTIFY arrives (default 0.5).",
+        )
+        parser.add_argument(
+            "--maintenance-interval",
+            type=float,
+            default=15.0,
+            help="Seconds between passes that requeue expired leases, fail exhausted jobs and "
+            "refresh backlog gauges (default 15).",
+        )
+        parser.add_argument(
+            "--http-port",
+            type=int,
+            default=_env_number("WORKER_HTTP_PORT", int, None),
+            help="Serve /healthz, /readyz and /metrics on this port (off by default).",
+        )
+        parser.add_argument(
+            "--http-host",
+            default=os.environ.get("WORKER_HTTP_HOST", "127.0.0.1"),
+            help="Interface for the HTTP listener (default 127.0.0.1).",
+        )
+        parser.add_argument(
+            "--no-listen",
+            action="store_true",
+            help="Do not LISTEN for new work (behind transaction-mode poolers); poll only.",
+        )
+
+    def handle(self, *args, **options) -> None:
+        if options["tenant"] and options["component"]:
+            raise CommandError("give either --tenant (branch worker) or --component, not both")
+        try:
+            config = WorkerConfig(
+                scope=scope_from(options["tenant"], options["component"]),
+                concurrency=options["concurrency"],
+                shutdown_timeout=options["shutdown_timeout"],
+                poll_interval=options["poll_interval"],
+                maintenance_interval=options["maintenance_interval"],
+                http_host=options["http_host"],
+                http_port=options["http_port"],
+                listen=False if options["no_listen"] else None,
+            )
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from None
+        Worker(get_registry(), config).run()

@@ -1,0 +1,172 @@
+"""Enqueue typed payloads: the producer side of a job type's contract.
+
+Producers hand over payload values, never a name and a dict: the name comes from the payload's
+class, the stored JSON from :meth:`Payload.to_json`, and each payload is decoded back and
+validated before anything is written, so a worker never meets a payload its own type would
+refuse. Defaults for queue, priority and attempts come from the type's registered policy when
+this process registers the type, else from the ``JOBS`` settings.
+
+Call these inside the ``transaction.atomic()`` block of the business write the jobs follow:
+the jobs then commit or roll back with it, and workers see them only after commit.
+
+This module imports the queue (and so the models) only when called, so it stays importable
+before Django's app registry is ready.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.db import DEFAULT_DB_ALIAS
+
+from jobs.conf import as_timedelta
+from jobs.payloads import InvalidPayload, Payload
+from jobs.registry import Policy, catalogue
+
+if TYPE_CHECKING:
+    from jobs.queue import Enqueued, NewJob
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """A payload with its own enqueue options, for batches whose jobs differ.
+
+    ``None`` means "not set here": :func:`enqueue_many`'s shared option, then the type's
+    policy, then the ``JOBS`` default. Giving ``run_after`` or ``delay`` here replaces the
+    batch's timing for this job.
+    """
+
+    payload: Payload
+    job_id: str | None = None
+    tenant: str | None = None
+    queue: str | None = None
+    priority: int | None = None
+    run_after: datetime | None = None
+    delay: timedelta | float | None = None
+    max_attempts: int | None = None
+
+
+def enqueue(
+    payload: Payload,
+    *,
+    job_id: str | None = None,
+    tenant: str | None = None,
+    queue: str | None = None,
+    priority: int | None = None,
+    run_after: datetime | None = None,
+    delay: timedelta | float | None = None,
+    max_attempts: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> Enqueued:
+    """Enqueue one typed job, or return the job already holding its ``(tenant, job_id)``."""
+    spec = JobSpec(
+        payload=payload,
+        job_id=job_id,
+        tenant=tenant,
+        queue=queue,
+        priority=priority,
+        run_after=run_after,
+        delay=delay,
+        max_attempts=max_attempts,
+    )
+    return enqueue_many([spec], using=using)[0]
+
+
+def enqueue_many(
+    jobs: Iterable[Payload | JobSpec],
+    *,
+    tenant: str | None = None,
+    queue: str | None = None,
+    priority: int | None = None,
+    run_after: datetime | None = None,
+    delay: timedelta | float | None = None,
+    max_attempts: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> list[Enqueued]:
+    """Enqueue a batch of payloads (or :class:`JobSpec` values) atomically, in input order.
+
+    The keyword options apply to every job that does not set its own. The whole batch is
+    encoded and validated first: one invalid payload raises ``jobs.queue.InvalidJob`` naming
+    its index and field, and nothing is inserted.
+    """
+    from jobs import queue as jobs_queue
+
+    shared: dict[str, Any] = {
+        "tenant": tenant,
+        "queue": queue,
+        "priority": priority,
+        "run_after": run_after,
+        "delay": delay,
+        "max_attempts": max_attempts,
+    }
+    new_jobs = [_new_job(item, index, shared) for index, item in enumerate(jobs)]
+    return jobs_queue.enqueue_many(new_jobs, using=using)
+
+
+def _new_job(item: object, index: int, shared: dict[str, Any]) -> NewJob:
+    from jobs.queue import InvalidJob, NewJob
+
+    spec = JobSpec(payload=item) if isinstance(item, Payload) else item
+    if not isinstance(spec, JobSpec) or not isinstance(spec.payload, Payload):
+        found = spec.payload if isinstance(spec, JobSpec) else spec
+        raise InvalidJob(
+            f"expected a Payload or JobSpec, got {type(found).__name__}; "
+            f"define the job's payload as a jobs.Payload subclass",
+            index=index,
+        )
+    payload_type = type(spec.payload)
+    name = payload_type.job_name
+    try:
+        data = spec.payload.to_json()
+        payload_type.from_json(data)  # the worker's decode: types, then validate()
+    except InvalidPayload as exc:
+        raise InvalidJob(f"{name}: invalid payload: {exc}", index=index) from None
+    policy = _policy(payload_type, index)
+    if spec.run_after is not None or spec.delay is not None:
+        run_after, delay = spec.run_after, spec.delay
+    else:
+        run_after, delay = shared["run_after"], shared["delay"]
+    if delay is not None:
+        try:
+            delay = as_timedelta(delay)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidJob(f"delay: {exc}", index=index) from None
+    return NewJob(
+        name=name,
+        payload=data,
+        job_id=spec.job_id,
+        tenant=_first(spec.tenant, shared["tenant"]),
+        queue=_first(spec.queue, shared["queue"], policy.queue if policy else None),
+        priority=_first(spec.priority, shared["priority"], policy.priority if policy else 0),
+        run_after=run_after,
+        delay=delay,
+        max_attempts=_first(
+            spec.max_attempts, shared["max_attempts"], policy.max_attempts if policy else None
+        ),
+    )
+
+
+def _policy(payload_type: type[Payload], index: int) -> Policy | None:
+    """The registered type's policy, if this process registers the payload's name."""
+    if not catalogue.frozen:
+        return None
+    job_type = catalogue.get().get(payload_type.job_name)
+    if job_type is None:
+        return None
+    if job_type.payload_type is not payload_type:
+        from jobs.queue import InvalidJob
+
+        raise InvalidJob(
+            f"{payload_type.__module__}.{payload_type.__qualname__} claims the name "
+            f"{payload_type.job_name}, which is registered for "
+            f"{job_type.payload_type.__module__}.{job_type.payload_type.__qualname__}",
+            index=index,
+        )
+    return job_type.policy
+
+
+def _first[T](*values: T | None) -> T | None:
+    return next((value for value in values if value is not None), None)

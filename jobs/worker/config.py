@@ -1,0 +1,85 @@
+"""Runtime settings of one worker process, validated before the worker starts."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from django.core.exceptions import ImproperlyConfigured
+
+from jobs.conf import jobs_settings
+from jobs.queue.types import AllTenantsExcept, OnlyTenant, Scope
+
+#: The component name base workers use for tenant overrides unless told otherwise.
+DEFAULT_COMPONENT = "worker"
+
+
+def default_identity() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How one worker process runs. Every field has a default; see the README's table."""
+
+    scope: Scope = field(default_factory=lambda: AllTenantsExcept(DEFAULT_COMPONENT))
+    concurrency: int = 10
+    shutdown_timeout: float = 30.0
+    poll_interval: float = 0.5
+    ack_interval: float = 0.005
+    maintenance_interval: float = 15.0
+    maintenance_limit: int = 100
+    lease: timedelta | None = None
+    listen: bool | None = None
+    identity: str = field(default_factory=default_identity)
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None
+    install_signal_handlers: bool = True
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 1 <= self.concurrency <= 1000:
+            problems.append(f"concurrency must be from 1 to 1000, got {self.concurrency}")
+        if self.shutdown_timeout <= 0:
+            problems.append(f"shutdown timeout must be positive, got {self.shutdown_timeout}")
+        if self.poll_interval <= 0:
+            problems.append(f"poll interval must be positive, got {self.poll_interval}")
+        if self.maintenance_interval <= 0:
+            problems.append(
+                f"maintenance interval must be positive, got {self.maintenance_interval}"
+            )
+        if self.ack_interval < 0:
+            problems.append(f"ack interval must not be negative, got {self.ack_interval}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            problems.append(f"HTTP port must be from 0 to 65535, got {self.http_port}")
+        if not isinstance(self.scope, Scope):
+            problems.append(f"scope must be a jobs.queue Scope, got {self.scope!r}")
+        if problems:
+            raise ImproperlyConfigured("invalid worker configuration: " + "; ".join(problems))
+
+    @property
+    def lease_duration(self) -> timedelta:
+        return self.lease or jobs_settings.LEASE
+
+    @property
+    def notify_enabled(self) -> bool:
+        return jobs_settings.NOTIFY if self.listen is None else self.listen
+
+
+def scope_from(tenant: str | None, component: str | None) -> Scope:
+    """``--tenant`` makes a branch worker; otherwise a base worker of ``component``."""
+    try:
+        if tenant:
+            return OnlyTenant(tenant)
+        return AllTenantsExcept(component or DEFAULT_COMPONENT)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"invalid worker scope: {exc}") from None
+
+
+def env_scope(environ: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+    """WORKER_BRANCH and WORKER_COMPONENT from the environment (empty means unset)."""
+    environ = os.environ if environ is None else environ
+    return environ.get("WORKER_BRANCH") or None, environ.get("WORKER_COMPONENT") or None

@@ -1,0 +1,109 @@
+"""The lease keeper: renews every held lease in one statement, enforces handler deadlines.
+
+Every third of the lease it renews the leases of all held jobs whose handler is still inside
+its timeout (stamping ``heartbeat_at``). A job whose renewal finds its token gone has been
+taken away (its lease expired and a maintenance pass or another worker moved it): the handler
+is told to stop and no outcome will be written. A handler past its timeout is told to stop
+and its lease is no longer renewed; what remains of the lease lets a prompt handler still
+record ``deadline_exceeded``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from django.db import connection
+
+from jobs import queue
+from jobs.worker import metrics
+from jobs.worker.execution import Running
+
+logger = logging.getLogger("jobs.worker")
+
+
+class LeaseKeeper:
+    def __init__(
+        self,
+        held: Callable[[], list[Running]],
+        *,
+        lease_seconds: float,
+        tick: float = 0.1,
+    ) -> None:
+        self._held = held
+        self._lease = lease_seconds
+        self._every = lease_seconds / 3
+        self._tick = min(tick, self._every)
+        self._stop = threading.Event()
+        self._last_renewal = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="jobs-lease-keeper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        next_renewal = time.monotonic() + self._every
+        try:
+            while not self._stop.wait(self._tick):
+                now = time.monotonic()
+                self._enforce_deadlines(now)
+                if now >= next_renewal:
+                    self.renew_once(now)
+                    next_renewal = now + self._every
+        finally:
+            connection.close()
+
+    def _enforce_deadlines(self, now: float) -> None:
+        for running in self._held():
+            ctx = running.ctx
+            if not running.finished and not ctx.cancelled.is_set() and now > ctx.deadline:
+                logger.warning(
+                    "job %s (%s) overran its %gs timeout; asking it to stop",
+                    ctx.job_id,
+                    ctx.name,
+                    ctx.timeout,
+                    extra={"job_id": ctx.job_id, "job_type": ctx.name, "action": "timeout"},
+                )
+                ctx.cancelled.set()
+
+    def renew_once(self, now: float | None = None) -> set[int]:
+        """Renew the leases of held jobs still inside their deadline; returns the lost ids."""
+        now = time.monotonic() if now is None else now
+        renewable = [r for r in self._held() if not r.lost and now <= r.ctx.deadline]
+        if not renewable:
+            self._last_renewal = now
+            return set()
+        try:
+            lost = queue.renew([r.job for r in renewable], lease=timedelta(seconds=self._lease))
+        except Exception:
+            logger.exception("lease renewal failed")
+            connection.close()
+            if now - self._last_renewal >= self._lease:
+                # Past a full lease without a successful renewal, others may own the jobs.
+                lost = {r.job.id for r in renewable}
+            else:
+                return set()
+        self._last_renewal = now
+        for running in renewable:
+            if running.job.id in lost:
+                running.lost = True
+                running.ctx.cancelled.set()
+                metrics.lost_leases.labels(running.job.name).inc()
+                logger.warning(
+                    "lost the lease of job %s (%s); cancelling its handler, writing no outcome",
+                    running.job.job_id,
+                    running.job.name,
+                    extra={
+                        "job_id": running.job.job_id,
+                        "job_type": running.job.name,
+                        "action": "lease_lost",
+                    },
+                )
+        return lost

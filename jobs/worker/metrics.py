@@ -1,0 +1,55 @@
+"""Prometheus metrics of the worker. Labels are bounded: job type, outcome and error code only
+(never a job id or tenant), so cardinality grows with the number of registered types."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+claimed = Counter("jobs_claimed_total", "Jobs claimed by this worker.", ["job_type"])
+outcomes = Counter(
+    "jobs_outcomes_total",
+    "Attempt outcomes written: succeeded, retried (back to the queue) or failed (terminal).",
+    ["job_type", "outcome"],
+)
+terminal_failures = Counter(
+    "jobs_terminal_failures_total",
+    "Jobs that became failed, by error code (from a handler or an exhaustion pass).",
+    ["job_type", "code"],
+)
+expired_leases = Counter(
+    "jobs_expired_leases_total",
+    "Jobs whose lease expired without an outcome, found by a maintenance pass.",
+    ["job_type"],
+)
+fenced_outcomes = Counter(
+    "jobs_fenced_outcomes_total",
+    "Outcomes discarded because this worker no longer held the job's claim token.",
+    ["job_type"],
+)
+lost_leases = Counter(
+    "jobs_lost_leases_total",
+    "Running jobs whose lease renewal found the job taken away; their handlers were cancelled.",
+    ["job_type"],
+)
+released = Counter(
+    "jobs_released_total", "Jobs handed back to the queue untried at shutdown.", ["job_type"]
+)
+backlog = Gauge(
+    "jobs_backlog",
+    "Queued jobs in this worker's tenant scope, by type and whether this worker runs the type.",
+    ["job_type", "supported"],
+)
+handler_duration = Histogram(
+    "jobs_handler_duration_seconds",
+    "Wall time of handler calls.",
+    ["job_type"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300),
+)
+queue_latency = Histogram(
+    "jobs_queue_latency_seconds",
+    "Time from when a job was due to when a worker claimed it.",
+    ["job_type"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300),
+)
+running = Gauge("jobs_worker_running", "Handlers running in this worker process.")
+ready = Gauge("jobs_worker_ready", "1 while this worker claims work, 0 while starting or draining.")

@@ -1,0 +1,479 @@
+"""The worker's run loop: capacity, claims, dispatch, batched outcomes, maintenance, drain.
+
+One control thread owns the loop and its own database connection::
+
+    ┌─▶ flush finished outcomes ─┐  one transaction, one commit
+    │   claim up to free slots  ─┘  (rotating over names, each within its concurrency)
+    │   dispatch claimed jobs to the handler pool
+    │   every maintenance interval: expired leases, exhaustion, backlog gauges
+    └── wait for: a finished handler, a NOTIFY of new work, the poll interval
+
+Handlers run in a thread pool; the lease keeper renews held leases on its own thread. On the
+first SIGTERM/SIGINT the loop stops claiming, reports not ready and waits up to the shutdown
+timeout for running handlers; then it cancels the rest and hands their jobs back to the queue.
+A second signal skips the wait. Outcomes already decided are always flushed before exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from functools import partial
+
+from django.db import connection, transaction
+
+from jobs import queue
+from jobs.queue import ClaimedJob, ClaimRequest, Outcome, SweepRow
+from jobs.registry import Registry
+from jobs.runs import RunState
+from jobs.worker import metrics
+from jobs.worker.config import WorkerConfig
+from jobs.worker.execution import Running, execute, make_context
+from jobs.worker.leases import LeaseKeeper
+from jobs.worker.pool import HandlerPool
+from jobs.worker.wakeup import NotifyListener
+
+logger = logging.getLogger("jobs.worker")
+
+#: Called with (job type name, job_id, error code, detail) when a job becomes failed.
+TerminalHook = Callable[[str, str, str, str], None]
+
+
+class Worker:
+    def __init__(
+        self,
+        registry: Registry,
+        config: WorkerConfig | None = None,
+        *,
+        on_terminal_failure: TerminalHook | None = None,
+    ) -> None:
+        self.registry = registry
+        self.config = config or WorkerConfig()
+        self._on_terminal = on_terminal_failure
+        self._names = list(registry.names())
+        self._lock = threading.Lock()
+        self._held: dict[int, Running] = {}
+        self._in_flight = 0
+        self._in_flight_by_name: Counter[str] = Counter()
+        self._acks: list[tuple[Running, Outcome | None]] = []
+        self._first_ack_at: float | None = None
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._force = threading.Event()
+        self._exhausted: set[str] = set()
+        self._rotation = 0
+        self._next_poll = 0.0
+        self._next_maintenance = 0.0
+        self._unsupported_total = 0
+        self._listener: NotifyListener | None = None
+        self.ready = False
+        self.alive_at = time.monotonic()
+
+    # -- public ------------------------------------------------------------------------------
+
+    def run(self, *, until: Callable[[Worker], bool] | None = None) -> int:
+        """Run until stopped (or ``until(worker)`` is true after a loop pass); returns 0."""
+        if connection.in_atomic_block:
+            raise RuntimeError(
+                "the worker cannot run inside a transaction: it must see committed jobs and "
+                "commit its own claims (in tests use django_db(transaction=True))"
+            )
+        previous = self._install_signal_handlers()
+        pool = self._pool = HandlerPool(self.config.concurrency)
+        keeper = LeaseKeeper(self._held_snapshot, lease_seconds=self._lease_seconds)
+        listener = self._listener = NotifyListener(self._names, self._work_arrived)
+        server = self._start_http()
+        keeper.start()
+        if self.config.notify_enabled and self._names:
+            listener.start()
+        self._log_start()
+        try:
+            self.ready = True
+            metrics.ready.set(1)
+            while not self._stopping.is_set():
+                self._wake.clear()
+                self.alive_at = time.monotonic()
+                self._pass()
+                if until is not None and until(self):
+                    break
+                self._wake.wait(self._wait_time())
+            return self._drain()
+        finally:
+            self.ready = False
+            metrics.ready.set(0)
+            keeper.stop()
+            listener.stop()
+            if server is not None:
+                server.shutdown()
+            pool.shutdown(timeout=0 if self._force.is_set() else 1.0)
+            connection.close()
+            self._restore_signal_handlers(previous)
+
+    def request_stop(self, *, force: bool = False) -> None:
+        """Begin a graceful drain; with ``force`` (or a second call) skip waiting for handlers."""
+        if force or self._stopping.is_set():
+            self._force.set()
+        self._stopping.set()
+        self._wake.set()
+
+    @property
+    def idle(self) -> bool:
+        """No handler running and no outcome waiting to be written."""
+        with self._lock:
+            return not self._held and not self._acks
+
+    @property
+    def listening(self) -> bool:
+        """True while the NOTIFY listener is connected and listening."""
+        return self._listener is not None and self._listener.listening.is_set()
+
+    @property
+    def healthy(self) -> bool:
+        return time.monotonic() - self.alive_at < max(10.0, 4 * self.config.poll_interval)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _pass(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_maintenance:
+            self._maintain()
+            self._next_maintenance = now + self.config.maintenance_interval
+        acks = self._take_acks(now)
+        requests = self._claim_requests(now)
+        if not acks and not requests:
+            return
+        outcomes = [(r, o) for r, o in acks if o is not None and not r.lost]
+        try:
+            with transaction.atomic():
+                report = queue.record([o for _, o in outcomes]) if outcomes else None
+                claimed = self._claim(requests) if requests else []
+        except Exception:
+            logger.exception("database error in the run loop; retrying after the poll interval")
+            self._put_back(acks)
+            connection.close()
+            self._next_poll = time.monotonic() + self.config.poll_interval
+            return
+        self._settle(acks, outcomes, report)
+        self._dispatch(claimed)
+
+    def _take_acks(self, now: float) -> list[tuple[Running, Outcome | None]]:
+        with self._lock:
+            if not self._acks:
+                return []
+            free = self.config.concurrency - self._in_flight
+            due = (
+                self._stopping.is_set()
+                or self._in_flight == 0
+                or free >= max(1, self.config.concurrency // 2)
+                or now - (self._first_ack_at or now) >= self.config.ack_interval
+            )
+            if not due:
+                return []
+            acks, self._acks, self._first_ack_at = self._acks, [], None
+            return acks
+
+    def _put_back(self, acks: list[tuple[Running, Outcome | None]]) -> None:
+        with self._lock:
+            self._acks[:0] = acks
+            self._first_ack_at = self._first_ack_at or time.monotonic()
+
+    def _claim_requests(self, now: float) -> list[ClaimRequest]:
+        if self._stopping.is_set() or not self._names:
+            return []
+        if now >= self._next_poll:
+            self._exhausted.clear()
+            self._next_poll = now + self.config.poll_interval
+        with self._lock:
+            free = self.config.concurrency - self._in_flight
+            running = dict(self._in_flight_by_name)
+        if free <= 0:
+            return []
+        count = len(self._names)
+        self._rotation = (self._rotation + 1) % count
+        requests = []
+        for name in self._names[self._rotation :] + self._names[: self._rotation]:
+            if name in self._exhausted:
+                continue
+            policy = self.registry[name].policy
+            room = min(free, policy.concurrency - running.get(name, 0))
+            if room > 0:
+                requests.append(ClaimRequest(name, room, policy.max_attempts))
+        return requests
+
+    def _claim(self, requests: list[ClaimRequest]) -> list[ClaimedJob]:
+        with self._lock:
+            free = self.config.concurrency - self._in_flight
+        claimed = queue.claim(
+            requests,
+            scope=self.config.scope,
+            limit=free,
+            lease=self.config.lease_duration,
+            worker=self.config.identity,
+        )
+        got = Counter(job.name for job in claimed)
+        if len(claimed) < free:
+            # A name that gave fewer jobs than asked has nothing more due right now; skip it
+            # until a NOTIFY for it or the next poll.
+            self._exhausted.update(r.name for r in requests if got[r.name] < r.limit)
+        return claimed
+
+    def _dispatch(self, claimed: list[ClaimedJob]) -> None:
+        for job in claimed:
+            job_type = self.registry[job.name]
+            running = Running(job, job_type, make_context(job, job_type))
+            with self._lock:
+                self._held[job.id] = running
+                self._in_flight += 1
+                self._in_flight_by_name[job.name] += 1
+            metrics.claimed.labels(job.name).inc()
+            metrics.queue_latency.labels(job.name).observe(
+                max(0.0, (job.started_at - job.run_after).total_seconds())
+            )
+            metrics.running.inc()
+            self._pool.submit(partial(self._execute, running))
+
+    def _execute(self, running: Running) -> None:
+        """Runs on a handler thread."""
+        try:
+            outcome = execute(running, shutting_down=self._stopping.is_set)
+        except Exception:
+            logger.exception("worker error running job %s", running.job.job_id)
+            outcome = None  # its lease will expire and the job will run again
+        with self._lock:
+            running.finished = True
+            self._in_flight -= 1
+            self._in_flight_by_name[running.job.name] -= 1
+            self._acks.append((running, outcome))
+            if self._first_ack_at is None:
+                self._first_ack_at = time.monotonic()
+        metrics.running.dec()
+        self._wake.set()
+
+    def _settle(self, acks, outcomes, report) -> None:
+        fenced = set(report.fenced) if report else set()
+        with self._lock:
+            for running, _ in acks:
+                self._held.pop(running.job.id, None)
+        for running, outcome in outcomes:
+            job = running.job
+            if job.id in fenced:
+                metrics.fenced_outcomes.labels(job.name).inc()
+                logger.warning(
+                    "outcome of job %s (%s) discarded: this worker no longer holds it",
+                    job.job_id,
+                    job.name,
+                    extra={"job_id": job.job_id, "job_type": job.name, "action": "fenced"},
+                )
+                continue
+            self._log_outcome(running, outcome)
+
+    def _log_outcome(self, running: Running, outcome: Outcome) -> None:
+        job = running.job
+        kind = {RunState.SUCCEEDED: "succeeded", RunState.FAILED: "failed"}.get(
+            outcome.state, "retried"
+        )
+        metrics.outcomes.labels(job.name, kind).inc()
+        duration = time.monotonic() - running.claimed_at
+        extra = {
+            "job_id": job.job_id,
+            "job_type": job.name,
+            "tenant": job.tenant,
+            "attempt": job.attempts + outcome.attempts_delta,
+            "outcome": kind,
+            "code": outcome.code or "",
+            "duration": round(duration, 6),
+            "action": "outcome",
+        }
+        if kind == "succeeded":
+            logger.debug("job %s (%s) succeeded", job.job_id, job.name, extra=extra)
+            return
+        logger.warning(
+            "job %s (%s) %s: %s",
+            job.job_id,
+            job.name,
+            "failed" if kind == "failed" else "will retry",
+            outcome.code,
+            extra=extra,
+        )
+        if kind == "failed":
+            self._terminal(job.name, job.job_id, outcome.code or "", outcome.detail or "")
+
+    def _terminal(self, name: str, job_id: str, code: str, detail: str) -> None:
+        metrics.terminal_failures.labels(name, code).inc()
+        if self._on_terminal is not None:
+            self._on_terminal(name, job_id, code, detail)
+
+    def _wait_time(self) -> float:
+        now = time.monotonic()
+        waits = [self._next_poll - now, self._next_maintenance - now]
+        with self._lock:
+            if self._first_ack_at is not None:
+                waits.append(self._first_ack_at + self.config.ack_interval - now)
+        return max(0.0, min(waits))
+
+    def _work_arrived(self, name: str | None = None) -> None:
+        """NOTIFY listener callback (another thread)."""
+        if name is None:
+            self._exhausted.clear()
+        else:
+            self._exhausted.discard(name)
+        self._wake.set()
+
+    # -- maintenance -------------------------------------------------------------------------
+
+    def _maintain(self) -> None:
+        scope = self.config.scope
+        limit = self.config.maintenance_limit
+        try:
+            requeued = queue.requeue_expired(scope=scope, limit=limit)
+            failed = queue.fail_exhausted(
+                scope=scope, max_attempts=self.registry.max_attempts(), limit=limit
+            )
+            rows = queue.backlog(scope=scope, supported=self._names)
+        except Exception:
+            logger.exception("maintenance pass failed; will try again")
+            connection.close()
+            return
+        for row in requeued:
+            metrics.expired_leases.labels(row.name).inc()
+        self._report_swept(requeued, failed)
+        self._report_backlog(rows)
+
+    def _report_swept(self, requeued: list[SweepRow], failed: list[SweepRow]) -> None:
+        if requeued:
+            logger.warning(
+                "requeued %d jobs whose lease expired: ids %s",
+                len(requeued),
+                [r.id for r in requeued],
+                extra={"action": "requeue_expired"},
+            )
+        for row in failed:
+            self._terminal(row.name, row.job_id, row.code, "failed by the exhaustion pass")
+        if failed:
+            logger.warning(
+                "failed %d jobs with no attempts left: ids %s",
+                len(failed),
+                [r.id for r in failed],
+                extra={"action": "fail_exhausted"},
+            )
+
+    def _report_backlog(self, rows: list[queue.BacklogRow]) -> None:
+        totals: Counter[tuple[str, str]] = Counter()
+        for row in rows:
+            totals[(row.name, "true" if row.supported else "false")] += row.queued
+        metrics.backlog.clear()
+        for (name, supported), count in totals.items():
+            metrics.backlog.labels(name, supported).set(count)
+        unsupported = {name: n for (name, ok), n in totals.items() if ok == "false"}
+        total = sum(unsupported.values())
+        if total and total != self._unsupported_total:
+            logger.warning(
+                "unsupported job types remain outstanding: %s",
+                ", ".join(f"{name} ({n})" for name, n in sorted(unsupported.items())),
+                extra={"action": "unsupported_backlog", "count": total},
+            )
+        self._unsupported_total = total
+
+    # -- drain -------------------------------------------------------------------------------
+
+    def _drain(self) -> int:
+        self.ready = False
+        metrics.ready.set(0)
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        with self._lock:
+            busy = self._in_flight
+        if busy:
+            logger.info(
+                "draining: waiting up to %gs for %d running jobs",
+                self.config.shutdown_timeout,
+                busy,
+                extra={"action": "drain"},
+            )
+        while not self._force.is_set():
+            self._wake.clear()
+            self._pass()
+            with self._lock:
+                if self._in_flight == 0 and not self._acks:
+                    break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._wake.wait(min(remaining, max(self.config.ack_interval, 0.05)))
+        self._pass()
+        self._hand_back()
+        logger.info("worker stopped", extra={"action": "stopped"})
+        return 0
+
+    def _hand_back(self) -> None:
+        """Cancel handlers still running and release their jobs for another worker."""
+        with self._lock:
+            leftovers = [r for r in self._held.values() if not r.finished and not r.lost]
+            for running in leftovers:
+                running.lost = True
+                running.ctx.cancelled.set()
+                self._held.pop(running.job.id, None)
+        if not leftovers:
+            return
+        try:
+            report = queue.release([r.job for r in leftovers])
+        except Exception:
+            logger.exception("could not release jobs at shutdown; their leases will expire")
+            return
+        for running in leftovers:
+            metrics.released.labels(running.job.name).inc()
+        logger.warning(
+            "handed back %d unfinished jobs: ids %s",
+            len(report.applied),
+            list(report.applied),
+            extra={"action": "released"},
+        )
+
+    # -- process plumbing --------------------------------------------------------------------
+
+    @property
+    def _lease_seconds(self) -> float:
+        return self.config.lease_duration.total_seconds()
+
+    def _held_snapshot(self) -> list[Running]:
+        with self._lock:
+            return list(self._held.values())
+
+    def _install_signal_handlers(self) -> dict:
+        if not self.config.install_signal_handlers:
+            return {}
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, lambda *_: self.request_stop())
+        return previous
+
+    def _restore_signal_handlers(self, previous: dict) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    def _start_http(self):
+        if self.config.http_port is None:
+            return None
+        from jobs.http import start_http_server
+
+        return start_http_server(
+            self.config.http_host,
+            self.config.http_port,
+            healthy=lambda: self.healthy,
+            ready=lambda: self.ready,
+        )
+
+    def _log_start(self) -> None:
+        logger.info(
+            "worker %s started: %d slots, scope %s, types %s",
+            self.config.identity,
+            self.config.concurrency,
+            self.config.scope,
+            ", ".join(self._names) or "(none)",
+            extra={"action": "started"},
+        )

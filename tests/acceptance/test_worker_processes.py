@@ -1,0 +1,153 @@
+"""Crash, stall and shutdown behaviour of real ``runworker`` processes."""
+
+from __future__ import annotations
+
+import re
+import signal
+import urllib.request
+
+import pytest
+
+from jobs import enqueue
+from jobs.models import Job
+from tests.acceptance.conftest import read_trace, wait_for
+from tests.procapp.jobs import Trace
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.acceptance, pytest.mark.slow]
+
+FAST = ["--poll-interval", "0.1", "--maintenance-interval", "0.2"]
+
+
+def job_row(enqueued) -> Job:
+    return Job.objects.get(pk=enqueued.id)
+
+
+def lease_expired(enqueued) -> bool:
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT lease_expires_at < statement_timestamp() FROM jobs_job WHERE id = %s",
+            [enqueued.id],
+        )
+        return bool(cur.fetchone()[0])
+
+
+def starts(trace_path, pid=None) -> list[list[str]]:
+    return [
+        r for r in read_trace(trace_path) if r[0] == "start" and (pid is None or r[1] == str(pid))
+    ]
+
+
+def test_kill_9_mid_job_runs_the_job_again_elsewhere(spawn, tmp_path):
+    path = tmp_path / "trace"
+    job = enqueue(Trace(path=str(path), seconds=60))
+    first = spawn("runworker", *FAST, lease=1.0)
+    wait_for(lambda: starts(path, first.pid), what="first worker started the job")
+
+    first.proc.kill()  # SIGKILL: no cleanup at all
+    first.wait()
+    assert job_row(job).state == "running"
+
+    Job.objects.filter(pk=job.id).update(payload={"path": str(path), "seconds": 0.1})
+    second = spawn("runworker", *FAST, lease=1.0)
+    wait_for(lambda: job_row(job).state == "succeeded", what="job finished on the second worker")
+
+    done = job_row(job)
+    assert done.attempts == 2
+    assert done.result == second.pid
+    assert [r[1] for r in starts(path)] == [str(first.pid), str(second.pid)]
+
+
+@pytest.mark.parametrize("second_still_running", [False, True], ids=["after", "during"])
+def test_sigstopped_worker_cannot_report_over_its_successor(spawn, tmp_path, second_still_running):
+    path = tmp_path / "trace"
+    job = enqueue(Trace(path=str(path), seconds=1.5, ignore_cancel=True))
+    stale = spawn("runworker", *FAST, "--http-port", "0", lease=1.0)
+    port = int(stale.wait_for_output(r"/metrics on 127\.0\.0\.1:(\d+)").group(1))
+    wait_for(lambda: starts(path, stale.pid), what="stale worker started the job")
+    stale.signal(signal.SIGSTOP)
+    wait_for(lambda: lease_expired(job), what="the stalled worker's lease expired")
+
+    successor_seconds = 30 if second_still_running else 0.1
+    Job.objects.filter(pk=job.id).update(
+        payload={"path": str(path), "seconds": successor_seconds, "ignore_cancel": True}
+    )
+    successor = spawn("runworker", *FAST, lease=5.0)
+    if second_still_running:
+        wait_for(lambda: starts(path, successor.pid), what="successor started the job")
+    else:
+        wait_for(lambda: job_row(job).state == "succeeded", what="successor finished the job")
+    before = job_row(job)
+
+    stale.signal(signal.SIGCONT)
+    wait_for(lambda: _discarded(port) >= 1, what="stale worker discarded its outcome")
+
+    after = job_row(job)
+    assert (after.state, after.attempts, after.claim_token) == (
+        before.state,
+        before.attempts,
+        before.claim_token,
+    )
+    assert after.attempts == 2
+    assert after.state == ("running" if second_still_running else "succeeded")
+
+
+def _discarded(port: int) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    total = 0.0
+    for metric in ("jobs_fenced_outcomes_total", "jobs_lost_leases_total"):
+        for match in re.finditer(rf"^{metric}{{[^}}]*}} ([0-9.e+]+)$", body, re.M):
+            total += float(match.group(1))
+    return total
+
+
+def test_sigterm_lets_a_short_job_finish_and_hands_a_long_one_back(spawn, tmp_path):
+    short_path, long_path = tmp_path / "short", tmp_path / "long"
+    short = enqueue(Trace(path=str(short_path), seconds=1.0))
+    long = enqueue(Trace(path=str(long_path), seconds=60))
+    worker = spawn("runworker", *FAST, "--shutdown-timeout", "3", "--http-port", "0")
+    port = int(worker.wait_for_output(r"/metrics on 127\.0\.0\.1:(\d+)").group(1))
+    wait_for(lambda: starts(short_path) and starts(long_path), what="both jobs started")
+
+    worker.signal(signal.SIGTERM)
+    wait_for(lambda: _status(port, "/readyz") == 503, what="not ready while draining")
+
+    assert worker.wait(timeout=15) == 0
+    assert job_row(short).state == "succeeded"
+    handed_back = job_row(long)
+    assert (handed_back.state, handed_back.attempts, handed_back.claim_token) == ("queued", 0, None)
+    assert "handed back 1 unfinished jobs" in worker.output()
+
+
+def test_second_signal_stops_at_once_without_losing_the_job(spawn, tmp_path):
+    path = tmp_path / "trace"
+    job = enqueue(Trace(path=str(path), seconds=60))
+    worker = spawn("runworker", *FAST, "--shutdown-timeout", "60")
+    wait_for(lambda: starts(path), what="job started")
+
+    worker.signal(signal.SIGTERM)
+    worker.wait_for_output("draining")
+    worker.signal(signal.SIGINT)
+
+    assert worker.wait(timeout=10) == 0
+    assert (job_row(job).state, job_row(job).attempts) == ("queued", 0)
+
+
+def test_health_endpoints(spawn):
+    worker = spawn("runworker", *FAST, "--http-port", "0")
+    port = int(worker.wait_for_output(r"/metrics on 127\.0\.0\.1:(\d+)").group(1))
+    wait_for(lambda: _status(port, "/readyz") == 200, what="ready")
+    assert _status(port, "/healthz") == 200
+    assert _status(port, "/nope") == 404
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert "jobs_worker_ready 1.0" in body
+
+
+def _status(port: int, path: str) -> int:
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0

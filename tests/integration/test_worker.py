@@ -1,0 +1,291 @@
+"""The worker in-process against real PostgreSQL: every row of the outcome table and more."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from jobs import enqueue, queue
+from jobs.models import Job
+from jobs.queue import NewJob
+from jobs.testing import JobFailed, WorkerTimeout, run_worker
+from jobs.worker import metrics
+from jobs.worker.config import WorkerConfig
+from jobs.worker.runner import Worker
+from tests.factories import JobFactory, TenantOverrideFactory
+from tests.worker_support import Echo, Recorder, Step, registry
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def recorder():
+    return Recorder()
+
+
+def row(enqueued) -> Job:
+    return Job.objects.get(pk=enqueued.id)
+
+
+def wait_for(predicate, timeout=10.0, interval=0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError("condition not met before the deadline")
+
+
+class TestOutcomeTable:
+    def test_handler_returns_completes_with_result_and_context(self, recorder):
+        done = enqueue(Echo(text="hello"), job_id="e-1", tenant="acme")
+
+        run_worker(registry=registry(recorder))
+
+        job = row(done)
+        assert (job.state, job.attempts, job.result, job.last_error) == (
+            "succeeded",
+            1,
+            "hello",
+            "",
+        )
+        [(payload, ctx)] = recorder.calls
+        assert payload == Echo(text="hello")
+        assert (ctx.job_id, ctx.tenant, ctx.attempt, ctx.final_attempt) == ("e-1", "acme", 1, False)
+
+    @pytest.mark.parametrize(
+        "stored",
+        [{"text": "invalid"}, {"text": "x", "extra": 1}, {}, {"text": 5}],
+        ids=["validate-fails", "unknown-field", "missing-field", "wrong-type"],
+    )
+    def test_invalid_payload_fails_without_calling_the_handler(self, recorder, stored):
+        bad = queue.enqueue(NewJob(Echo.job_name, stored))
+
+        with pytest.raises(JobFailed) as failed:
+            run_worker(registry=registry(recorder))
+
+        assert failed.value.code == "invalid_payload"
+        assert (row(bad).state, row(bad).last_error, row(bad).attempts) == (
+            "failed",
+            "invalid_payload",
+            1,
+        )
+        assert recorder.calls == []
+
+    @pytest.mark.parametrize("action", ["reject", "permanent"])
+    def test_rejected_and_permanent_errors_fail_at_once(self, recorder, action):
+        job = enqueue(Step(plan=(action, "ok")))
+
+        with pytest.raises(JobFailed, match="rejected"):
+            run_worker(registry=registry(recorder))
+
+        assert (row(job).state, row(job).attempts, row(job).last_error) == ("failed", 1, "rejected")
+        assert len(recorder.calls) == 1
+
+    def test_handler_error_retries_then_succeeds_on_the_same_row(self, recorder):
+        job = enqueue(Step(plan=("error", "error", "ok")))
+
+        run_worker(registry=registry(recorder))
+
+        assert (row(job).state, row(job).attempts, row(job).last_error) == ("succeeded", 3, "")
+        assert [ctx.attempt for _, ctx in recorder.calls] == [1, 2, 3]
+        assert Job.objects.count() == 1
+
+    def test_handler_error_on_the_last_attempt_fails(self, recorder):
+        job = enqueue(Step(plan=("error",)))
+
+        with pytest.raises(JobFailed, match="handler_error"):
+            run_worker(registry=registry(recorder))
+
+        assert (row(job).state, row(job).attempts) == ("failed", 3)
+        assert "ConnectionError: upstream unavailable" in row(job).error_detail
+        assert recorder.calls[-1][1].final_attempt
+
+    def test_overrunning_the_timeout_is_deadline_exceeded(self, recorder):
+        job = enqueue(Step(plan=("slow", "ok"), seconds=5))
+
+        run_worker(registry=registry(recorder, timeout=timedelta(milliseconds=200)))
+
+        assert (row(job).state, row(job).attempts) == ("succeeded", 2)
+        first_ctx = recorder.calls[0][1]
+        assert first_ctx.cancelled.is_set(), "the overrunning handler was told to stop"
+
+    def test_deadline_exceeded_on_the_last_attempt_fails(self, recorder):
+        job = enqueue(Step(plan=("slow",), seconds=5))
+        with pytest.raises(JobFailed, match="deadline_exceeded"):
+            run_worker(registry=registry(recorder, timeout=0.1, max_attempts=1))
+        assert row(job).last_error == "deadline_exceeded"
+
+    def test_lease_expired_on_the_last_attempt_fails_by_the_exhaustion_pass(self, recorder):
+        dead = JobFactory(
+            name=Step.job_name,
+            running=True,
+            attempts=3,
+            max_attempts=3,
+            lease_expires_at=timezone.now() - timedelta(seconds=1),
+        )
+        with pytest.raises(JobFailed, match="lease_expired"):
+            run_worker(registry=registry(recorder))
+        assert Job.objects.get(pk=dead.pk).last_error == "lease_expired"
+
+    def test_lowered_attempt_limit_fails_as_attempts_exhausted(self, recorder):
+        JobFactory(name=Step.job_name, attempts=3, max_attempts=10)
+        with pytest.raises(JobFailed, match="attempts_exhausted"):
+            run_worker(registry=registry(recorder, max_attempts=3))
+        assert recorder.calls == []
+
+
+class TestRetryAfter:
+    def test_short_retry_after_is_waited_out_in_process(self, recorder):
+        job = enqueue(Step(plan=("retry-after", "ok"), seconds=0.05))
+
+        run_worker(registry=registry(recorder))
+
+        first, second = (ctx for _, ctx in recorder.calls)
+        assert first is second, "same claim, same context: the queue was not involved"
+        assert (row(job).state, row(job).attempts) == ("succeeded", 2)
+
+    def test_long_retry_after_goes_back_to_the_queue_and_frees_the_slot(self, recorder):
+        job = enqueue(Step(plan=("retry-after", "ok"), seconds=3600))
+
+        run_worker(registry=registry(recorder))
+
+        queued = row(job)
+        assert (queued.state, queued.attempts, queued.last_error) == ("queued", 1, "handler_error")
+        wait = (queued.run_after - timezone.now()).total_seconds()
+        assert 3500 < wait <= 3600
+
+
+def test_type_concurrency_is_never_exceeded(recorder):
+    for _ in range(12):
+        enqueue(Step(plan=("sleep",), seconds=0.05))
+
+    run_worker(registry=registry(recorder, concurrency=2), concurrency=8)
+
+    assert recorder.peak[Step.job_name] == 2
+    assert Job.objects.filter(state="succeeded").count() == 12
+
+
+def test_unsupported_names_stay_queued_and_are_reported(recorder, caplog):
+    stranger = queue.enqueue(NewJob("nobody.handles.v1", {"x": 1}))
+    metrics.backlog.clear()
+
+    with caplog.at_level(logging.WARNING, logger="jobs.worker"):
+        run_worker(registry=registry(recorder))
+
+    assert (row(stranger).state, row(stranger).attempts) == ("queued", 0)
+    assert "unsupported job types remain outstanding: nobody.handles.v1 (1)" in caplog.text
+    assert metrics.backlog.labels("nobody.handles.v1", "false")._value.get() == 1
+
+
+class TestScopes:
+    def test_base_worker_skips_overridden_tenants(self, recorder):
+        TenantOverrideFactory(tenant="branchy", component="worker")
+        skipped = enqueue(Echo(text="a"), tenant="branchy")
+        served = enqueue(Echo(text="b"), tenant="main")
+
+        run_worker(registry=registry(recorder))
+
+        assert row(served).state == "succeeded"
+        assert row(skipped).state == "queued"
+
+    def test_branch_worker_serves_only_its_tenant(self, recorder):
+        TenantOverrideFactory(tenant="branchy", component="worker")
+        mine = enqueue(Echo(text="a"), tenant="branchy")
+        other = enqueue(Echo(text="b"), tenant="main")
+
+        run_worker(registry=registry(recorder), tenant="branchy")
+
+        assert row(mine).state == "succeeded"
+        assert row(other).state == "queued"
+
+
+class TestTestHelper:
+    def test_raises_at_once_on_a_terminal_failure(self, recorder):
+        enqueue(Step(plan=("reject",)))
+        slow = enqueue(
+            Step(plan=("sleep",), seconds=0.01), job_id="later", delay=timedelta(seconds=5)
+        )
+        started = time.monotonic()
+        with pytest.raises(JobFailed):
+            run_worker(registry=registry(recorder), timeout=10)
+        assert time.monotonic() - started < 3
+        assert row(slow).state == "queued"
+
+    def test_times_out_listing_what_is_left(self, recorder):
+        enqueue(Step(plan=("sleep",), seconds=0.01), delay=timedelta(seconds=0.5))
+        enqueue(Step(plan=("slow",), seconds=3))
+        with pytest.raises(WorkerTimeout, match=r"test\.step\.v1"):
+            run_worker(registry=registry(recorder), timeout=0.3)
+
+    def test_refuses_to_run_inside_a_transaction(self, recorder):
+        from django.db import transaction
+
+        with (
+            pytest.raises(RuntimeError, match="cannot run inside a transaction"),
+            transaction.atomic(),
+        ):
+            run_worker(registry=registry(recorder))
+
+
+class TestLeasesAndDrain:
+    def test_lost_lease_cancels_the_handler_and_writes_nothing(self, recorder):
+        job = enqueue(Step(plan=("slow",), seconds=10))
+        config = WorkerConfig(lease=timedelta(seconds=0.3), install_signal_handlers=False)
+        worker = Worker(registry(recorder), config)
+        thread = threading.Thread(target=worker.run)
+        thread.start()
+        try:
+            wait_for(lambda: recorder.calls)
+            # Another party takes the job: its token changes under the worker.
+            Job.objects.filter(pk=job.id).update(claim_token="00000000-0000-0000-0000-000000000001")
+            ctx = recorder.calls[0][1]
+            wait_for(ctx.cancelled.is_set, timeout=5)
+        finally:
+            worker.request_stop()
+            thread.join(10)
+        stolen = row(job)
+        assert (stolen.state, stolen.attempts) == ("running", 1)
+        assert str(stolen.claim_token) == "00000000-0000-0000-0000-000000000001"
+
+    def test_drain_hands_back_a_job_that_outlives_the_shutdown_timeout(self, recorder):
+        long = enqueue(Step(plan=("slow",), seconds=30))
+        short = enqueue(Step(plan=("sleep",), seconds=0.3))
+        config = WorkerConfig(shutdown_timeout=1.0, install_signal_handlers=False)
+        worker = Worker(registry(recorder), config)
+        thread = threading.Thread(target=worker.run)
+        thread.start()
+        wait_for(lambda: len(recorder.calls) == 2)
+        worker.request_stop()
+        thread.join(10)
+        assert not thread.is_alive()
+        assert row(short).state == "succeeded"
+        handed_back = row(long)
+        assert (handed_back.state, handed_back.attempts, handed_back.claim_token) == (
+            "queued",
+            0,
+            None,
+        )
+
+    def test_notify_wakes_an_idle_worker_at_once(self, recorder):
+        config = WorkerConfig(poll_interval=60, install_signal_handlers=False)
+        worker = Worker(registry(recorder), config)
+        thread = threading.Thread(target=worker.run)
+        thread.start()
+        try:
+            wait_for(lambda: worker.listening)
+            enqueue(Echo(text="first"))
+            wait_for(lambda: len(recorder.calls) == 1 and worker.idle)
+            # The worker now waits for its 60 s poll: only a NOTIFY can wake it sooner.
+            started = time.monotonic()
+            enqueue(Echo(text="second"))
+            wait_for(lambda: len(recorder.calls) == 2, timeout=5)
+            assert time.monotonic() - started < 2
+        finally:
+            worker.request_stop()
+            thread.join(10)

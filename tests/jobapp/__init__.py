@@ -1,0 +1,1 @@
+"""A tiny installed app whose ``jobs.py`` the registry discovers at start-up (tests only)."""

@@ -1,0 +1,14 @@
+"""Settings for the test suite: the project's, plus apps installed only for tests."""
+
+import os
+
+from project.settings import *  # noqa: F403
+from project.settings import INSTALLED_APPS, JOBS
+
+# jobapp: job types discovered from an app's jobs.py; procapp: job types that the acceptance
+# tests run in real worker processes.
+INSTALLED_APPS = [*INSTALLED_APPS, "tests.jobapp", "tests.procapp"]
+
+# Acceptance tests shorten the lease of the worker processes they start (seconds).
+if lease := os.environ.get("TEST_JOBS_LEASE"):
+    JOBS = {**JOBS, "LEASE": float(lease)}

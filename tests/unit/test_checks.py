@@ -1,0 +1,196 @@
+"""System checks over the JOBS settings and the payload classes: exact ids and messages."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.core import checks
+from django.test import override_settings
+
+from jobs import Payload
+from jobs.checks import check_registry, check_settings
+
+
+def messages(jobs_setting) -> list[tuple[str, str, str | None]]:
+    with override_settings(JOBS=jobs_setting):
+        return [(m.id, m.msg, m.hint) for m in check_settings()]
+
+
+def test_defaults_pass():
+    assert messages({}) == []
+    assert messages(None) == []
+
+
+def test_checks_are_registered_under_the_jobs_tag():
+    registered = checks.registry.registry.get_checks()
+    assert check_settings in registered and check_registry in registered
+    assert "jobs" in checks.registry.registry.tags_available()
+
+
+def test_jobs_must_be_a_dict():
+    assert messages([("LEASE", 5)]) == [
+        (
+            "jobs.E007",
+            "JOBS must be a dict, got list.",
+            "Set JOBS = {...} with the keys you want to change, or leave it out.",
+        )
+    ]
+
+
+def test_e001_unknown_key_suggests_the_closest():
+    [close, far] = messages({"LEASE_TIME": 5, "ZZZ": 1})
+    assert close == ("jobs.E001", "JOBS has an unknown key 'LEASE_TIME'.", "Did you mean 'LEASE'?")
+    assert far[:2] == ("jobs.E001", "JOBS has an unknown key 'ZZZ'.")
+    assert far[2].startswith("Known keys: BACKOFF_BASE, BACKOFF_CAP, CANCELLED_RETENTION, ")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("LEASE", 0, "JOBS['LEASE'] must be a positive duration, got 0."),
+        ("LEASE", "10s", "JOBS['LEASE'] must be a positive duration, got '10s'."),
+        ("STALE_AFTER", True, "JOBS['STALE_AFTER'] must be a positive duration, got True."),
+        (
+            "BACKOFF_CAP",
+            timedelta(seconds=-1),
+            "JOBS['BACKOFF_CAP'] must be a positive duration, "
+            "got datetime.timedelta(days=-1, seconds=86399).",
+        ),
+        ("LEASE", float("inf"), "JOBS['LEASE'] must be a positive duration, got inf."),
+        (
+            "FAILURE_WINDOW",
+            -1,
+            "JOBS['FAILURE_WINDOW'] must be zero or a positive duration, got -1.",
+        ),
+    ],
+)
+def test_e002_durations(key, value, message):
+    assert messages({key: value}) == [
+        ("jobs.E002", message, "Give a datetime.timedelta or a number of seconds.")
+    ]
+
+
+@pytest.mark.parametrize("key", ["SUCCESS_WINDOW", "FAILURE_WINDOW", "RETRY_IN_PROCESS_UP_TO"])
+def test_zero_is_allowed_where_it_means_none(key):
+    assert messages({key: 0}) == []
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        (
+            "DEFAULT_MAX_ATTEMPTS",
+            0,
+            "JOBS['DEFAULT_MAX_ATTEMPTS'] must be a whole number from 1 to 2147483647, got 0.",
+        ),
+        (
+            "DEFAULT_MAX_ATTEMPTS",
+            2.5,
+            "JOBS['DEFAULT_MAX_ATTEMPTS'] must be a whole number from 1 to 2147483647, got 2.5.",
+        ),
+        (
+            "PRUNE_BATCH_SIZE",
+            False,
+            "JOBS['PRUNE_BATCH_SIZE'] must be a whole number of at least 1, got False.",
+        ),
+    ],
+)
+def test_e003_whole_numbers(key, value, message):
+    assert messages({key: value}) == [("jobs.E003", message, None)]
+
+
+def test_e004_default_tenant_and_queue_must_be_keys():
+    assert messages({"DEFAULT_TENANT": "", "DEFAULT_QUEUE": "bulk mail"}) == [
+        (
+            "jobs.E004",
+            "JOBS['DEFAULT_TENANT'] is invalid: tenant must be 1-64 characters of letters, "
+            "digits, '_', '.', ':' or '-' starting with a letter or digit, got ''.",
+            None,
+        ),
+        (
+            "jobs.E004",
+            "JOBS['DEFAULT_QUEUE'] is invalid: queue must be 1-64 characters of letters, "
+            "digits, '_', '.', ':' or '-' starting with a letter or digit, got 'bulk mail'.",
+            None,
+        ),
+    ]
+
+
+def test_e005_retention_shorter_than_its_window():
+    assert messages({"SUCCEEDED_RETENTION": timedelta(hours=1)}) == [
+        (
+            "jobs.E005",
+            "JOBS['SUCCEEDED_RETENTION'] (1:00:00) is shorter than "
+            "JOBS['SUCCESS_WINDOW'] (1 day, 0:00:00).",
+            "Rows would be pruned while they still hold their job_id, so a repeat enqueue "
+            "inside SUCCESS_WINDOW would run the work again. Raise SUCCEEDED_RETENTION or "
+            "lower SUCCESS_WINDOW.",
+        )
+    ]
+    assert [m[0] for m in messages({"FAILURE_WINDOW": timedelta(days=30)})] == [
+        "jobs.E005",
+        "jobs.E005",
+    ]
+    # An equal retention keeps the row exactly as long as its key: consistent.
+    assert messages({"SUCCEEDED_RETENTION": 60, "SUCCESS_WINDOW": 60}) == []
+
+
+def test_e006_backoff_base_above_cap():
+    assert messages({"BACKOFF_BASE": 10, "BACKOFF_CAP": 5}) == [
+        (
+            "jobs.E006",
+            "JOBS['BACKOFF_BASE'] (0:00:10) is greater than JOBS['BACKOFF_CAP'] (0:00:05).",
+            "The first retry would already wait longer than the cap allows.",
+        )
+    ]
+
+
+def test_e008_notify_must_be_a_bool():
+    assert messages({"NOTIFY": "yes"}) == [
+        ("jobs.E008", "JOBS['NOTIFY'] must be True or False, got 'yes'.", None)
+    ]
+
+
+def test_problems_are_all_reported_together():
+    ids = [m[0] for m in messages({"X": 1, "LEASE": -1, "PRUNE_BATCH_SIZE": 0, "NOTIFY": 1})]
+    assert sorted(ids) == ["jobs.E001", "jobs.E002", "jobs.E003", "jobs.E008"]
+
+
+class TestRegistryChecks:
+    def test_e010_two_classes_claiming_one_name(self):
+        class FirstV1(Payload, name="checks.clash.v1"):
+            n: int
+
+        class SecondV1(Payload, name="checks.clash.v1"):
+            n: int
+
+        found = [m for m in check_registry() if "checks.clash.v1" in m.msg]
+        assert [(m.id, m.msg, m.hint) for m in found] == [
+            (
+                "jobs.E010",
+                f"Payload classes {__name__}.{FirstV1.__qualname__}, "
+                f"{__name__}.{SecondV1.__qualname__} all claim the job name 'checks.clash.v1'.",
+                "Give each contract its own versioned name, e.g. by bumping .vN.",
+            )
+        ]
+        assert isinstance(found[0], checks.Error)
+
+    def test_w001_payload_class_without_a_handler(self):
+        class OrphanV1(Payload, name="checks.orphan.v1"):
+            n: int
+
+        found = [m for m in check_registry() if "checks.orphan.v1" in m.msg]
+        assert [(m.id, m.msg, m.hint) for m in found] == [
+            (
+                "jobs.W001",
+                f"Payload class {__name__}.{OrphanV1.__qualname__} ('checks.orphan.v1') has no "
+                f"registered handler.",
+                "Register one with @job(OrphanV1) in <app>/jobs.py; until a worker registers "
+                "the name, its jobs stay queued.",
+            )
+        ]
+        assert isinstance(found[0], checks.Warning)
+
+    def test_registered_payloads_have_no_warning(self):
+        assert not [m for m in check_registry() if m.id == "jobs.W001" and "jobapp." in m.msg]

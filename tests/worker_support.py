@@ -1,0 +1,104 @@
+"""Payloads, handlers and registries the worker tests run (module level, as real ones are)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+
+from jobs import JobContext, Payload, Reject, RetryAfter
+from jobs.registry import Backoff, JobType, Policy, Registry
+
+FAST_BACKOFF = Backoff(base=timedelta(milliseconds=10), cap=timedelta(milliseconds=50))
+
+
+class Echo(Payload, name="test.echo.v1"):
+    text: str
+
+    def validate(self) -> None:
+        if self.text == "invalid":
+            raise ValueError("text must not be 'invalid'")
+
+
+class Step(Payload, name="test.step.v1"):
+    """Tells the scripted handler what to do on each attempt: ok, error, reject, slow, retry."""
+
+    plan: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+
+class Recorder:
+    """Thread-safe record of handler calls: payloads, contexts and peak concurrency."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls: list[tuple[Payload, JobContext]] = []
+        self.active = Counter()
+        self.peak = Counter()
+
+    def enter(self, payload: Payload, ctx: JobContext) -> None:
+        with self.lock:
+            self.calls.append((payload, ctx))
+            self.active[ctx.name] += 1
+            self.peak[ctx.name] = max(self.peak[ctx.name], self.active[ctx.name])
+
+    def leave(self, ctx: JobContext) -> None:
+        with self.lock:
+            self.active[ctx.name] -= 1
+
+
+def scripted(recorder: Recorder):
+    """A handler that follows Step.plan[attempt - 1] (the last entry repeats)."""
+
+    def handle(payload: Step, ctx: JobContext):
+        recorder.enter(payload, ctx)
+        try:
+            action = payload.plan[min(ctx.attempt, len(payload.plan)) - 1] if payload.plan else "ok"
+            if action == "error":
+                raise ConnectionError("upstream unavailable")
+            if action == "reject":
+                raise Reject("can never succeed")
+            if action == "permanent":
+                raise PermissionError("not allowed")
+            if action == "slow":
+                ctx.sleep(payload.seconds)
+                return None
+            if action == "ignore-cancel":
+                time.sleep(payload.seconds)
+                return None
+            if action == "retry-after":
+                raise RetryAfter(payload.seconds)
+            if action == "sleep":
+                time.sleep(payload.seconds)
+            return {"attempt": ctx.attempt}
+        finally:
+            recorder.leave(ctx)
+
+    return handle
+
+
+def echo_handler(recorder: Recorder):
+    def handle(payload: Echo, ctx: JobContext):
+        recorder.enter(payload, ctx)
+        recorder.leave(ctx)
+        return payload.text
+
+    return handle
+
+
+def registry(recorder: Recorder, **policy) -> Registry:
+    step_policy = {
+        "concurrency": 4,
+        "timeout": timedelta(seconds=5),
+        "max_attempts": 3,
+        "backoff": FAST_BACKOFF,
+        "permanent_errors": (PermissionError,),
+        **policy,
+    }
+    return Registry(
+        [
+            JobType(Echo, echo_handler(recorder), Policy(concurrency=4)),
+            JobType(Step, scripted(recorder), Policy(**step_policy)),
+        ]
+    )
