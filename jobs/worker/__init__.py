@@ -1,0 +1,1 @@
+"""The worker process: run loop, handler pool, lease keeper, NOTIFY listener, metrics."""
