@@ -1,0 +1,45 @@
+"""runworker refuses bad configuration before it starts."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from jobs.worker.config import WorkerConfig, env_scope, scope_from
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tenant": "bad tenant"}, "invalid worker scope: tenant must be 1-64 characters"),
+        ({"component": "no/slash"}, "invalid worker scope: component must be 1-64 characters"),
+        ({"tenant": "acme", "component": "mailer"}, "either --tenant"),
+        ({"concurrency": 0}, "concurrency must be from 1 to 1000"),
+        ({"shutdown_timeout": 0}, "shutdown timeout must be positive"),
+        ({"http_port": 70000}, "HTTP port must be from 0 to 65535"),
+    ],
+)
+def test_invalid_options_are_refused(options, message):
+    with pytest.raises(CommandError, match=message):
+        call_command("runworker", **options)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("WORKER_CONCURRENCY", "many", "WORKER_CONCURRENCY must be a number"),
+        ("WORKER_BRANCH", "not valid!", "tenant must be 1-64 characters"),
+    ],
+)
+def test_invalid_environment_is_refused(monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(CommandError, match=message):
+        call_command("runworker")
+
+
+def test_environment_selects_the_scope():
+    assert env_scope({"WORKER_BRANCH": "acme"}) == ("acme", None)
+    assert env_scope({"WORKER_COMPONENT": "mailer", "WORKER_BRANCH": ""}) == (None, "mailer")
+    assert repr(scope_from("acme", None)) == "OnlyTenant(tenant='acme')"
+    assert repr(scope_from(None, None)) == "AllTenantsExcept(component='worker')"
+    assert WorkerConfig().scope == scope_from(None, "worker")
