@@ -63,6 +63,8 @@ class Job(RunContract):
     claimed_by = models.CharField(_("claimed by"), max_length=200, blank=True, default="")
     started_at = models.DateTimeField(_("started at"), null=True, blank=True)
     key_held = models.BooleanField(_("holds its job id"), default=True)
+    # Running jobs are recovered through their leases and retry policy, not stale reaping.
+    reaped_when_stale = False
     result = models.JSONField(_("result"), null=True, blank=True)
     replayed_at = models.DateTimeField(_("replayed at"), null=True, blank=True)
     replayed_by = models.CharField(_("replayed by"), max_length=150, blank=True, default="")

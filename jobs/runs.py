@@ -21,16 +21,15 @@ This module is importable without the ``jobs`` app's models (like Django's
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, ClassVar
+from datetime import datetime, timedelta
+from typing import ClassVar
 
 from django.apps import apps
-from django.db import models
+from django.db import DEFAULT_DB_ALIAS, models, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
+from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
-
-if TYPE_CHECKING:
-    from datetime import timedelta
 
 
 class RunState(models.TextChoices):
@@ -89,6 +88,9 @@ class RunContract(models.Model):
     # How long a running row may go without a heartbeat before the watchdog reaps it;
     # None means the JOBS["STALE_AFTER"] setting.
     stale_after: ClassVar[timedelta | None] = None
+    # False for tables whose running rows are recovered some other way (the jobs table:
+    # leases and the retry policy), so the generic stale reaping skips them.
+    reaped_when_stale: ClassVar[bool] = True
 
     class Meta:
         abstract = True
@@ -117,3 +119,41 @@ def run_contract_models() -> list[type[RunContract]]:
         for model in apps.get_models()
         if issubclass(model, RunContract) and not model._meta.proxy
     ]
+
+
+def reap_stale(
+    model: type[RunContract],
+    *,
+    stale_after: timedelta,
+    now: datetime | None = None,
+    limit: int = 100,
+    using: str = DEFAULT_DB_ALIAS,
+) -> list[int]:
+    """Fail running rows whose pulse stopped, freeing their active-state lock; returns pks.
+
+    A row is stale when its last heartbeat (or, if it never beat, its creation) is older than
+    ``stale_after``. It becomes ``failed`` with ``last_error = "stale"``. Rows locked by
+    someone else are skipped, and at most ``limit`` rows are reaped per call.
+    """
+    now = now or timezone.now()
+    cutoff = now - stale_after
+    running = model._default_manager.using(using).filter(state=RunState.RUNNING)
+    if any(f.name == "heartbeat_at" for f in model._meta.concrete_fields):
+        stale = Q(heartbeat_at__lt=cutoff) | Q(heartbeat_at__isnull=True, created_at__lt=cutoff)
+    else:
+        stale = Q(created_at__lt=cutoff)
+    with transaction.atomic(using=using):
+        pks = list(
+            running.filter(stale)
+            .order_by("pk")
+            .select_for_update(skip_locked=True)
+            .values_list("pk", flat=True)[:limit]
+        )
+        if pks:
+            model._default_manager.using(using).filter(pk__in=pks).update(
+                state=RunState.FAILED,
+                last_error=ErrorCode.STALE,
+                error_detail=f"no heartbeat for {stale_after} (reaped at {now.isoformat()})",
+                finished_at=now,
+            )
+    return pks
