@@ -3,7 +3,7 @@
 import os
 
 from project.settings import *  # noqa: F403
-from project.settings import INSTALLED_APPS, JOBS
+from project.settings import DATABASES, INSTALLED_APPS, JOBS
 
 # jobapp: job types discovered from an app's jobs.py; procapp: job types that the acceptance
 # tests run in real worker processes.
@@ -12,3 +12,6 @@ INSTALLED_APPS = [*INSTALLED_APPS, "tests.jobapp", "tests.procapp"]
 # Acceptance tests shorten the lease of the worker processes they start (seconds).
 if lease := os.environ.get("TEST_JOBS_LEASE"):
     JOBS = {**JOBS, "LEASE": float(lease)}
+
+# A test database per test run, so several runs can share one PostgreSQL server at once.
+DATABASES["default"]["TEST"] = {"NAME": f"test_{DATABASES['default']['NAME']}_{os.getpid()}"}

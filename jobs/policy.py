@@ -1,0 +1,180 @@
+"""Per-type execution policy: concurrency, timeout, attempts, backoff and error classes.
+
+A policy says how the worker runs one job type; ``None`` fields fall back to the ``JOBS``
+settings when used, so changing a setting changes every type that did not choose otherwise.
+Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+from jobs.conf import as_timedelta, jobs_settings
+from jobs.errors import Reject, RetryAfter
+
+logger = logging.getLogger("jobs.registry")
+
+CONCURRENCY_MAX = 100
+MAX_ATTEMPTS_MAX = 2_147_483_647  # the column is a PostgreSQL integer
+
+type Classification = Literal["reject", "retry_after", "transient", "permanent"]
+
+
+def _seconds(value: Any) -> Any:
+    """Normalize a number of seconds to a timedelta; leave anything else for validation."""
+    try:
+        return as_timedelta(value)
+    except (TypeError, ValueError, OverflowError):
+        return value
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with full jitter: a random delay up to ``base * 2**(n-1)``, capped.
+
+    Full jitter spreads the retries of many jobs that failed together (an upstream outage)
+    over the whole window instead of bunching them at its edges.
+    """
+
+    base: timedelta
+    cap: timedelta
+
+    def __post_init__(self) -> None:
+        for name in ("base", "cap"):
+            value = _seconds(getattr(self, name))
+            if not isinstance(value, timedelta) or value <= timedelta(0):
+                raise ValueError(f"Backoff {name} must be a positive duration, got {value!r}")
+            object.__setattr__(self, name, value)
+        if self.base > self.cap:
+            raise ValueError(f"Backoff base ({self.base}) must not exceed its cap ({self.cap})")
+
+    def delay(self, attempt: int, rand: Callable[[], float] = random.random) -> float:
+        """Seconds to wait before retrying after failed attempt number ``attempt`` (from 1)."""
+        if attempt < 1:
+            raise ValueError(f"attempt numbers start at 1, got {attempt}")
+        # Past 2**62 the cap has long won; bounding the exponent avoids float overflow.
+        ceiling = min(
+            self.cap.total_seconds(), self.base.total_seconds() * 2 ** min(attempt - 1, 62)
+        )
+        return rand() * ceiling
+
+
+def default_backoff() -> Backoff:
+    """The backoff of policies that do not set one: ``JOBS["BACKOFF_BASE"/"BACKOFF_CAP"]``."""
+    return Backoff(jobs_settings.BACKOFF_BASE, jobs_settings.BACKOFF_CAP)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    """How the worker runs one job type. ``None`` fields take the ``JOBS`` setting at use time.
+
+    ``timeout`` and ``retry_in_process_up_to`` accept seconds as well as a timedelta.
+    ``permanent_errors`` lists exception classes that fail a job at once instead of retrying;
+    ``classify(exc)`` may decide instead, returning ``"transient"`` or ``"permanent"`` (or
+    ``None`` for no opinion).
+    """
+
+    concurrency: int = 1
+    timeout: timedelta = timedelta(seconds=60)
+    max_attempts: int = 5
+    backoff: Backoff | None = None
+    queue: str | None = None
+    priority: int = 0
+    retry_in_process_up_to: timedelta | None = None
+    permanent_errors: tuple[type[BaseException], ...] = ()
+    classify: Callable[[BaseException], str | None] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "timeout", _seconds(self.timeout))
+        if self.retry_in_process_up_to is not None:
+            object.__setattr__(
+                self, "retry_in_process_up_to", _seconds(self.retry_in_process_up_to)
+            )
+        errors = self.permanent_errors
+        if isinstance(errors, type) or not isinstance(errors, tuple | list | set | frozenset):
+            errors = (errors,)  # a single class, or something validate() will report
+        object.__setattr__(self, "permanent_errors", tuple(errors))
+
+    def validate(self) -> list[str]:
+        """Every problem with this policy, as sentences (empty when it is valid)."""
+        from jobs.models import PRIORITY_MAX, PRIORITY_MIN  # needs the app registry
+        from jobs.queue.types import validate_key
+
+        problems = []
+        if not _whole(self.concurrency, 1, CONCURRENCY_MAX):
+            problems.append(_range("concurrency", 1, CONCURRENCY_MAX, self.concurrency))
+        if not isinstance(self.timeout, timedelta) or self.timeout <= timedelta(0):
+            problems.append(f"timeout must be a positive duration, got {self.timeout!r}")
+        if not _whole(self.max_attempts, 1, MAX_ATTEMPTS_MAX):
+            problems.append(_range("max_attempts", 1, MAX_ATTEMPTS_MAX, self.max_attempts))
+        if self.backoff is not None and not isinstance(self.backoff, Backoff):
+            problems.append(f"backoff must be a Backoff or None, got {self.backoff!r}")
+        if self.queue is not None:
+            try:
+                validate_key(self.queue, "queue")
+            except ValueError as exc:
+                problems.append(str(exc))
+        if not _whole(self.priority, PRIORITY_MIN, PRIORITY_MAX):
+            problems.append(_range("priority", PRIORITY_MIN, PRIORITY_MAX, self.priority))
+        wait = self.retry_in_process_up_to
+        if wait is not None and (not isinstance(wait, timedelta) or wait < timedelta(0)):
+            problems.append(
+                f"retry_in_process_up_to must be zero or a positive duration, got {wait!r}"
+            )
+        for error in self.permanent_errors:
+            if not (isinstance(error, type) and issubclass(error, BaseException)):
+                problems.append(f"permanent_errors must hold exception classes, got {error!r}")
+        if self.classify is not None and not callable(self.classify):
+            problems.append(f"classify must be callable or None, got {self.classify!r}")
+        return problems
+
+    def resolved_backoff(self) -> Backoff:
+        """This policy's backoff, or the settings' default."""
+        return self.backoff or default_backoff()
+
+    def in_process_limit(self) -> timedelta:
+        """Retry delays up to this long are waited out in the worker; longer ones requeue."""
+        if self.retry_in_process_up_to is None:
+            return jobs_settings.RETRY_IN_PROCESS_UP_TO
+        return self.retry_in_process_up_to
+
+
+def classify(policy: Policy, exc: BaseException) -> Classification:
+    """How a handler's exception ends its attempt.
+
+    ``Reject`` and ``RetryAfter`` say so themselves; then the policy's ``classify`` hook (a
+    hook that fails or answers something else is logged and ignored, so it cannot stall the
+    worker); then ``permanent_errors``; anything else is transient and retried.
+    """
+    if isinstance(exc, Reject):
+        return "reject"
+    if isinstance(exc, RetryAfter):
+        return "retry_after"
+    if policy.classify is not None:
+        try:
+            answer = policy.classify(exc)
+        except Exception:
+            logger.exception("policy.classify raised; falling back to permanent_errors")
+            answer = None
+        if answer == "transient":
+            return "transient"
+        if answer == "permanent":
+            return "permanent"
+        if answer is not None:
+            logger.warning("policy.classify returned %r, not 'transient' or 'permanent'", answer)
+    if policy.permanent_errors and isinstance(exc, policy.permanent_errors):
+        return "permanent"
+    return "transient"
+
+
+def _whole(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _range(name: str, low: int, high: int, value: object) -> str:
+    return f"{name} must be a whole number from {low} to {high}, got {value!r}"
