@@ -10,6 +10,8 @@ Ids are stable so they can be looked up and, for warnings, silenced:
 * ``jobs.E006`` ``BACKOFF_BASE`` greater than ``BACKOFF_CAP``
 * ``jobs.E010`` two payload classes claim one name (only one of them can be registered)
 * ``jobs.W001`` a payload class without a registered handler (its jobs would stay queued)
+* ``jobs.E020`` an invalid schedule (``JOBS["SCHEDULES"]`` or ``jobs.scheduler.schedule()``)
+* ``jobs.E021`` ``SCHEDULER_LEADER_TIMEOUT`` under one second (a live leader could lose it)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Warning
+from django.core.checks import CheckMessage, Error, Warning, register
 
 from jobs.conf import DEFAULTS, DURATION_KEYS, as_timedelta
 from jobs.payloads import Payload
@@ -193,3 +195,41 @@ def _payload_classes() -> list[type[Payload]]:
 
 def _label(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@register("jobs")
+def check_schedules(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Every schedule must parse, name a registered job type and carry a payload it accepts."""
+    from jobs.scheduler.schedules import schedule_problems
+
+    if not catalogue.frozen:
+        return []  # the registry is built at start-up; the scheduler validates again then
+    return [
+        Error(
+            f"Invalid schedule: {problem}.",
+            hint="See docs/scheduler.md for the schedule options.",
+            id="jobs.E020",
+        )
+        for problem in schedule_problems()
+    ]
+
+
+@register("jobs")
+def check_scheduler_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The leader proves itself a few times per timeout; under a second is too tight."""
+    user = getattr(settings, "JOBS", None)
+    if not isinstance(user, dict) or "SCHEDULER_LEADER_TIMEOUT" not in user:
+        return []
+    try:
+        timeout = as_timedelta(user["SCHEDULER_LEADER_TIMEOUT"])
+    except (TypeError, ValueError, OverflowError):
+        return []  # reported as jobs.E002
+    if timedelta(0) < timeout < timedelta(seconds=1):
+        return [
+            Error(
+                f"JOBS['SCHEDULER_LEADER_TIMEOUT'] ({timeout}) is shorter than one second.",
+                hint="A leader that pauses briefly would lose its session; use a few seconds.",
+                id="jobs.E021",
+            )
+        ]
+    return []

@@ -45,6 +45,20 @@ DEFAULTS: dict[str, Any] = {
     # A retry due within this long is waited out in the worker (keeping the slot); a longer
     # one goes back to the queue and frees the slot. Policies may override it; 0 never waits.
     "RETRY_IN_PROCESS_UP_TO": timedelta(seconds=60),
+    # Cron schedules run by ``manage.py runscheduler``, by name: {"nightly": {"cron": "0 3 * * *",
+    # "job": "reports.nightly.v1", "payload": {...}, "misfire": "once", ...}}. See
+    # docs/scheduler.md; schedules may also be declared in code with jobs.scheduler.schedule().
+    "SCHEDULES": {},
+    # A slot this late still fires as on time; a later one is a misfire (handled by the
+    # schedule's misfire policy) and counts as overdue.
+    "MISFIRE_GRACE": timedelta(seconds=60),
+    # A scheduler leader that has not proved itself for this long loses its database session
+    # (PostgreSQL's idle_session_timeout) and with it leadership, so a stalled or cut-off
+    # leader hands over to a standby.
+    "SCHEDULER_LEADER_TIMEOUT": timedelta(seconds=10),
+    # Recorded cron slots are deleted this long after their slot time (each schedule's latest
+    # slot is always kept: it is where the next tick starts).
+    "SLOT_RETENTION": timedelta(days=30),
 }
 
 DURATION_KEYS = frozenset(key for key, value in DEFAULTS.items() if isinstance(value, timedelta))

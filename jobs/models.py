@@ -6,6 +6,7 @@ Every state change of these rows goes through :mod:`jobs.queue`; nothing else wr
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from datetime import datetime
 
 from django.db import models
@@ -15,6 +16,9 @@ from django.utils.translation import gettext_lazy as _
 
 from jobs.conf import jobs_settings
 from jobs.runs import ACTIVE_STATES, TERMINAL_STATES, RunContract, RunState
+
+# The scheduler's slot kinds live with the slot logic, which does not need the models.
+from jobs.scheduler.timing import SlotKind
 
 PRIORITY_MIN, PRIORITY_MAX = -100, 100  # Django's task priority range; higher runs first.
 
@@ -136,6 +140,16 @@ class Job(RunContract):
             return self.run_after
         return None
 
+    @classmethod
+    def replay(cls, pks: Iterable[int], *, by: str) -> int:
+        """Queue the same job again with fresh attempts (same id, job_id and payload).
+
+        Delegates to :func:`jobs.queue.replay`, the one place that moves jobs back to queued.
+        """
+        from jobs import queue
+
+        return len(queue.replay(pks, by=by).replayed)
+
 
 class TenantOverride(models.Model):
     """A (tenant, component) row takes that tenant away from the component's base workers.
@@ -161,3 +175,47 @@ class TenantOverride(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant} → {self.component}"
+
+
+class ScheduleSlot(models.Model):
+    """One slot of one cron schedule, recorded once, in the transaction that enqueued its job.
+
+    ``UNIQUE (schedule, slot)`` is the whole guarantee of at most one job per slot: a second
+    scheduler, a tick replayed after a crash, or a clock jump inserts nothing and so enqueues
+    nothing, even after the slot's job failed and released its job_id. A ``skipped`` row
+    enqueued nothing: it records slots the misfire policy dropped (from ``missed_from`` on).
+    Written only by :mod:`jobs.scheduler.slots`.
+    """
+
+    schedule = models.CharField(_("schedule"), max_length=64)
+    slot = models.DateTimeField(_("slot"), help_text=_("When the slot was due."))
+    kind = models.CharField(_("kind"), max_length=16, choices=SlotKind.choices)
+    missed_from = models.DateTimeField(
+        _("missed from"),
+        null=True,
+        blank=True,
+        help_text=_("The first missed slot this row stands for (catch-up and skipped rows)."),
+    )
+    # Not a foreign key: job rows are pruned long before slot rows.
+    job_pk = models.BigIntegerField(_("job row"), null=True, blank=True)
+    job_id = models.CharField(_("job id"), max_length=255, blank=True, default="")
+    recorded_at = models.DateTimeField(_("recorded at"), db_default=Now(), editable=False)
+    recorded_by = models.CharField(_("recorded by"), max_length=200, blank=True, default="")
+
+    class Meta:
+        verbose_name = _("schedule slot")
+        verbose_name_plural = _("schedule slots")
+        constraints = [
+            models.UniqueConstraint(fields=["schedule", "slot"], name="jobs_scheduleslot_once"),
+            models.CheckConstraint(
+                condition=Q(kind__in=SlotKind.values), name="jobs_scheduleslot_kind_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(kind=SlotKind.SKIPPED, job_id="")
+                | (~Q(kind=SlotKind.SKIPPED) & ~Q(job_id="")),
+                name="jobs_scheduleslot_fired_has_job_id",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.schedule} @ {self.slot.isoformat()} ({self.kind})"

@@ -7,7 +7,7 @@ from project.settings import DATABASES, INSTALLED_APPS, JOBS
 
 # jobapp: job types discovered from an app's jobs.py; procapp: job types that the acceptance
 # tests run in real worker processes.
-INSTALLED_APPS = [*INSTALLED_APPS, "tests.jobapp", "tests.procapp"]
+INSTALLED_APPS = [*INSTALLED_APPS, "tests.jobapp", "tests.procapp", "tests.runapp"]
 
 # Acceptance tests shorten the lease of the worker processes they start (seconds).
 if lease := os.environ.get("TEST_JOBS_LEASE"):

@@ -1,0 +1,94 @@
+"""Per-schedule status: the runs that happened, the next one due, and the ones that did not.
+
+A schedule that silently stops firing is invisible unless something expects it. This module
+holds that expectation: from each schedule's latest recorded slot it computes the next slot
+due, and calls the schedule *overdue* once that slot is later than the misfire grace (it can
+then only fire as a catch-up, or be skipped). The admin shows :func:`status`; every scheduler
+process, leader or standby, exports it as gauges. A scheduler that is not running at all
+exports nothing: alert on ``absent(jobs_scheduler_leader == 1)`` (or on
+``max(jobs_scheduler_leader) < 1``) as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from jobs.scheduler import metrics, slots
+from jobs.scheduler.clock import database_now
+from jobs.scheduler.schedules import Schedule, get_schedules
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleStatus:
+    """One schedule as the admin shows it. Times are aware datetimes (UTC)."""
+
+    name: str
+    job: str
+    cron: str
+    timezone: str
+    misfire: str
+    last_fired_slot: datetime | None  # the latest slot that enqueued a job
+    last_fired_at: datetime | None  # when that slot was recorded
+    last_job_id: str  # that slot's job_id ("" if none)
+    last_skipped_slot: datetime | None  # the latest slot dropped by the misfire policy
+    next_due: datetime  # the next slot that should fire
+    overdue_seconds: float  # since next_due, once past the misfire grace; else 0
+
+    @property
+    def overdue(self) -> bool:
+        return self.overdue_seconds > 0
+
+
+def status(
+    *,
+    now: datetime | None = None,
+    schedules: Sequence[Schedule] | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> list[ScheduleStatus]:
+    """The status of every configured schedule, by name, at ``now`` (default: database clock).
+
+    One query. Raises ``ImproperlyConfigured`` if the schedules are invalid.
+    """
+    schedules = get_schedules() if schedules is None else schedules
+    if not schedules:
+        return []
+    now = now or database_now(using)
+    with connections[using].cursor() as cur:
+        found = slots.summaries(cur, [s.name for s in schedules])
+    return [_status(schedule, found.get(schedule.name), now) for schedule in schedules]
+
+
+def export(statuses: Sequence[ScheduleStatus]) -> None:
+    """Publish statuses as the ``jobs_schedule_*`` gauges."""
+    for item in statuses:
+        fired = item.last_fired_slot.timestamp() if item.last_fired_slot else 0
+        metrics.last_fired.labels(item.name).set(fired)
+        metrics.next_due.labels(item.name).set(item.next_due.timestamp())
+        metrics.overdue.labels(item.name).set(item.overdue_seconds)
+
+
+def _status(schedule: Schedule, summary: slots.SlotSummary | None, now: datetime):
+    summary = summary or slots.SlotSummary()
+    grace = schedule.misfire_grace
+    # With nothing recorded yet there is no expectation to miss: the next slot is the first
+    # one that would still fire on time.
+    anchor = summary.last_slot if summary.last_slot is not None else now - grace
+    next_due = schedule.next_slot(anchor)
+    late = (now - next_due).total_seconds()
+    return ScheduleStatus(
+        name=schedule.name,
+        job=schedule.job,
+        cron=schedule.cron,
+        timezone=str(schedule.timezone),
+        misfire=schedule.misfire,
+        last_fired_slot=summary.last_fired_slot,
+        last_fired_at=summary.last_fired_at,
+        last_job_id=summary.last_job_id,
+        last_skipped_slot=summary.last_skipped_slot,
+        next_due=next_due,
+        overdue_seconds=late if late > grace.total_seconds() else 0.0,
+    )

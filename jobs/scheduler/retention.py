@@ -1,0 +1,78 @@
+"""The retention duty: delete what no one needs any more, in bounded batches.
+
+* Jobs table (``jobs.queue.prune``): succeeded rows after ``SUCCEEDED_RETENTION`` (short, but
+  never shorter than the idempotency window ``SUCCESS_WINDOW``: system check ``jobs.E005``),
+  failed rows after ``FAILED_RETENTION`` (long, for inspection and replay), cancelled rows
+  after ``CANCELLED_RETENTION``. Queued and running rows are never touched.
+* Recorded cron slots after ``SLOT_RETENTION``, except each schedule's latest slot, which the
+  next tick needs to know what it missed.
+
+Run outside a transaction: each batch commits on its own, so no statement holds locks long.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from jobs import queue
+from jobs.conf import jobs_settings
+from jobs.scheduler import metrics, slots
+from jobs.scheduler.clock import database_now
+
+logger = logging.getLogger("jobs.scheduler")
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    batch_size: int | None = None  # rows per statement; None: JOBS["PRUNE_BATCH_SIZE"]
+    max_batches: int = 10  # statements per table and state per pass
+    slot_retention: timedelta | None = None  # None: JOBS["SLOT_RETENTION"]
+
+    def __post_init__(self) -> None:
+        if (self.batch_size is not None and self.batch_size < 1) or self.max_batches < 1:
+            raise ImproperlyConfigured(
+                f"retention batch size and batches per pass must be at least 1, got "
+                f"{self.batch_size} and {self.max_batches}"
+            )
+
+
+class Retention:
+    def __init__(self, config: RetentionConfig | None = None, *, using: str = DEFAULT_DB_ALIAS):
+        self.config = config or RetentionConfig()
+        self.using = using
+
+    def run_once(self, now: datetime | None = None) -> Counter[str]:
+        """Prune at ``now`` (default: database clock); counts by ``table:state``."""
+        now = now or database_now(self.using)
+        batch_size = self.config.batch_size or jobs_settings.PRUNE_BATCH_SIZE
+        counts: Counter[str] = Counter()
+        deleted = queue.prune(
+            batch_size=batch_size, max_batches=self.config.max_batches, now=now, using=self.using
+        )
+        for state, count in deleted.items():
+            if count:
+                counts[f"jobs.job:{state}"] += count
+        retention = self.config.slot_retention or jobs_settings.SLOT_RETENTION
+        with connections[self.using].cursor() as cur:
+            for _ in range(self.config.max_batches):
+                count = slots.prune(cur, before=now - retention, batch_size=batch_size)
+                counts["jobs.scheduleslot:recorded"] += count
+                if count < batch_size:
+                    break
+        counts = +counts  # drop zeros
+        for key, count in counts.items():
+            table, state = key.split(":")
+            metrics.pruned.labels(table, state).inc(count)
+        if counts:
+            logger.info(
+                "retention: deleted %s",
+                ", ".join(f"{count} {key}" for key, count in sorted(counts.items())),
+                extra={"action": "pruned", "counts": dict(counts)},
+            )
+        return counts

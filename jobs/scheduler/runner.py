@@ -1,0 +1,216 @@
+"""The scheduler's loop: contend for leadership, and while leading run each duty on its interval.
+
+One thread owns the loop and Django's connection; the leadership keeper proves the lock on its
+own thread and connection::
+
+    ┌─▶ standby: try the lock every standby interval; export schedule status gauges
+    │   leader:  read the database clock once, then for each due duty
+    │              (cron every tick, watchdog, retention): prove leadership → run_once(now)
+    │            export schedule status gauges after each cron tick
+    └── wait for the next duty or attempt (at most 1 s), or a stop signal
+
+A duty that fails is logged and counted, and runs again on its next interval; a duty that finds
+leadership lost stops the pass. Becoming leader runs every duty at once (a returning scheduler
+clears stale work immediately). SIGTERM/SIGINT stop the loop after the current duty and release
+leadership, so a standby takes over at its next attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import connection
+
+from jobs.registry import Registry, get_registry
+from jobs.scheduler import metrics
+from jobs.scheduler.clock import database_now
+from jobs.scheduler.config import SchedulerConfig
+from jobs.scheduler.cron import CronService
+from jobs.scheduler.leader import Leadership, LeadershipLost
+from jobs.scheduler.reporting import export, status
+from jobs.scheduler.retention import Retention
+from jobs.scheduler.schedules import Schedule, get_schedules
+from jobs.scheduler.watchdog import Watchdog
+
+logger = logging.getLogger("jobs.scheduler")
+
+
+@dataclass
+class Duty:
+    """A maintenance service the leader runs every ``interval`` seconds."""
+
+    name: str
+    interval: float
+    run: Callable[[datetime], object]
+    next_at: float = 0.0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        *,
+        schedules: Sequence[Schedule] | None = None,
+        registry: Registry | None = None,
+        leadership: Leadership | None = None,
+    ) -> None:
+        self.config = config = config or SchedulerConfig()
+        self.schedules = tuple(get_schedules() if schedules is None else schedules)
+        config.check_schedules(self.schedules)
+        registry = registry or get_registry()
+        self.leadership = leadership or Leadership(config.identity, timeout=config.leader_duration)
+        self.cron = CronService(
+            self.schedules,
+            identity=config.identity,
+            fence=self.leadership.fence,
+            stall_timeout=config.leader_duration,
+        )
+        self.watchdog = Watchdog(config.watchdog, max_attempts=registry.max_attempts())
+        self.retention = Retention(config.retention)
+        self.duties = [
+            Duty("cron", config.tick_interval, self.cron.run_once),
+            Duty("watchdog", config.watchdog_interval, self.watchdog.run_once),
+            Duty("retention", config.retention_interval, self.retention.run_once),
+        ]
+        self.passes = 0  # passes that ran duties as leader
+        self.ready = False
+        self.alive_at = time.monotonic()
+        self._stop = threading.Event()
+        self._next_attempt = 0.0
+        self._status_failing = False
+
+    def run(self, *, until: Callable[[Scheduler], bool] | None = None) -> int:
+        """Run until stopped (or ``until(scheduler)`` is true after a pass); returns 0."""
+        previous = self._install_signal_handlers()
+        server = self._start_http()
+        logger.info(
+            "scheduler %s started: schedules %s; watchdog every %gs, retention every %gs",
+            self.config.identity,
+            ", ".join(s.name for s in self.schedules) or "(none)",
+            self.config.watchdog_interval,
+            self.config.retention_interval,
+            extra={"action": "started"},
+        )
+        self.ready = True
+        try:
+            while not self._stop.is_set():
+                self.alive_at = time.monotonic()
+                self._pass()
+                if until is not None and until(self):
+                    break
+                self._stop.wait(self._wait_time())
+            return 0
+        finally:
+            self.ready = False
+            self.leadership.release()
+            if server is not None:
+                server.shutdown()
+            connection.close()
+            self._restore_signal_handlers(previous)
+            logger.info("scheduler %s stopped", self.config.identity, extra={"action": "stopped"})
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def healthy(self) -> bool:
+        slowest = max(self.config.tick_interval, self.config.standby_interval)
+        return time.monotonic() - self.alive_at < max(30.0, 4 * slowest)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _pass(self) -> None:
+        now = time.monotonic()
+        if not self.leadership.leading and now >= self._next_attempt:
+            self._next_attempt = now + self.config.standby_interval
+            if self.leadership.try_acquire():
+                for duty in self.duties:
+                    duty.next_at = 0.0
+            else:
+                self._export_status(None)
+        if self.leadership.leading:
+            self._lead()
+
+    def _lead(self) -> None:
+        due = [duty for duty in self.duties if time.monotonic() >= duty.next_at]
+        if not due:
+            return
+        try:
+            now = database_now()
+        except Exception:
+            logger.exception("cannot read the database clock; will try again")
+            connection.close()
+            return
+        for duty in due:
+            if not self.leadership.prove():
+                return
+            duty.next_at = time.monotonic() + duty.interval
+            try:
+                duty.run(now)
+            except LeadershipLost as exc:
+                logger.warning("%s pass abandoned: %s", duty.name, exc)
+                self.leadership.prove()
+                return
+            except Exception:
+                metrics.errors.labels(duty.name).inc()
+                logger.exception("%s pass failed; will try again", duty.name)
+                connection.close()
+                continue
+            metrics.passes.labels(duty.name).inc()
+            if duty.name == "cron":
+                self._export_status(now)
+        self.passes += 1
+
+    def _export_status(self, now: datetime | None) -> None:
+        if not self.schedules:
+            return
+        try:
+            export(status(now=now, schedules=self.schedules))
+        except Exception as exc:
+            if not self._status_failing:
+                logger.warning("cannot read schedule status: %s", exc)
+            self._status_failing = True
+            connection.close()
+        else:
+            self._status_failing = False
+
+    def _wait_time(self) -> float:
+        if self.leadership.leading:
+            target = min(duty.next_at for duty in self.duties)
+        else:
+            target = self._next_attempt
+        return max(0.0, min(target - time.monotonic(), 1.0))
+
+    # -- process plumbing --------------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> dict:
+        if not self.config.install_signal_handlers:
+            return {}
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {
+            sig: signal.signal(sig, lambda *_: self.request_stop())
+            for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+
+    def _restore_signal_handlers(self, previous: dict) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    def _start_http(self):
+        if self.config.http_port is None:
+            return None
+        from jobs.http import start_http_server
+
+        return start_http_server(
+            self.config.http_host,
+            self.config.http_port,
+            healthy=lambda: self.healthy,
+            ready=lambda: self.ready and not self._stop.is_set(),
+        )

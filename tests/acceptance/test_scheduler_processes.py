@@ -1,0 +1,174 @@
+"""Real ``runscheduler`` processes: one leads, kill -9 / SIGSTOP / SIGTERM hand over, and no
+slot ever fires twice. The schedule fires every second (tests/runapp/settings_scheduler.py)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import urllib.request
+from datetime import timedelta
+
+import pytest
+from django.db.models.functions import Now
+
+from jobs.models import Job, ScheduleSlot
+from tests.acceptance.conftest import wait_for
+from tests.runapp.models import QuickRun
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.acceptance, pytest.mark.slow]
+
+SCHEDULER = [
+    "runscheduler",
+    "--settings",
+    "tests.runapp.settings_scheduler",
+    "--tick-interval",
+    "0.1",
+    "--standby-interval",
+    "0.1",
+    "--http-port",
+    "0",
+]
+LEADS = "is now the leader"
+
+
+def start_pair(spawn, *extra: str):
+    """Start two schedulers at once; return (leader, standby) once each knows its role."""
+    a, b = spawn(*SCHEDULER, *extra), spawn(*SCHEDULER, *extra)
+    leader = wait_for(
+        lambda: next((p for p in (a, b) if LEADS in p.output()), None), what="a leader"
+    )
+    standby = b if leader is a else a
+    standby.wait_for_output("stands by")
+    return leader, standby
+
+
+def fired_by(process) -> int:
+    return ScheduleSlot.objects.filter(recorded_by__endswith=f":{process.pid}").count()
+
+
+def port(process) -> int:
+    return int(process.wait_for_output(r"/metrics on 127\.0\.0\.1:(\d+)").group(1))
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+
+
+def metric(port: int, name: str, labels: str = "") -> float | None:
+    body = get(port, "/metrics")[1]
+    match = re.search(rf"^{name}{re.escape(labels)} ([0-9.e+-]+)$", body, re.M)
+    return float(match.group(1)) if match else None
+
+
+def assert_each_slot_fired_once_without_gaps(*processes) -> None:
+    slots = list(
+        ScheduleSlot.objects.filter(schedule="every-second")
+        .order_by("slot")
+        .values_list("slot", "kind", "job_id", "recorded_by")
+    )
+    times = [slot for slot, *_ in slots]
+    assert times == [times[0] + timedelta(seconds=i) for i in range(len(times))], "a gap"
+    assert {kind for _, kind, _, _ in slots} <= {"on_time", "catch_up"}
+    job_ids = list(Job.objects.filter(name="jobapp.ping.v1").values_list("job_id", flat=True))
+    assert sorted(job_ids) == sorted(job_id for _, _, job_id, _ in slots)
+    assert len(set(job_ids)) == len(job_ids)
+    assert {by.rsplit(":", 1)[1] for *_, by in slots} == {str(p.pid) for p in processes}
+
+
+def test_killing_the_leader_hands_over_without_a_double_fired_or_lost_slot(spawn):
+    leader, standby = start_pair(spawn)
+    wait_for(lambda: fired_by(leader) >= 3, what="the leader fired slots")
+    assert fired_by(standby) == 0
+
+    leader.proc.kill()  # SIGKILL: no cleanup, the lock goes with the session
+    leader.wait()
+    standby.wait_for_output(LEADS, timeout=10)
+    wait_for(lambda: fired_by(standby) >= 3, what="the new leader fired slots")
+    standby.signal(signal.SIGTERM)
+    assert standby.wait() == 0
+
+    assert_each_slot_fired_once_without_gaps(leader, standby)
+
+
+def test_a_stalled_leader_is_replaced_and_stands_down_when_it_wakes(spawn):
+    leader, standby = start_pair(spawn)
+    wait_for(lambda: fired_by(leader) >= 2, what="the leader fired slots")
+
+    leader.signal(signal.SIGSTOP)  # alive but silent: its session times out after 2 s
+    standby.wait_for_output(LEADS, timeout=10)
+    wait_for(lambda: fired_by(standby) >= 2, what="the new leader fired slots")
+    leader.signal(signal.SIGCONT)
+    leader.wait_for_output("lost leadership")
+    fired = fired_by(standby)
+    wait_for(lambda: fired_by(standby) >= fired + 2, what="the new leader carried on")
+    for process in (leader, standby):
+        process.signal(signal.SIGTERM)
+        assert process.wait() == 0
+
+    assert_each_slot_fired_once_without_gaps(leader, standby)
+
+
+def test_sigterm_hands_over_at_once_and_both_report_health(spawn):
+    leader, standby = start_pair(spawn)
+    leader_port, standby_port = port(leader), port(standby)
+    for p in (leader_port, standby_port):
+        assert get(p, "/healthz")[0] == get(p, "/readyz")[0] == 200  # leader or standby
+    assert metric(leader_port, "jobs_scheduler_leader") == 1.0
+    assert metric(standby_port, "jobs_scheduler_leader") == 0.0
+    labels = '{schedule="every-second"}'
+    wait_for(
+        lambda: metric(standby_port, "jobs_schedule_next_due_timestamp_seconds", labels),
+        what="the standby exports schedule status too",
+    )
+    assert metric(leader_port, "jobs_schedule_overdue_seconds", labels) == 0.0
+
+    leader.signal(signal.SIGTERM)
+    assert leader.wait(timeout=10) == 0
+    assert "released leadership" in leader.output()
+    standby.wait_for_output(LEADS, timeout=5)
+    assert metric(standby_port, "jobs_scheduler_leader") == 1.0
+
+
+def test_the_watchdog_reaps_the_run_of_a_killed_worker_and_frees_its_key(spawn):
+    run = QuickRun.objects.create(job_id="nightly-curation", state="running")
+    pulse = spawn(
+        "shell",
+        "-c",
+        "import time\n"
+        "from django.db.models.functions import Now\n"
+        "from tests.runapp.models import QuickRun\n"
+        "while True:\n"
+        f"    QuickRun.objects.filter(pk={run.pk}).update(heartbeat_at=Now())\n"
+        "    time.sleep(0.05)\n",
+    )
+    wait_for(lambda: QuickRun.objects.get(pk=run.pk).heartbeat_at, what="the run's first pulse")
+    scheduler = spawn(*SCHEDULER, "--watchdog-interval", "0.2")
+    scheduler_port = port(scheduler)
+    watchdog = ("jobs_scheduler_passes_total", '{duty="watchdog"}')
+    # Several passes over a run older than its stale_after (1 s): a live pulse keeps it.
+    wait_for(lambda: (metric(scheduler_port, *watchdog) or 0) >= 8, what="watchdog passes")
+    assert QuickRun.objects.get(pk=run.pk).state == "running"
+
+    pulse.proc.kill()  # the worker dies; its row stays running with a stale heartbeat
+    wait_for(lambda: QuickRun.objects.get(pk=run.pk).state == "failed", what="reaped")
+    reaped = QuickRun.objects.get(pk=run.pk)
+    assert reaped.last_error == "stale"
+    assert f"reaped as stale 1 rows of runapp.quickrun: ids [{run.pk}]" in scheduler.output()
+    # The active-state lock is free: the next run with the same key can start.
+    QuickRun.objects.create(job_id="nightly-curation", state="running", heartbeat_at=Now())
+
+
+def test_a_bad_schedule_refuses_to_start_with_a_clear_message(spawn):
+    process = spawn("runscheduler", "--settings", "tests.runapp.settings_bad_schedule")
+    assert process.wait() != 0
+    output = process.output()
+    assert "JOBS['SCHEDULES']['bad-cron']: cron '61 * * * *' is not a valid cron expression" in (
+        output
+    )
+    assert "job type 'nobody.registers.v1' is not registered" in output
+    assert "invalid payload for jobapp.ping.v1: message: expected str, got int" in output
+    assert "started" not in output

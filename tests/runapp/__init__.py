@@ -1,0 +1,1 @@
+"""Run-contract tables as a consumer app defines them, for the scheduler's watchdog tests."""
