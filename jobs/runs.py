@@ -92,6 +92,21 @@ class RunContract(models.Model):
     # leases and the retry policy), so the generic stale reaping skips them.
     reaped_when_stale: ClassVar[bool] = True
 
+    # How the failure monitor (jobs.monitor) reads this table. A field name that the table
+    # does not have counts as None, so the defaults (the jobs table's own names) are harmless
+    # elsewhere; a table whose ``name`` or ``tenant`` column means something else sets None.
+    # Where a column is None, the monitor filter on it leaves this table out while it is set.
+    # The label in the monitor's "module" column and filter; "" means "app_label.model_name".
+    monitor_label: ClassVar[str] = ""
+    # The field holding each row's job type, and the job type of every row when there is none.
+    monitor_job_type_field: ClassVar[str | None] = "name"
+    monitor_job_type: ClassVar[str] = ""
+    # The field holding each row's tenant.
+    monitor_tenant_field: ClassVar[str | None] = "tenant"
+    # What replay means here, shown on the replay confirmation page; "" means the first line
+    # of the replay() docstring.
+    replay_description: ClassVar[str] = ""
+
     class Meta:
         abstract = True
         constraints = [
@@ -110,6 +125,23 @@ class RunContract(models.Model):
         a new run. Must be idempotent: replaying a row twice redoes the work once.
         """
         raise NotImplementedError(f"{cls.__name__} must define replay()")
+
+    @classmethod
+    def replay_eligible(cls) -> Q:
+        """Rows :meth:`replay` would act on; the monitor offers replay for these only.
+
+        A domain with a further condition (a run already replaced by a newer one) narrows it.
+        """
+        return Q(state=RunState.FAILED)
+
+    @classmethod
+    def replay_permission(cls) -> str:
+        """The permission an operator needs to replay rows of this table.
+
+        By convention ``<app_label>.replay_<model_name>``, declared in ``Meta.permissions``
+        (the jobs table declares ``jobs.replay_job``).
+        """
+        return f"{cls._meta.app_label}.replay_{cls._meta.model_name}"
 
 
 def run_contract_models() -> list[type[RunContract]]:

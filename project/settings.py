@@ -28,6 +28,11 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "jobs",
+    # Example consumers of the run contract (see docs/admin.md) and the demo's sample data.
+    "project.mail",
+    "project.harvester",
+    "project.curation",
+    "project.demo",
 ]
 
 MIDDLEWARE = [
@@ -73,6 +78,11 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = env("TIME_ZONE")
 USE_I18N = True
 USE_TZ = True
+
+# The mail example writes each message it sends to a file under var/mail.
+EMAIL_BACKEND = env("EMAIL_BACKEND", default="django.core.mail.backends.filebased.EmailBackend")
+EMAIL_FILE_PATH = BASE_DIR / "var" / "mail"
+DEFAULT_FROM_EMAIL = env("DEFAULT_FROM_EMAIL", default="jobs-demo@localhost")
 
 STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "var" / "static"

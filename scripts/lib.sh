@@ -111,3 +111,20 @@ ensure_venv() {
     export VIRTUAL_ENV=$venv
     export PATH=$venv/bin:$PATH
 }
+
+# ensure_chromium: the browser test (tests/acceptance/test_browser.py) drives Debian's Chromium.
+# Install it when it is missing and this is root with apt-get (as on a fresh CI machine); where
+# that cannot be done, the browser test skips itself and says why.
+ensure_chromium() {
+    local chromium=${CHROMIUM:-/usr/bin/chromium} log=$ROOT/var/apt-chromium.log
+    [[ -x $chromium ]] && return 0
+    if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
+        echo "note: no Chromium at $chromium and no root apt-get to install it: the browser test will be skipped" >&2
+        return 0
+    fi
+    step "installing chromium with apt-get, for the browser test (log: var/apt-chromium.log)"
+    mkdir -p "$ROOT/var"
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >"$log" 2>&1; then
+        echo "warning: could not install chromium (see $log): the browser test will be skipped" >&2
+    fi
+}

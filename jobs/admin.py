@@ -1,0 +1,226 @@
+"""The jobs admin: the jobs list and detail, operator actions, and the monitor's pages.
+
+Read-only by default: nobody edits, adds or deletes a job here, since every state change
+belongs to :mod:`jobs.queue`. The deliberate actions call the queue once per action, for the
+eligible selected rows only, after a confirmation page, and log one entry per changed row:
+
+* replay failed jobs (``jobs.replay_job``), through the failure monitor's confirmation;
+* cancel queued jobs and run delayed ones now ("retry now") (``jobs.change_job``).
+
+The failure monitor, its grouped view, replay and the overview are mounted under this
+admin's URLs (``admin/jobs/job/monitor/`` …), so the default admin site is kept.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.core import checks
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.translation import gettext_lazy as _
+from django.utils.translation import ngettext
+
+from jobs import queue
+from jobs.models import Job, TenantOverride
+from jobs.monitor import overview, views
+from jobs.monitor.checks import check_run_tables
+from jobs.monitor.modeladmin import InputFilter, RunTableAdmin
+from jobs.registry import get_registry
+from jobs.runs import RunState
+
+# The monitor's expectations of every run table, checked wherever the admin is installed.
+checks.register(check_run_tables, "jobs")
+
+
+class JobTypeFilter(admin.SimpleListFilter):
+    """Job types from the registry: choices without a ``SELECT DISTINCT`` over the table."""
+
+    title = _("job type")
+    parameter_name = "name"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        names = set(get_registry().names())
+        if self.value():
+            names.add(self.value())
+        return [(name, name) for name in sorted(names)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+        return queryset.filter(name=self.value()) if self.value() else queryset
+
+
+class TenantFilter(InputFilter):
+    title = _("tenant")
+    parameter_name = field_name = "tenant"
+
+
+class QueueFilter(InputFilter):
+    title = _("queue")
+    parameter_name = field_name = "queue"
+
+
+@admin.register(Job)
+class JobAdmin(RunTableAdmin):
+    list_display = (
+        "id",
+        "name",
+        "job_id",
+        "tenant",
+        "queue",
+        "state",
+        "attempts_display",
+        "last_error",
+        "run_after",
+        "created_at",
+    )
+    list_display_links = ("id", "job_id")
+    list_filter = ("state", JobTypeFilter, TenantFilter, QueueFilter, "last_error")
+    actions = ["replay_selected", "cancel_selected", "run_now_selected"]
+    change_list_template = "admin/jobs/job/change_list.html"
+    readonly_fields = ("payload_pretty", "error_detail_pre", "result_pretty", "attempts_display")
+    fieldsets = (
+        (None, {"fields": ("job_id", "name", "tenant", "queue", "priority", "state")}),
+        (_("Payload"), {"fields": ("payload_pretty",)}),
+        (
+            _("Attempts and errors"),
+            {"fields": ("attempts_display", "last_error", "error_detail_pre")},
+        ),
+        (
+            _("Timestamps"),
+            {"fields": ("created_at", "run_after", "started_at", "finished_at")},
+        ),
+        (
+            _("Lease and heartbeat"),
+            {"fields": ("claimed_by", "claim_token", "lease_expires_at", "heartbeat_at")},
+        ),
+        (_("Replay and result"), {"fields": ("replayed_at", "replayed_by", "result_pretty")}),
+    )
+
+    @admin.display(description=_("attempts"))
+    def attempts_display(self, obj: Job) -> str:
+        return f"{obj.attempts} / {obj.max_attempts}"
+
+    @admin.display(description=_("payload"))
+    def payload_pretty(self, obj: Job) -> str:
+        return _pre(json.dumps(obj.payload, indent=2, sort_keys=True, ensure_ascii=False))
+
+    @admin.display(description=_("result"))
+    def result_pretty(self, obj: Job) -> str:
+        if obj.result is None:
+            return "—"
+        return _pre(json.dumps(obj.result, indent=2, sort_keys=True, ensure_ascii=False))
+
+    @admin.display(description=_("error detail"))
+    def error_detail_pre(self, obj: Job) -> str:
+        return _pre(obj.error_detail) if obj.error_detail else "—"
+
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm("jobs.change_job")
+
+    @admin.action(permissions=["cancel"], description=_("Cancel selected queued jobs…"))
+    def cancel_selected(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:
+        return self._queue_action(
+            request,
+            queryset.filter(state=RunState.QUEUED),
+            action="cancel_selected",
+            title=_("Cancel queued jobs?"),
+            call=lambda ids, by: queue.cancel(ids, by=by),
+            done=lambda n: ngettext("Cancelled %(count)d job.", "Cancelled %(count)d jobs.", n),
+        )
+
+    @admin.action(permissions=["cancel"], description=_("Retry selected delayed jobs now…"))
+    def run_now_selected(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:
+        return self._queue_action(
+            request,
+            queryset.filter(state=RunState.QUEUED, run_after__gt=timezone.now()),
+            action="run_now_selected",
+            title=_("Run delayed jobs now?"),
+            call=lambda ids, by: queue.run_now(ids),
+            done=lambda n: ngettext(
+                "Made %(count)d job due now.", "Made %(count)d jobs due now.", n
+            ),
+        )
+
+    def _queue_action(
+        self,
+        request: HttpRequest,
+        eligible: QuerySet,
+        *,
+        action: str,
+        title: str,
+        call: Callable[[list[int], str], list[int]],
+        done: Callable[[int], str],
+    ) -> HttpResponse | None:
+        """Confirm, then one queue call for the eligible rows; log and report what changed."""
+        ids = list(eligible.order_by("pk").values_list("pk", flat=True))
+        if request.POST.get("post") == "yes":
+            changed = call(ids, request.user.get_username()) if ids else []
+            if changed:
+                LogEntry.objects.log_actions(
+                    request.user.pk,
+                    Job.objects.filter(pk__in=changed).order_by("pk"),
+                    CHANGE,
+                    change_message=f"{action} via the admin",
+                )
+            selected = len(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))
+            message = done(len(changed)) % {"count": len(changed)}
+            if selected > len(changed):
+                message += " " + ngettext(
+                    "%(count)d selected job was not eligible.",
+                    "%(count)d selected jobs were not eligible.",
+                    selected - len(changed),
+                ) % {"count": selected - len(changed)}
+            self.message_user(request, message, messages.SUCCESS if changed else messages.WARNING)
+            return None
+        context = {
+            **self.admin_site.each_context(request),
+            "title": title,
+            "opts": self.opts,
+            "jobs": eligible.order_by("pk")[:100],
+            "count": len(ids),
+            "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
+            "action": action,
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, "admin/jobs/job/action_confirmation.html", context)
+
+    def get_urls(self) -> list[URLPattern]:
+        site = self.admin_site
+
+        def wrap(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+            return site.admin_view(partial(view, site=site))
+
+        return [
+            path("monitor/", wrap(views.monitor), name="jobs_monitor"),
+            path("monitor/groups/", wrap(views.groups), name="jobs_monitor_groups"),
+            path("monitor/replay/", wrap(views.replay_view), name="jobs_monitor_replay"),
+            path("overview/", wrap(overview.overview), name="jobs_overview"),
+            *super().get_urls(),
+        ]
+
+
+@admin.register(TenantOverride)
+class TenantOverrideAdmin(admin.ModelAdmin):
+    """Overrides are configuration: add and delete them; a row's tenant and component stay."""
+
+    list_display = ("tenant", "component", "note", "created_at")
+    list_filter = ("component",)
+    search_fields = ("tenant",)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        # Moving an existing override would silently move a tenant between workers.
+        return ("tenant", "component", "created_at") if obj else ("created_at",)
+
+
+def _pre(text: str) -> str:
+    return format_html('<pre class="jobs-pre">{}</pre>', text)

@@ -1,0 +1,98 @@
+"""``manage.py replay``: the admin's replay for scripts, under the same rules.
+
+The user named by ``--user`` must hold the table's replay permission; the eligible rows are
+replayed in the table's own way and each gets a ``LogEntry`` under that user, exactly as
+from the failure monitor. Rows are chosen by id, or by filters (``--all``), bounded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from jobs.monitor.forms import AGES
+from jobs.monitor.query import eligible_rows
+from jobs.monitor.replay import REPLAY_ALL_LIMIT, parse_tokens, replay, summary
+from jobs.monitor.tables import Filters, run_tables
+from jobs.runs import RunState
+
+
+class Command(BaseCommand):
+    help = "Replay failed rows of the jobs table or of a run table, as a named user."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("ids", nargs="*", help="primary keys of the rows to replay")
+        parser.add_argument("--user", required=True, help="who replays (needs the permission)")
+        parser.add_argument(
+            "--model", default="jobs.job", help="run table label, e.g. mail.delivery"
+        )
+        parser.add_argument(
+            "--all", action="store_true", help="replay every eligible row matching the filters"
+        )
+        parser.add_argument("--job-type", default="", help="only rows of this job type")
+        parser.add_argument("--tenant", default="", help="only rows of this tenant")
+        parser.add_argument("--error", default="", help="only rows with this last_error code")
+        parser.add_argument("--age", choices=sorted(AGES), help="only rows failed this recently")
+        parser.add_argument("--job-id", default="", help="only rows whose job_id contains this")
+        parser.add_argument(
+            "--limit",
+            type=int,
+            default=REPLAY_ALL_LIMIT,
+            help=f"at most this many rows with --all (default {REPLAY_ALL_LIMIT})",
+        )
+        parser.add_argument("--dry-run", action="store_true", help="list, change nothing")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        user = self._user(options["user"])
+        tables = {table.label: table for table in run_tables()}
+        table = tables.get(options["model"])
+        if table is None:
+            raise CommandError(
+                f"no run table {options['model']!r}; choose from {', '.join(sorted(tables))}"
+            )
+        if not table.can_replay(user):
+            raise CommandError(
+                f"user {user.get_username()!r} may not replay {table.label} "
+                f"(needs the {table.replay_permission} permission)"
+            )
+        if bool(options["ids"]) == options["all"]:
+            raise CommandError("give either row ids or --all with filters, not both or neither")
+        if options["all"]:
+            filters = Filters(
+                module=table.label,
+                state=RunState.FAILED,
+                job_type=options["job_type"],
+                tenant=options["tenant"],
+                error=options["error"],
+                age=AGES[options["age"]][0] if options["age"] else None,
+                q=options["job_id"],
+            )
+            rows, matching, _capped = eligible_rows([table], filters, max(1, options["limit"]))
+            pks = [row.pk for row in rows]
+            self.stdout.write(f"{matching} eligible rows match; taking {len(pks)}.")
+        else:
+            targets = parse_tokens([f"{table.label}:{raw}" for raw in options["ids"]], [table])
+            pks = targets.get(table, [])
+        if options["dry_run"]:
+            eligible = table.eligible_pks(pks)
+            self.stdout.write(
+                f"Would replay {len(eligible)} {table.label} rows "
+                f"({table.replay_description}): {' '.join(map(str, eligible)) or '-'}"
+            )
+            return
+        results = replay(user, {table: pks}, via="manage.py replay")
+        self.stdout.write(summary(results))
+        replayed = results[0].replayed if results else ()
+        if replayed:
+            self.stdout.write(f"Replayed ids: {' '.join(map(str, replayed))}")
+
+    def _user(self, username: str) -> Any:
+        try:
+            user = get_user_model()._default_manager.get_by_natural_key(username)
+        except get_user_model().DoesNotExist:
+            raise CommandError(f"no user {username!r}") from None
+        if not user.is_active:
+            raise CommandError(f"user {username!r} is not active")
+        return user

@@ -1,0 +1,149 @@
+"""A read-only ModelAdmin for run tables, with replay through the monitor's confirmation.
+
+Domain apps register their run tables with :class:`RunTableAdmin` (the jobs admin builds on
+it too). Rows are never edited, added or deleted in the admin: their state belongs to the
+module that owns the table. Replay is the one deliberate action, and it goes through the
+same confirmation page, permission and record as the failure monitor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin
+from django.contrib.admin.views.main import PAGE_VAR, ChangeList
+from django.core.exceptions import ValidationError
+from django.core.paginator import Paginator
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
+from django.utils.functional import cached_property
+from django.utils.http import urlencode
+from django.utils.translation import gettext_lazy as _
+
+from jobs.monitor.query import MAX_ROWS
+from jobs.monitor.replay import REPLAY_ALL_LIMIT
+from jobs.monitor.tables import RunTable
+from jobs.monitor.views import confirmation
+from jobs.runs import RunContract
+
+# The contract's own columns; a table may drop some of them (``attempts = None``).
+CONTRACT_FIELDS = frozenset(f.name for f in RunContract._meta.local_fields)
+
+
+class CappedPaginator(Paginator):
+    """Counts at most ``MAX_ROWS`` rows, so a list over a huge table never counts all of it."""
+
+    @cached_property
+    def count(self) -> int:
+        return self.object_list.order_by()[:MAX_ROWS].count()
+
+
+class InputFilter(admin.SimpleListFilter):
+    """A free-text filter (``tenant``, ``queue``): no ``SELECT DISTINCT`` over the table."""
+
+    template = "admin/jobs/input_filter.html"
+    field_name = ""
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return []
+
+    def has_output(self) -> bool:
+        return True
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+        value = (self.value() or "").strip()
+        return queryset.filter(**{self.field_name: value}) if value else queryset
+
+    def choices(self, changelist: ChangeList) -> Any:
+        keep = {
+            key: value
+            for key, value in changelist.params.items()
+            if key not in (self.parameter_name, PAGE_VAR)
+        }
+        yield {
+            "selected": self.value() is None,
+            "query_string": changelist.get_query_string(remove=[self.parameter_name]),
+            "display": _("All"),
+            "hidden": sorted(keep.items()),
+            "value": self.value() or "",
+            "name": self.parameter_name,
+        }
+
+
+class RunTableAdmin(admin.ModelAdmin):
+    """Read-only list and detail of a run table; replay for users with its permission."""
+
+    list_display = ("__str__", "job_id", "state", "attempts", "last_error", "created_at")
+    list_filter = ("state", "last_error")
+    search_fields = ("job_id",)
+    ordering = ("-pk",)
+    actions = ["replay_selected"]
+    paginator = CappedPaginator
+    show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER
+    change_form_template = "admin/jobs/runtable/change_form.html"
+
+    @cached_property
+    def run_table(self) -> RunTable:
+        return RunTable(self.model)
+
+    def get_list_display(self, request: HttpRequest) -> Any:
+        """Leave out run-contract columns this table dropped (``attempts = None``)."""
+        fields = self.run_table.fields
+        return [
+            name
+            for name in super().get_list_display(request)
+            if not isinstance(name, str) or name in fields or name not in CONTRACT_FIELDS
+        ]
+
+    def get_list_filter(self, request: HttpRequest) -> Any:
+        fields = self.run_table.fields
+        return [
+            f for f in super().get_list_filter(request) if not isinstance(f, str) or f in fields
+        ]
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_replay_permission(self, request: HttpRequest) -> bool:
+        return self.run_table.can_replay(request.user)
+
+    @admin.action(permissions=["replay"], description=_("Replay selected failed rows…"))
+    def replay_selected(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse:
+        """Show the monitor's replay confirmation for the selected rows (at most 500)."""
+        pks = list(queryset.order_by("pk").values_list("pk", flat=True)[:REPLAY_ALL_LIMIT])
+        back = request.get_full_path()
+        return confirmation(request, self.admin_site, {self.run_table: pks}, back)
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        extra = dict(extra_context or {})
+        extra["replay_url"] = self.replay_url(request, object_id)
+        extra["replay_description"] = self.run_table.replay_description
+        return super().change_view(request, object_id, form_url, extra)
+
+    def replay_url(self, request: HttpRequest, object_id: str) -> str | None:
+        """The confirmation URL for replaying this row, if it is eligible and allowed."""
+        if not self.has_replay_permission(request):
+            return None
+        table = self.run_table
+        try:
+            pk = table.to_pk(object_id)
+        except ValidationError:  # a malformed id: the change view answers it
+            return None
+        if not table.eligible_pks([pk]):
+            return None
+        base = reverse(f"{self.admin_site.name}:jobs_monitor_replay")
+        return f"{base}?{urlencode({'rows': f'{table.label}:{pk}', 'next': request.path})}"

@@ -1,0 +1,189 @@
+"""The jobs admin: read-only list and detail, cancel and retry-now actions, the overview."""
+
+from __future__ import annotations
+
+import html
+from datetime import timedelta
+
+import pytest
+from django.contrib.admin.models import LogEntry
+from django.contrib.auth.models import User
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+from django.utils import timezone
+
+from jobs.models import Job, TenantOverride
+from jobs.monitor import modeladmin
+from jobs.runs import RunState
+from tests.factories import JobFactory
+from tests.integration.test_admin_factories import (
+    VIEW_ALL,
+    CurationRunFactory,
+    DeadLetterFactory,
+    DeliveryFactory,
+    client_for,
+    operator,
+)
+
+pytestmark = pytest.mark.django_db
+
+CHANGELIST = "admin:jobs_job_changelist"
+
+
+@pytest.fixture
+def viewer():
+    return client_for(operator("viewer", "jobs.view_job"))
+
+
+@pytest.fixture
+def superuser():
+    user = User.objects.create_superuser("root", password="x")
+    return client_for(user)
+
+
+def listed(response) -> set[int]:
+    return {job.pk for job in response.context["cl"].result_list}
+
+
+def test_the_list_filters_by_state_type_tenant_and_queue(viewer):
+    failed = JobFactory(failed=True, name="jobapp.ping.v1", tenant="acme", queue="pings")
+    JobFactory(name="jobapp.ping.v1", tenant="acme")
+    JobFactory(failed=True, tenant="globex")
+
+    assert listed(viewer.get(reverse(CHANGELIST), {"state": "failed", "tenant": "acme"})) == {
+        failed.pk
+    }
+    assert failed.pk in listed(viewer.get(reverse(CHANGELIST), {"name": "jobapp.ping.v1"}))
+    assert listed(viewer.get(reverse(CHANGELIST), {"queue": "pings"})) == {failed.pk}
+    page = viewer.get(reverse(CHANGELIST)).content.decode()
+    assert 'name="tenant"' in page and "Failure monitor" in page
+
+
+def test_the_list_is_read_only(viewer):
+    JobFactory()
+    page = viewer.get(reverse(CHANGELIST))
+    assert page.context["has_add_permission"] is False
+    assert "delete_selected" not in page.context["cl"].model_admin.get_actions(page.wsgi_request)
+
+
+def test_the_detail_page_shows_payload_attempts_error_and_lease(viewer):
+    job = JobFactory(
+        running=True,
+        attempts=2,
+        payload={"order_id": 7, "lines": [1, 2]},
+        last_error="handler_error",
+        error_detail="Traceback (most recent call last):\nValueError: <boom>",
+    )
+
+    response = viewer.get(reverse("admin:jobs_job_change", args=[job.pk]))
+
+    page = html.unescape(response.content.decode())
+    assert '"order_id": 7' in page and '"lines": [\n    1,' in page  # pretty-printed
+    assert "2 / 5" in page and "ValueError: <boom>" in page
+    assert "<boom>" not in response.content.decode()  # escaped
+    assert "Lease expires at" in page and "Heartbeat at" in page and "Claimed by" in page
+    assert 'name="_save"' not in page
+    assert viewer.post(reverse("admin:jobs_job_change", args=[job.pk]), {}).status_code == 403
+
+
+def test_cancel_asks_first_then_cancels_the_queued_ones_and_records_each(superuser):
+    queued, running = JobFactory(), JobFactory(running=True)
+    data = {"action": "cancel_selected", "_selected_action": [queued.pk, running.pk]}
+
+    page = superuser.post(reverse(CHANGELIST), data)
+
+    assert page.status_code == 200 and page.context["count"] == 1
+    assert Job.objects.get(pk=queued.pk).state == RunState.QUEUED
+
+    done = superuser.post(reverse(CHANGELIST), {**data, "post": "yes"}, follow=True)
+
+    assert Job.objects.get(pk=queued.pk).state == RunState.CANCELLED
+    assert Job.objects.get(pk=running.pk).state == RunState.RUNNING
+    assert LogEntry.objects.get().object_id == str(queued.pk)
+    messages = [str(m) for m in done.context["messages"]]
+    assert messages == ["Cancelled 1 job. 1 selected job was not eligible."]
+
+
+def test_retry_now_makes_delayed_jobs_due(superuser):
+    later = timezone.now() + timedelta(hours=1)
+    delayed = JobFactory(run_after=later)
+    data = {"action": "run_now_selected", "_selected_action": [delayed.pk], "post": "yes"}
+
+    superuser.post(reverse(CHANGELIST), data)
+
+    assert Job.objects.get(pk=delayed.pk).run_after < later - timedelta(minutes=59)
+
+
+def test_actions_need_their_permission(viewer):
+    queued = JobFactory()
+    data = {"action": "cancel_selected", "_selected_action": [queued.pk], "post": "yes"}
+
+    viewer.post(reverse(CHANGELIST), data)
+
+    assert Job.objects.get(pk=queued.pk).state == RunState.QUEUED
+    actions = viewer.get(reverse(CHANGELIST)).context["cl"].model_admin.get_actions
+    assert actions(viewer.get(reverse(CHANGELIST)).wsgi_request) == {}
+
+
+def test_the_list_counts_at_most_the_cap(viewer, monkeypatch):
+    monkeypatch.setattr(modeladmin, "MAX_ROWS", 2)
+    for _ in range(3):
+        JobFactory()
+    assert viewer.get(reverse(CHANGELIST)).context["cl"].result_count == 2
+
+
+def test_the_overview_counts_states_and_types_and_names_unsupported_ones(viewer):
+    JobFactory(name="jobapp.ping.v1")
+    JobFactory(name="jobapp.ping.v1", run_after=timezone.now() - timedelta(minutes=90))
+    JobFactory(failed=True, name="jobapp.ping.v1")
+    JobFactory(name="gone.away.v1")
+
+    with CaptureQueriesContext(connection) as ctx:
+        response = viewer.get(reverse("admin:jobs_overview"))
+
+    assert response.status_code == 200
+    states = {value: count for value, _label, count in response.context["states"]}
+    assert states["queued"] == 3 and states["failed"] == 1 and response.context["total"] == 4
+    types = {row["name"]: row for row in response.context["types"]}
+    assert (types["jobapp.ping.v1"]["queued"], types["jobapp.ping.v1"]["failed"]) == (2, 1)
+    assert types["gone.away.v1"]["registered"] is False
+    assert response.context["unsupported"] == [("gone.away.v1", 1)]
+    assert response.context["oldest_due_age"] in {"1h", "90m"}
+    assert len(ctx.captured_queries) < 15  # a fixed handful, whatever the table holds
+
+
+def test_the_overview_needs_the_jobs_view_permission():
+    mail_only = client_for(operator("postmaster", "mail.view_delivery"))
+    assert mail_only.get(reverse("admin:jobs_overview")).status_code == 403
+
+
+def test_tenant_overrides_are_added_but_never_moved(superuser):
+    superuser.post(
+        reverse("admin:jobs_tenantoverride_add"),
+        {"tenant": "acme", "component": "worker", "note": "branch"},
+    )
+    override = TenantOverride.objects.get()
+    page = superuser.get(reverse("admin:jobs_tenantoverride_change", args=[override.pk]))
+    assert 'name="tenant"' not in page.content.decode()  # read-only once it exists
+
+
+def test_every_example_table_has_a_read_only_admin(superuser):
+    rows = {
+        "mail_delivery": DeliveryFactory(),
+        "harvester_deadletter": DeadLetterFactory(),
+        "curation_curationrun": CurationRunFactory(),
+    }
+    for name, row in rows.items():
+        listing = superuser.get(reverse(f"admin:{name}_changelist"))
+        assert listing.status_code == 200
+        detail = superuser.get(reverse(f"admin:{name}_change", args=[row.pk]))
+        assert 'id="replay-row"' in detail.content.decode()
+    runs = superuser.get(reverse("admin:curation_curationrun_changelist"))
+    assert "attempts" not in runs.context["cl"].list_display  # the table has none
+
+
+def test_the_admin_pages_link_to_the_monitor():
+    admin = client_for(operator("root", *VIEW_ALL))
+    for url in (reverse("admin:index"), reverse("admin:app_list", args=["jobs"])):
+        assert reverse("admin:jobs_monitor") in admin.get(url).content.decode()

@@ -1,0 +1,107 @@
+"""Factories and helpers the admin, monitor, replay and browser tests share (no tests here).
+
+Rows of the example apps' run tables in any state, and staff users holding exactly the
+permissions a test names.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import factory
+from django.contrib.auth.models import Permission, User
+from django.test import Client
+from django.utils import timezone
+
+from jobs.runs import ErrorCode, RunState
+from project.curation.models import CurationRun, Document
+from project.harvester.models import DeadLetter, Item
+from project.mail.models import Delivery
+
+# Every table the monitor may show, by the permissions that let a user view them.
+VIEW_ALL = (
+    "jobs.view_job",
+    "mail.view_delivery",
+    "harvester.view_deadletter",
+    "curation.view_curationrun",
+)
+REPLAY_ALL = (
+    "jobs.replay_job",
+    "mail.replay_delivery",
+    "harvester.replay_deadletter",
+    "curation.replay_curationrun",
+)
+
+
+class _Failed(factory.django.DjangoModelFactory):
+    class Meta:
+        abstract = True
+
+    state = RunState.FAILED
+    last_error = ErrorCode.REJECTED
+    error_detail = "it broke"
+    finished_at = factory.LazyFunction(timezone.now)
+
+
+class DeliveryFactory(_Failed):
+    class Meta:
+        model = Delivery
+
+    to = factory.Sequence(lambda n: f"user{n}@example.com")
+    subject = "Hello"
+    job_id = factory.Sequence(lambda n: f"mail-{n}")
+    attempts = 3
+
+
+class ItemFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Item
+
+    url = factory.Sequence(lambda n: f"https://news.example/articles/story-{n}")
+
+
+class DeadLetterFactory(_Failed):
+    class Meta:
+        model = DeadLetter
+
+    item = factory.SubFactory(ItemFactory)
+    job_id = factory.LazyAttribute(lambda o: f"harvest-item-{o.item.pk}")
+    attempts = 1
+
+
+class DocumentFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Document
+
+    collection = "articles"
+    title = factory.Sequence(lambda n: f"Document {n}")
+    body = "Some text."
+
+
+class CurationRunFactory(_Failed):
+    class Meta:
+        model = CurationRun
+
+    collection = factory.Sequence(lambda n: f"collection-{n}")
+    job_id = factory.LazyAttribute(lambda o: f"curation-{o.collection}")
+
+
+def ago(**delta: float) -> datetime:
+    return timezone.now() - timedelta(**delta)
+
+
+def operator(username: str, *perms: str, staff: bool = True, password: str = "") -> User:
+    """A user with exactly these permissions (``app_label.codename``)."""
+    user = User.objects.create_user(username, password=password or None, is_staff=staff)
+    for perm in perms:
+        app_label, codename = perm.split(".")
+        user.user_permissions.add(
+            Permission.objects.get(content_type__app_label=app_label, codename=codename)
+        )
+    return user
+
+
+def client_for(user: User) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
