@@ -98,3 +98,6 @@ LOGGING = {
 }
 
 JOBS: dict = {}
+
+# Django's own task API (@task, .enqueue()) runs on the jobs table too.
+TASKS = {"default": {"BACKEND": "jobs.backends.PostgresBackend"}}

@@ -35,7 +35,8 @@ SET state = o.state,
     result = o.result,
     claim_token = NULL,
     lease_expires_at = NULL,
-    claimed_by = ''
+    -- A finished job keeps the identity of the worker that finished it.
+    claimed_by = CASE WHEN o.state = 'queued' THEN '' ELSE j.claimed_by END
 FROM unnest(
     %(ids)s::bigint[], %(tokens)s::uuid[], %(states)s::text[], %(codes)s::text[],
     %(details)s::text[], %(delays)s::float8[], %(ats)s::timestamptz[], %(deltas)s::int[],
