@@ -28,7 +28,9 @@ from jobs.payloads import Payload
 from jobs.registry import MAX_ATTEMPTS_MAX, catalogue
 
 # Durations where zero is meaningful: no window at all, or never wait in-process.
-ZERO_ALLOWED = frozenset({"SUCCESS_WINDOW", "FAILURE_WINDOW", "RETRY_IN_PROCESS_UP_TO"})
+ZERO_ALLOWED = frozenset(
+    {"SUCCESS_WINDOW", "FAILURE_WINDOW", "RETRY_IN_PROCESS_UP_TO", "HANDLER_CONN_MAX_AGE"}
+)
 INT_RANGES = {"DEFAULT_MAX_ATTEMPTS": (1, MAX_ATTEMPTS_MAX), "PRUNE_BATCH_SIZE": (1, None)}
 # A terminal row must outlive the window in which it holds its job_id, or pruning it lets a
 # repeat enqueue run the work again.

@@ -45,6 +45,9 @@ DEFAULTS: dict[str, Any] = {
     # A retry due within this long is waited out in the worker (keeping the slot); a longer
     # one goes back to the queue and frees the slot. Policies may override it; 0 never waits.
     "RETRY_IN_PROCESS_UP_TO": timedelta(seconds=60),
+    # A worker's handler threads reuse their database connection for up to this long (0:
+    # a new connection for every job, like CONN_MAX_AGE = 0 for requests).
+    "HANDLER_CONN_MAX_AGE": timedelta(seconds=60),
     # Cron schedules run by ``manage.py runscheduler``, by name: {"nightly": {"cron": "0 3 * * *",
     # "job": "reports.nightly.v1", "payload": {...}, "misfire": "once", ...}}. See
     # docs/scheduler.md; schedules may also be declared in code with jobs.scheduler.schedule().

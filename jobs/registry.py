@@ -18,6 +18,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any
 
@@ -52,7 +53,7 @@ class JobType:
     def name(self) -> str:
         return self.payload_type.job_name
 
-    @property
+    @cached_property
     def is_async(self) -> bool:
         """True for ``async def`` handlers, which the worker runs on an event loop."""
         call = getattr(self.handler, "__call__", None)  # noqa: B004 - async callable objects

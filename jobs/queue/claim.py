@@ -52,7 +52,7 @@ FROM picked
 WHERE j.id = picked.id
 RETURNING j.id, j.job_id, j.name, j.payload, j.tenant, j.queue, j.priority, j.attempts,
           LEAST(j.max_attempts, COALESCE(picked.cap, j.max_attempts)), j.claim_token,
-          j.lease_expires_at, j.run_after, j.started_at, j.created_at
+          GREATEST(0, EXTRACT(EPOCH FROM j.started_at - j.run_after))::float8
 """
 
 
@@ -109,10 +109,7 @@ def claim(
             attempts=row[7],
             max_attempts=row[8],
             claim_token=row[9],
-            lease_expires_at=row[10],
-            run_after=row[11],
-            started_at=row[12],
-            created_at=row[13],
+            latency=row[10],
         )
         for row in rows
     ]

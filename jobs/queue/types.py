@@ -78,10 +78,8 @@ class ClaimedJob:
     attempts: int
     max_attempts: int
     claim_token: UUID
-    lease_expires_at: datetime
-    run_after: datetime
-    started_at: datetime
-    created_at: datetime
+    # Seconds from when the job was due to this claim (PostgreSQL's clock).
+    latency: float
 
     @property
     def final_attempt(self) -> bool:

@@ -24,6 +24,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cache
 from typing import Any
 
 from jobs.conf import as_timedelta
@@ -50,9 +51,14 @@ class Running:
     claimed_at: float = field(default_factory=time.monotonic)
 
 
+@cache
+def _handler_logger(name: str) -> logging.Logger:
+    return logging.getLogger(f"jobs.handler.{name}")
+
+
 def make_context(job: ClaimedJob, job_type: JobType) -> JobContext:
     adapter = logging.LoggerAdapter(
-        logging.getLogger(f"jobs.handler.{job.name}"),
+        _handler_logger(job.name),
         {"job_id": job.job_id, "job_type": job.name, "tenant": job.tenant, "attempt": job.attempts},
     )
     return JobContext(
@@ -76,7 +82,7 @@ def execute(running: Running, *, shutting_down: Callable[[], bool]) -> Outcome |
         return Outcome.failed(job, code=ErrorCode.INVALID_PAYLOAD, detail=str(exc))
     while True:
         error, result, duration = _call(job_type, payload, ctx)
-        metrics.handler_duration.labels(job.name).observe(duration)
+        metrics.for_type(job.name).handler_duration.observe(duration)
         if running.lost:
             return None
         overran = time.monotonic() > ctx.deadline

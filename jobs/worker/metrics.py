@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cache
+
 from prometheus_client import Counter, Gauge, Histogram
 
 claimed = Counter("jobs_claimed_total", "Jobs claimed by this worker.", ["job_type"])
@@ -53,3 +56,30 @@ queue_latency = Histogram(
 )
 running = Gauge("jobs_worker_running", "Handlers running in this worker process.")
 ready = Gauge("jobs_worker_ready", "1 while this worker claims work, 0 while starting or draining.")
+
+
+@dataclass(frozen=True)
+class TypeMetrics:
+    """The per-job-type children of the metrics above, looked up once per type, not per job."""
+
+    claimed: Counter
+    queue_latency: Histogram
+    handler_duration: Histogram
+    succeeded: Counter
+    retried: Counter
+    failed: Counter
+
+    def outcome(self, kind: str) -> Counter:
+        return getattr(self, kind)
+
+
+@cache
+def for_type(name: str) -> TypeMetrics:
+    return TypeMetrics(
+        claimed=claimed.labels(name),
+        queue_latency=queue_latency.labels(name),
+        handler_duration=handler_duration.labels(name),
+        succeeded=outcomes.labels(name, "succeeded"),
+        retried=outcomes.labels(name, "retried"),
+        failed=outcomes.labels(name, "failed"),
+    )

@@ -229,10 +229,9 @@ class Worker:
                 self._held[job.id] = running
                 self._in_flight += 1
                 self._in_flight_by_name[job.name] += 1
-            metrics.claimed.labels(job.name).inc()
-            metrics.queue_latency.labels(job.name).observe(
-                max(0.0, (job.started_at - job.run_after).total_seconds())
-            )
+            type_metrics = metrics.for_type(job.name)
+            type_metrics.claimed.inc()
+            type_metrics.queue_latency.observe(job.latency)
             metrics.running.inc()
             self._pool.submit(partial(self._execute, running))
 
@@ -276,7 +275,9 @@ class Worker:
         kind = {RunState.SUCCEEDED: "succeeded", RunState.FAILED: "failed"}.get(
             outcome.state, "retried"
         )
-        metrics.outcomes.labels(job.name, kind).inc()
+        metrics.for_type(job.name).outcome(kind).inc()
+        if kind == "succeeded" and not logger.isEnabledFor(logging.DEBUG):
+            return
         duration = time.monotonic() - running.claimed_at
         extra = {
             "job_id": job.job_id,

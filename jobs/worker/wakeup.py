@@ -34,7 +34,8 @@ class NotifyListener:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive():  # never started when NOTIFY is off
+            self._thread.join(timeout)
 
     def _loop(self) -> None:
         retry = 0.5

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 from django.test import override_settings
@@ -13,7 +13,6 @@ from jobs.queue import ClaimedJob, Outcome
 
 
 def claimed(attempts=1, max_attempts=3):
-    now = datetime.now(UTC)
     return ClaimedJob(
         1,
         "j",
@@ -25,10 +24,7 @@ def claimed(attempts=1, max_attempts=3):
         attempts,
         max_attempts,
         uuid.uuid4(),
-        now,
-        now,
-        now,
-        now,
+        0.0,
     )
 
 

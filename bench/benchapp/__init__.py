@@ -1,0 +1,1 @@
+"""The job type the benchmarks run (installed only by ``bench.settings``)."""

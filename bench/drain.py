@@ -1,0 +1,161 @@
+"""Drain throughput: 10,000 queued no-op jobs, run by 1 and by 2 worker processes.
+
+    .venv/bin/python bench/drain.py [--jobs 10000] [--concurrency 10 50 100] [--processes 1 2]
+    .venv/bin/python bench/drain.py --type touch --processes 2 --concurrency 10 100
+    .venv/bin/python bench/drain.py --type touch --conn-max-age 60 --processes 2 \
+        --concurrency 10 100
+
+For each (processes, concurrency) pair: empty the bench table, enqueue the jobs in batches of
+1,000 (before any worker runs), start the workers (``manage.py runworker --concurrency C``,
+``DJANGO_SETTINGS_MODULE=bench.settings``), poll the table every 10 ms until every job has
+succeeded, then stop the workers (SIGTERM). Prints per run:
+
+- ``wall s``: from the workers' start (the moment each logged "worker … started", i.e. after
+  Django start-up) until the poll saw no queued or running job; ``jobs/s`` is jobs / that;
+- ``db s``: PostgreSQL's clock from the first claim to the last outcome (``started_at`` /
+  ``finished_at``), the steady-state figure without start-up and polling granularity;
+- CPU µs per job of the worker processes (without their Django start-up) and of PostgreSQL
+  (see ``_common.PostgresCpu``: the bench database's backends less the one serving this
+  script's polls, the background processes, the postmaster and backends that exited), and
+  both together;
+- write transactions (transaction ids assigned: claims, outcome flushes, lease renewals) and
+  bytes of WAL per job.
+
+``--type touch`` runs ``bench.touch.v1`` instead (each handler runs one ``SELECT 1`` on
+Django's connection); ``--conn-max-age N|none`` sets the workers' ``CONN_MAX_AGE``. Extra
+``runworker`` options go after ``--``.
+
+With ``--check``, exits 1 if the best 2-process run is below 3,000 jobs/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from _common import (
+    PostgresCpu,
+    db_counters,
+    enqueue_noops,
+    report_problems,
+    running_workers,
+    setup_bench,
+    table,
+    truncate,
+    vacuum,
+    wait_until_done,
+)
+
+TARGET = 3_000  # jobs/s with 2 processes
+
+
+def db_span() -> float:
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute("SELECT extract(epoch FROM max(finished_at) - min(started_at)) FROM jobs_job")
+        (span,) = cur.fetchone()
+    return float(span)
+
+
+def run(
+    processes: int, concurrency: int, jobs: int, pg: PostgresCpu, kind: str, extra: list[str]
+) -> list:
+    truncate()
+    enqueue_noops(jobs, kind=kind)
+    vacuum()
+    args = ["--concurrency", str(concurrency), *extra]
+    with running_workers(processes, args) as workers:
+        pg_before = pg.total(exclude_self=True)
+        xid_before, wal_before = db_counters()
+        started = min(w.started_at for w in workers)
+        finished = wait_until_done(jobs, timeout=300)
+        worker_cpu = sum(w.cpu() - w.cpu_at_start for w in workers)
+        pg_cpu = pg.total(exclude_self=True) - pg_before
+        xid_after, wal_after = db_counters()
+    wall = finished - started
+    span = db_span()
+    per_job = 1e6 / jobs
+    return [
+        processes,
+        concurrency,
+        wall,
+        jobs / wall,
+        span,
+        jobs / span,
+        worker_cpu * per_job,
+        pg_cpu * per_job,
+        (worker_cpu + pg_cpu) * per_job,
+        (xid_after - xid_before) / jobs,
+        (wal_after - wal_before) / jobs,
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=10_000)
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[10, 50, 100])
+    parser.add_argument(
+        "--type",
+        choices=["noop", "touch"],
+        default="noop",
+        help="job type: noop (bench.noop.v1) or touch (bench.touch.v1, one SELECT 1 each)",
+    )
+    parser.add_argument(
+        "--conn-max-age",
+        help="CONN_MAX_AGE of the workers (seconds or 'none'); default: the project's (0)",
+    )
+    parser.add_argument("--check", action="store_true", help="exit 1 if below the target")
+    parser.add_argument(
+        "worker_args", nargs="*", help="extra runworker options, after --, e.g. -- --no-listen"
+    )
+    args = parser.parse_args()
+    if args.conn_max_age is not None:
+        os.environ["BENCH_CONN_MAX_AGE"] = args.conn_max_age
+    setup_bench()
+    pg = PostgresCpu()
+    rows = []
+    for processes in args.processes:
+        for concurrency in args.concurrency:
+            row = run(processes, concurrency, args.jobs, pg, args.type, args.worker_args)
+            rows.append(row)
+            print(f"  {processes} x {concurrency}: {row[3]:,.0f} jobs/s", file=sys.stderr)
+    truncate()
+    print(f"job type: bench.{args.type}.v1, {args.jobs:,} jobs")
+    print(
+        table(
+            [
+                "procs",
+                "conc",
+                "wall s",
+                "jobs/s",
+                "db s",
+                "db jobs/s",
+                "worker CPU µs/job",
+                "PG CPU µs/job",
+                "total CPU µs/job",
+                "write txn/job",
+                "WAL B/job",
+            ],
+            rows,
+        )
+    )
+    if not pg.available:
+        print("(PostgreSQL CPU not measured: the server does not run on this machine)")
+    two = [row[3] for row in rows if row[0] == 2]
+    if two:
+        print(f"\nbest with 2 processes: {max(two):,.0f} jobs/s, target ≥ {TARGET:,}")
+    failed = report_problems()
+    if args.check and two and max(two) < TARGET:
+        return 1
+    return failed
+
+
+if __name__ == "__main__":
+    started = time.monotonic()
+    code = main()
+    print(f"(ran {time.monotonic() - started:.0f}s)", file=sys.stderr)
+    sys.exit(code)
