@@ -18,7 +18,6 @@ leadership, so a standby takes over at its next attempt.
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +26,7 @@ from datetime import datetime
 
 from django.db import connection
 
+from jobs.process import install_stop_signals, restore_signals, start_http
 from jobs.registry import Registry, get_registry
 from jobs.scheduler import metrics
 from jobs.scheduler.clock import database_now
@@ -87,8 +87,13 @@ class Scheduler:
 
     def run(self, *, until: Callable[[Scheduler], bool] | None = None) -> int:
         """Run until stopped (or ``until(scheduler)`` is true after a pass); returns 0."""
-        previous = self._install_signal_handlers()
-        server = self._start_http()
+        previous = install_stop_signals(self.request_stop, self.config.install_signal_handlers)
+        server = start_http(
+            self.config.http_host,
+            self.config.http_port,
+            healthy=lambda: self.healthy,
+            ready=lambda: self.ready and not self._stop.is_set(),
+        )
         logger.info(
             "scheduler %s started: schedules %s; watchdog every %gs, retention every %gs",
             self.config.identity,
@@ -112,7 +117,7 @@ class Scheduler:
             if server is not None:
                 server.shutdown()
             connection.close()
-            self._restore_signal_handlers(previous)
+            restore_signals(previous)
             logger.info("scheduler %s stopped", self.config.identity, extra={"action": "stopped"})
 
     def request_stop(self) -> None:
@@ -186,31 +191,3 @@ class Scheduler:
         else:
             target = self._next_attempt
         return max(0.0, min(target - time.monotonic(), 1.0))
-
-    # -- process plumbing --------------------------------------------------------------------
-
-    def _install_signal_handlers(self) -> dict:
-        if not self.config.install_signal_handlers:
-            return {}
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        return {
-            sig: signal.signal(sig, lambda *_: self.request_stop())
-            for sig in (signal.SIGTERM, signal.SIGINT)
-        }
-
-    def _restore_signal_handlers(self, previous: dict) -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    def _start_http(self):
-        if self.config.http_port is None:
-            return None
-        from jobs.http import start_http_server
-
-        return start_http_server(
-            self.config.http_host,
-            self.config.http_port,
-            healthy=lambda: self.healthy,
-            ready=lambda: self.ready and not self._stop.is_set(),
-        )

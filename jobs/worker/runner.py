@@ -17,7 +17,6 @@ A second signal skips the wait. Outcomes already decided are always flushed befo
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from collections import Counter
@@ -27,13 +26,15 @@ from functools import partial
 from django.db import connection, transaction
 
 from jobs import queue
-from jobs.queue import ClaimedJob, ClaimRequest, Outcome, SweepRow
+from jobs.process import install_stop_signals, restore_signals, start_http
+from jobs.queue import ClaimedJob, ClaimRequest, Outcome
 from jobs.registry import Registry
 from jobs.runs import RunState
 from jobs.worker import metrics
 from jobs.worker.config import WorkerConfig
 from jobs.worker.execution import Running, execute, make_context
 from jobs.worker.leases import LeaseKeeper
+from jobs.worker.maintenance import WorkerMaintenance
 from jobs.worker.pool import HandlerPool
 from jobs.worker.wakeup import NotifyListener
 
@@ -68,7 +69,7 @@ class Worker:
         self._rotation = 0
         self._next_poll = 0.0
         self._next_maintenance = 0.0
-        self._unsupported_total = 0
+        self._maintenance = WorkerMaintenance(self.config, registry)
         self._listener: NotifyListener | None = None
         self.ready = False
         self.alive_at = time.monotonic()
@@ -82,11 +83,16 @@ class Worker:
                 "the worker cannot run inside a transaction: it must see committed jobs and "
                 "commit its own claims (in tests use django_db(transaction=True))"
             )
-        previous = self._install_signal_handlers()
+        previous = install_stop_signals(self.request_stop, self.config.install_signal_handlers)
         pool = self._pool = HandlerPool(self.config.concurrency)
         keeper = LeaseKeeper(self._held_snapshot, lease_seconds=self._lease_seconds)
         listener = self._listener = NotifyListener(self._names, self._work_arrived)
-        server = self._start_http()
+        server = start_http(
+            self.config.http_host,
+            self.config.http_port,
+            healthy=lambda: self.healthy,
+            ready=lambda: self.ready,
+        )
         keeper.start()
         if self.config.notify_enabled and self._names:
             listener.start()
@@ -111,7 +117,7 @@ class Worker:
                 server.shutdown()
             pool.shutdown(timeout=0 if self._force.is_set() else 1.0)
             connection.close()
-            self._restore_signal_handlers(previous)
+            restore_signals(previous)
 
     def request_stop(self, *, force: bool = False) -> None:
         """Begin a graceful drain; with ``force`` (or a second call) skip waiting for handlers."""
@@ -327,57 +333,8 @@ class Worker:
     # -- maintenance -------------------------------------------------------------------------
 
     def _maintain(self) -> None:
-        scope = self.config.scope
-        limit = self.config.maintenance_limit
-        try:
-            requeued = queue.requeue_expired(scope=scope, limit=limit)
-            failed = queue.fail_exhausted(
-                scope=scope, max_attempts=self.registry.max_attempts(), limit=limit
-            )
-            rows = queue.backlog(scope=scope, supported=self._names)
-        except Exception:
-            logger.exception("maintenance pass failed; will try again")
-            connection.close()
-            return
-        for row in requeued:
-            metrics.expired_leases.labels(row.name).inc()
-        self._report_swept(requeued, failed)
-        self._report_backlog(rows)
-
-    def _report_swept(self, requeued: list[SweepRow], failed: list[SweepRow]) -> None:
-        if requeued:
-            logger.warning(
-                "requeued %d jobs whose lease expired: ids %s",
-                len(requeued),
-                [r.id for r in requeued],
-                extra={"action": "requeue_expired"},
-            )
-        for row in failed:
+        for row in self._maintenance.run_once():
             self._terminal(row.name, row.job_id, row.code, "failed by the exhaustion pass")
-        if failed:
-            logger.warning(
-                "failed %d jobs with no attempts left: ids %s",
-                len(failed),
-                [r.id for r in failed],
-                extra={"action": "fail_exhausted"},
-            )
-
-    def _report_backlog(self, rows: list[queue.BacklogRow]) -> None:
-        totals: Counter[tuple[str, str]] = Counter()
-        for row in rows:
-            totals[(row.name, "true" if row.supported else "false")] += row.queued
-        metrics.backlog.clear()
-        for (name, supported), count in totals.items():
-            metrics.backlog.labels(name, supported).set(count)
-        unsupported = {name: n for (name, ok), n in totals.items() if ok == "false"}
-        total = sum(unsupported.values())
-        if total and total != self._unsupported_total:
-            logger.warning(
-                "unsupported job types remain outstanding: %s",
-                ", ".join(f"{name} ({n})" for name, n in sorted(unsupported.items())),
-                extra={"action": "unsupported_backlog", "count": total},
-            )
-        self._unsupported_total = total
 
     # -- drain -------------------------------------------------------------------------------
 
@@ -442,32 +399,6 @@ class Worker:
     def _held_snapshot(self) -> list[Running]:
         with self._lock:
             return list(self._held.values())
-
-    def _install_signal_handlers(self) -> dict:
-        if not self.config.install_signal_handlers:
-            return {}
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, lambda *_: self.request_stop())
-        return previous
-
-    def _restore_signal_handlers(self, previous: dict) -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    def _start_http(self):
-        if self.config.http_port is None:
-            return None
-        from jobs.http import start_http_server
-
-        return start_http_server(
-            self.config.http_host,
-            self.config.http_port,
-            healthy=lambda: self.healthy,
-            ready=lambda: self.ready,
-        )
 
     def _log_start(self) -> None:
         logger.info(
