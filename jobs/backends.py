@@ -15,7 +15,9 @@ default 10) and ``TIMEOUT`` (seconds, default 300).
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from datetime import timedelta
+from traceback import format_exception
 from typing import Any
 
 from django.conf import settings
@@ -24,6 +26,7 @@ from django.tasks.backends.base import BaseTaskBackend
 from django.tasks.base import TaskError
 from django.tasks.exceptions import TaskResultDoesNotExist
 from django.tasks.signals import task_enqueued, task_finished, task_started
+from django.utils import timezone
 from django.utils.json import normalize_json
 from django.utils.module_loading import import_string
 
@@ -143,9 +146,29 @@ def run_task(payload: DjangoTaskV1, ctx: JobContext) -> Any:
             value = task.call(TaskContext(task_result=result), *payload.args, **payload.kwargs)
         else:
             value = task.call(*payload.args, **payload.kwargs)
-        return normalize_json(value)
-    finally:
-        task_finished.send(type(backend), task_result=backend.get_result(str(ctx.id)))
+        value = normalize_json(value)
+    except Exception as exc:
+        # Sent inside the except block, as Django's receivers expect (they log exc_info).
+        failed = replace(
+            result,
+            status=TaskResultStatus.FAILED,
+            finished_at=timezone.now(),
+            errors=[*result.errors, _error(exc)],
+        )
+        task_finished.send(type(backend), task_result=failed)
+        raise
+    done = replace(result, status=TaskResultStatus.SUCCESSFUL, finished_at=timezone.now())
+    object.__setattr__(done, "_return_value", value)
+    task_finished.send(type(backend), task_result=done)
+    return value
+
+
+def _error(exc: BaseException) -> TaskError:
+    kind = type(exc)
+    return TaskError(
+        exception_class_path=f"{kind.__module__}.{kind.__qualname__}",
+        traceback="".join(format_exception(exc)),
+    )
 
 
 BACKEND_PATH = "jobs.backends.PostgresBackend"

@@ -54,7 +54,6 @@ class ErrorCode(models.TextChoices):
     LEASE_EXPIRED = "lease_expired", _("Lease expired")
     ATTEMPTS_EXHAUSTED = "attempts_exhausted", _("Attempts exhausted")
     STALE = "stale", _("Stale (reaped by the watchdog)")
-    UNSUPPORTED = "unsupported", _("No handler registered")
     CANCELLED = "cancelled", _("Cancelled")
 
 
@@ -77,9 +76,9 @@ class RunContract(models.Model):
     )
     attempts = models.PositiveIntegerField(_("attempts"), default=0)
     heartbeat_at = models.DateTimeField(_("heartbeat at"), null=True, blank=True)
-    last_error = models.CharField(
-        _("last error"), max_length=32, blank=True, default="", choices=ErrorCode.choices
-    )
+    # A code (ErrorCode for the shared ones; a domain may add its own), deliberately without
+    # field choices: a new code must not force a migration on every run table.
+    last_error = models.CharField(_("last error"), max_length=32, blank=True, default="")
     error_detail = models.TextField(_("error detail"), blank=True, default="")
     next_retry_at = models.DateTimeField(_("next retry at"), null=True, blank=True)
     created_at = models.DateTimeField(_("created at"), db_default=Now(), editable=False)

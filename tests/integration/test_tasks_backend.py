@@ -115,3 +115,24 @@ def test_unknown_result_id_does_not_exist():
         default_task_backend.get_result("999999")
     with pytest.raises(TaskResultDoesNotExist):
         default_task_backend.get_result("not-a-number")
+
+
+def test_task_finished_signal_reports_the_attempts_outcome():
+    from django.tasks.signals import task_finished
+
+    seen = []
+
+    def receiver(sender, task_result, **kwargs):
+        seen.append((task_result.task.name, task_result.status))
+
+    task_finished.connect(receiver)
+    try:
+        tasks.add.enqueue(1, 2)
+        tasks.refuse.enqueue("nope")
+        with pytest.raises(JobFailed):
+            run_worker()
+    finally:
+        task_finished.disconnect(receiver)
+
+    assert ("refuse", TaskResultStatus.FAILED) in seen
+    assert all(status != TaskResultStatus.RUNNING for _, status in seen)

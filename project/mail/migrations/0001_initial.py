@@ -51,17 +51,6 @@ class Migration(migrations.Migration):
                     "last_error",
                     models.CharField(
                         blank=True,
-                        choices=[
-                            ("invalid_payload", "Invalid payload"),
-                            ("rejected", "Rejected by handler"),
-                            ("deadline_exceeded", "Deadline exceeded"),
-                            ("handler_error", "Handler error"),
-                            ("lease_expired", "Lease expired"),
-                            ("attempts_exhausted", "Attempts exhausted"),
-                            ("stale", "Stale (reaped by the watchdog)"),
-                            ("unsupported", "No handler registered"),
-                            ("cancelled", "Cancelled"),
-                        ],
                         default="",
                         max_length=32,
                         verbose_name="last error",
