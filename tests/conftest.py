@@ -2,12 +2,42 @@
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from django.db import connection
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix, django_db_blocker):
+    """Before the test database is created, drop those left by runs that were killed."""
+    with django_db_blocker.unblock():
+        _drop_orphaned_test_databases()
+
+
+def _drop_orphaned_test_databases() -> None:
+    """Test databases are named after their run's process id (tests/settings.py)."""
+    prefix = f"test_{connection.settings_dict['NAME']}_"
+    with connection._nodb_cursor() as cur:
+        cur.execute("SELECT datname FROM pg_database WHERE datname LIKE %s", [prefix + "%"])
+        for (name,) in cur.fetchall():
+            match = re.fullmatch(re.escape(prefix) + r"(\d+)", name)
+            if match and not _alive(int(match.group(1))):
+                cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def run_in_threads(count: int, target: Callable[[int], Any], timeout: float = 30) -> list[Any]:
