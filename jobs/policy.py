@@ -88,6 +88,10 @@ class Policy:
     retry_in_process_up_to: timedelta | None = None
     permanent_errors: tuple[type[BaseException], ...] = ()
     classify: Callable[[BaseException], str | None] | None = None
+    # A run table this type drives: the payload field ``run_field`` holds the row's primary
+    # key, and the worker keeps that row in step with the job (see jobs.runs.bound).
+    run_model: type | None = None
+    run_field: str = "run_id"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout", _seconds(self.timeout))
@@ -131,6 +135,17 @@ class Policy:
                 problems.append(f"permanent_errors must hold exception classes, got {error!r}")
         if self.classify is not None and not callable(self.classify):
             problems.append(f"classify must be callable or None, got {self.classify!r}")
+        if self.run_model is not None:
+            from jobs.runs import RunContract
+
+            if not (
+                isinstance(self.run_model, type)
+                and issubclass(self.run_model, RunContract)
+                and not self.run_model._meta.abstract
+            ):
+                problems.append(
+                    f"run_model must be a concrete RunContract model, got {self.run_model!r}"
+                )
         return problems
 
     def resolved_backoff(self) -> Backoff:

@@ -74,6 +74,12 @@ class JobType:
             problems.append("handler must accept two positional arguments (payload, ctx)")
         if isinstance(self.policy, Policy):
             problems.extend(self.policy.validate())
+            fields = getattr(self.payload_type, "__dataclass_fields__", {})
+            if self.policy.run_model is not None and self.policy.run_field not in fields:
+                problems.append(
+                    f"run_field {self.policy.run_field!r} is not a field of the payload, so "
+                    "the worker cannot find the run row"
+                )
         else:
             problems.append(f"policy must be a jobs.Policy, got {self.policy!r}")
         return [f"{label}: {problem}" for problem in problems]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
+from jobs import runs
 from jobs.conf import as_timedelta
 from jobs.context import JobContext
 from jobs.payloads import InvalidPayload
@@ -49,6 +50,7 @@ class Running:
     finished: bool = False  # the handler returned; the outcome may wait for the next flush
     extra_attempts: int = 0  # retries waited out in-process, added to attempts at the end
     claimed_at: float = field(default_factory=time.monotonic)
+    run_pk: object = None  # the bound run row (policy.run_model), once the payload is decoded
 
 
 @cache
@@ -80,7 +82,12 @@ def execute(running: Running, *, shutting_down: Callable[[], bool]) -> Outcome |
         payload = job_type.decode(job.payload)
     except InvalidPayload as exc:
         return Outcome.failed(job, code=ErrorCode.INVALID_PAYLOAD, detail=str(exc))
+    run_model = job_type.policy.run_model
+    if run_model is not None:
+        running.run_pk = getattr(payload, job_type.policy.run_field)
     while True:
+        if run_model is not None:
+            runs.mark_running(run_model, running.run_pk, attempt=ctx.attempt)
         error, result, duration = _call(job_type, payload, ctx)
         metrics.for_type(job.name).handler_duration.observe(duration)
         if running.lost:
@@ -178,3 +185,19 @@ def _with_attempts(running: Running, outcome: Outcome) -> Outcome:
 def _describe(error: BaseException) -> str:
     text = "".join(traceback.format_exception(error))
     return text.strip()
+
+
+def sync_run_rows(settled: list[tuple[Running, Outcome]]) -> None:
+    """Carry written outcomes over to the rows of bound run tables (policy.run_model)."""
+    for running, outcome in settled:
+        model = running.job_type.policy.run_model
+        if model is None or running.run_pk is None:
+            continue
+        runs.mark_outcome(
+            model,
+            running.run_pk,
+            state=outcome.state,
+            code=outcome.code or "",
+            detail=outcome.detail or "",
+            retry_in=outcome.delay if outcome.at is None else None,
+        )

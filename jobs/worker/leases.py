@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from datetime import timedelta
 
 from django.db import connection
 
-from jobs import queue
+from jobs import queue, runs
 from jobs.worker import metrics
 from jobs.worker.execution import Running
 
@@ -91,6 +92,7 @@ class LeaseKeeper:
             else:
                 return set()
         self._last_renewal = now
+        self._beat_run_rows([r for r in renewable if r.job.id not in lost])
         for running in renewable:
             if running.job.id in lost:
                 running.lost = True
@@ -107,3 +109,17 @@ class LeaseKeeper:
                     },
                 )
         return lost
+
+    def _beat_run_rows(self, kept: list[Running]) -> None:
+        """Bound run rows (policy.run_model) share their job's heartbeat."""
+        bound: dict[type, list[object]] = defaultdict(list)
+        for running in kept:
+            model = running.job_type.policy.run_model
+            if model is not None and running.run_pk is not None:
+                bound[model].append(running.run_pk)
+        for model, pks in bound.items():
+            try:
+                runs.beat(model, pks)
+            except Exception:
+                logger.exception("heartbeat of %s rows failed", model._meta.label)
+                connection.close()

@@ -32,7 +32,7 @@ from jobs.registry import Registry
 from jobs.runs import RunState
 from jobs.worker import metrics
 from jobs.worker.config import WorkerConfig
-from jobs.worker.execution import Running, execute, make_context
+from jobs.worker.execution import Running, execute, make_context, sync_run_rows
 from jobs.worker.leases import LeaseKeeper
 from jobs.worker.maintenance import WorkerMaintenance
 from jobs.worker.pool import HandlerPool
@@ -156,6 +156,9 @@ class Worker:
         try:
             with transaction.atomic():
                 report = queue.record([o for _, o in outcomes]) if outcomes else None
+                if report is not None:
+                    applied = set(report.applied)
+                    sync_run_rows([(r, o) for r, o in outcomes if r.job.id in applied])
                 claimed = self._claim(requests) if requests else []
         except Exception:
             logger.exception("database error in the run loop; retrying after the poll interval")
@@ -378,6 +381,7 @@ class Worker:
             return
         try:
             report = queue.release([r.job for r in leftovers])
+            sync_run_rows([(r, Outcome.released(r.job)) for r in leftovers])
         except Exception:
             logger.exception("could not release jobs at shutdown; their leases will expire")
             return
