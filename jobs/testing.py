@@ -16,7 +16,6 @@ needs committed data, so use ``transaction=True`` tests (or ``TransactionTestCas
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 
 from jobs import queue
@@ -38,14 +37,6 @@ class WorkerTimeout(AssertionError):
     """Eligible jobs were still pending when :func:`run_worker`'s deadline passed."""
 
 
-@dataclass(frozen=True)
-class _Failure:
-    name: str
-    job_id: str
-    code: str
-    detail: str
-
-
 def run_worker(
     *,
     timeout: float = 10.0,
@@ -62,12 +53,12 @@ def run_worker(
     """
     registry = registry or get_registry()
     scope = OnlyTenant(tenant) if tenant else scope_from(None, None)
-    failures: list[_Failure] = []
+    failures: list[JobFailed] = []
     deadline = time.monotonic() + timeout
     worker: Worker
 
     def failed(name: str, job_id: str, code: str, detail: str) -> None:
-        failures.append(_Failure(name, job_id, code, detail))
+        failures.append(JobFailed(name, job_id, code, detail))
         worker.request_stop(force=True)
 
     def done(w: Worker) -> bool:
@@ -88,8 +79,7 @@ def run_worker(
     worker = Worker(registry, config, on_terminal_failure=failed)
     worker.run(until=done)
     if failures:
-        first = failures[0]
-        raise JobFailed(first.name, first.job_id, first.code, first.detail)
+        raise failures[0]
     left = _pending(registry, scope, deadline)
     if left:
         raise WorkerTimeout(f"jobs still pending after {timeout:g}s: {left}")
