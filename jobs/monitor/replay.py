@@ -61,13 +61,22 @@ def parse_tokens(tokens: Iterable[str], tables: Sequence[RunTable]) -> Targets:
 
 
 def check_permission(user: AbstractBaseUser, tables: Iterable[RunTable]) -> None:
-    """Refuse the whole request if the user may not replay any one of these tables."""
+    """Refuse the whole request if the user may not replay, or not view, any one table."""
     for table in tables:
         if not table.can_replay(user):
-            raise PermissionDenied(
-                _("You may not replay %(table)s (needs %(perm)s).")
-                % {"table": table.label, "perm": table.replay_permission}
-            )
+            raise PermissionDenied(denial(user, table))
+
+
+def denial(user: AbstractBaseUser, table: RunTable) -> str:
+    """Why ``user`` may not replay ``table``: the permission it lacks."""
+    if table.supports_replay and user.has_perm(table.replay_permission):
+        missing = table.view_permission  # replay shows the rows, so viewing comes with it
+    else:
+        missing = table.replay_permission
+    return _("You may not replay %(table)s (needs the %(perm)s permission).") % {
+        "table": table.label,
+        "perm": missing,
+    }
 
 
 def replay(

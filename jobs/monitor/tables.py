@@ -115,11 +115,19 @@ class RunTable:
         return doc.splitlines()[0] if doc else ""
 
     def can_view(self, user: AbstractBaseUser) -> bool:
+        """What the admin lets see the table's list: its view or its change permission."""
         app, name = self.opts.app_label, self.opts.model_name
-        return user.has_perm(f"{app}.view_{name}") or user.has_perm(f"{app}.change_{name}")
+        return user.has_perm(self.view_permission) or user.has_perm(f"{app}.change_{name}")
 
     def can_replay(self, user: AbstractBaseUser) -> bool:
-        return self.supports_replay and user.has_perm(self.replay_permission)
+        """Replay shows the rows it acts on, so it needs the view permission as well."""
+        return (
+            self.supports_replay and user.has_perm(self.replay_permission) and self.can_view(user)
+        )
+
+    @property
+    def view_permission(self) -> str:
+        return f"{self.opts.app_label}.view_{self.opts.model_name}"
 
     def change_url(self, pk: Any) -> str | None:
         """The row's own admin page, or None when the model is not in the admin."""

@@ -275,7 +275,7 @@ def test_the_detail_page_offers_replay_only_when_it_applies():
 
 class TestReplayCommand:
     def test_replays_ids_as_the_named_user_and_records_it(self):
-        operator("alice", "mail.replay_delivery")
+        operator("alice", "mail.view_delivery", "mail.replay_delivery")
         delivery = DeliveryFactory()
 
         call_command("replay", str(delivery.pk), user="alice", model="mail.delivery")
@@ -291,8 +291,25 @@ class TestReplayCommand:
             call_command("replay", str(delivery.pk), user="bob", model="mail.delivery")
         assert Delivery.objects.get(pk=delivery.pk).resends == 0
 
+    def test_refuses_a_user_who_may_replay_but_not_view_the_table(self):
+        operator("carol", "mail.replay_delivery")
+        delivery = DeliveryFactory()
+        with pytest.raises(CommandError, match=r"needs the mail\.view_delivery permission"):
+            call_command("replay", str(delivery.pk), user="carol", model="mail.delivery")
+        with pytest.raises(CommandError, match=r"needs the mail\.view_delivery permission"):
+            call_command("replay", "--all", "--dry-run", user="carol", model="mail.delivery")
+        assert Delivery.objects.get(pk=delivery.pk).resends == 0
+
+    def test_refuses_a_user_who_is_not_staff(self):
+        """The admin admits staff only; the command applies the same rule."""
+        user = operator("dave", "mail.view_delivery", "mail.replay_delivery", staff=False)
+        delivery = DeliveryFactory()
+        with pytest.raises(CommandError, match=f"user {user.username!r} is not staff"):
+            call_command("replay", str(delivery.pk), user="dave", model="mail.delivery")
+        assert Delivery.objects.get(pk=delivery.pk).resends == 0
+
     def test_refuses_unknown_users_and_tables_and_ambiguous_selections(self):
-        operator("alice", *REPLAY_ALL)
+        operator("alice", *VIEW_ALL, *REPLAY_ALL)
         with pytest.raises(CommandError, match="no user"):
             call_command("replay", "1", user="nobody")
         with pytest.raises(CommandError, match="no run table"):
@@ -301,14 +318,14 @@ class TestReplayCommand:
             call_command("replay", "1", "--all", user="alice")
 
     def test_dry_run_changes_nothing(self, capsys):
-        operator("alice", *REPLAY_ALL)
+        operator("alice", *VIEW_ALL, *REPLAY_ALL)
         job = JobFactory(failed=True)
         call_command("replay", str(job.pk), "--dry-run", user="alice")
         assert "Would replay 1 jobs.job rows" in capsys.readouterr().out
         assert Job.objects.get(pk=job.pk).state == RunState.FAILED
 
     def test_all_with_filters_is_bounded(self):
-        operator("alice", *REPLAY_ALL)
+        operator("alice", *VIEW_ALL, *REPLAY_ALL)
         rows = [DeliveryFactory(finished_at=ago(minutes=m)) for m in range(1, 4)]
         DeliveryFactory(last_error="handler_error")
 
@@ -325,3 +342,28 @@ class TestReplayCommand:
 
         resent = set(Delivery.objects.filter(resends=1).values_list("pk", flat=True))
         assert resent == {rows[0].pk, rows[1].pk}
+
+
+def test_replay_needs_view_permission_on_every_table_it_names():
+    """Holding only ``replay_job`` shows no job's job_id or error, and replays nothing."""
+    job = JobFactory(failed=True, job_id="secret-invoice", error_detail="card 4242 declined")
+    replay_only = client_for(operator("blind", "jobs.replay_job", "mail.view_delivery"))
+
+    page = replay_only.get(reverse(REPLAY), {"rows": f"jobs.job:{job.pk}"})
+
+    assert page.status_code == 403
+    assert b"secret-invoice" not in page.content and b"4242" not in page.content
+    assert confirm(replay_only, f"jobs.job:{job.pk}").status_code == 403
+    assert Job.objects.get(pk=job.pk).state == RunState.FAILED and not LogEntry.objects.exists()
+
+
+def test_replay_by_crafted_post_names_a_table_the_user_may_not_view():
+    """Rows of a table the user may replay but not view are refused with the rest of the post."""
+    job, delivery = JobFactory(failed=True), DeliveryFactory()
+    ops = client_for(operator("ops", "jobs.view_job", "jobs.replay_job", "mail.replay_delivery"))
+
+    response = confirm(ops, f"jobs.job:{job.pk}", f"mail.delivery:{delivery.pk}")
+
+    assert response.status_code == 403
+    assert Delivery.objects.get(pk=delivery.pk).resends == 0
+    assert Job.objects.get(pk=job.pk).state == RunState.FAILED

@@ -1,6 +1,7 @@
 """``manage.py replay``: the admin's replay for scripts, under the same rules.
 
-The user named by ``--user`` must hold the table's replay permission; the eligible rows are
+The user named by ``--user`` must be active staff holding the table's replay and view
+permissions, as in the admin (replay shows the rows it acts on); the eligible rows are
 replayed in the table's own way and each gets a ``LogEntry`` under that user, exactly as
 from the failure monitor. Rows are chosen by id, or by filters (``--all``), bounded.
 """
@@ -14,7 +15,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from jobs.monitor.forms import AGES
 from jobs.monitor.query import eligible_rows
-from jobs.monitor.replay import REPLAY_ALL_LIMIT, parse_tokens, replay, summary
+from jobs.monitor.replay import REPLAY_ALL_LIMIT, denial, parse_tokens, replay, summary
 from jobs.monitor.tables import Filters, run_tables
 from jobs.runs import RunState
 
@@ -53,10 +54,7 @@ class Command(BaseCommand):
                 f"no run table {options['model']!r}; choose from {', '.join(sorted(tables))}"
             )
         if not table.can_replay(user):
-            raise CommandError(
-                f"user {user.get_username()!r} may not replay {table.label} "
-                f"(needs the {table.replay_permission} permission)"
-            )
+            raise CommandError(f"user {user.get_username()!r}: {denial(user, table)}")
         if bool(options["ids"]) == options["all"]:
             raise CommandError("give either row ids or --all with filters, not both or neither")
         if options["all"]:
@@ -95,4 +93,6 @@ class Command(BaseCommand):
             raise CommandError(f"no user {username!r}") from None
         if not user.is_active:
             raise CommandError(f"user {username!r} is not active")
+        if not user.is_staff:
+            raise CommandError(f"user {username!r} is not staff: only staff may replay")
         return user
