@@ -4,6 +4,9 @@ Four aggregate queries on the jobs table, each returning a handful of rows: per 
 (``GROUP BY state``), per type and state for the active and failed rows, the oldest due
 ``run_after``, and :func:`jobs.queue.backlog` for queued counts per type marked supported or
 not. Overdue schedules come from :func:`jobs.scheduler.status` when the scheduler is there.
+
+"Now" is PostgreSQL's, read once per page and passed down, as the scheduler reads it: a web
+host with a fast clock would otherwise call a schedule that just fired overdue.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from django.db.models import Count, Min, Q
 from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
-from django.utils import timezone
 from django.utils.translation import gettext as _
 
 from jobs import queue
@@ -27,13 +29,17 @@ from jobs.models import Job
 from jobs.monitor.views import age
 from jobs.registry import get_registry
 from jobs.runs import RunState
+from jobs.scheduler.clock import database_now
 
 SCHEDULER_MODULE = "jobs.scheduler"
 
 
 def overview_data(now: datetime | None = None) -> dict[str, Any]:
-    """Everything the overview page shows, computed with a fixed number of queries."""
-    now = now or timezone.now()
+    """Everything the overview page shows, with a fixed number of queries, at ``now``.
+
+    ``now`` defaults to PostgreSQL's clock, never the web host's.
+    """
+    now = now or database_now()
     per_state = {
         row["state"]: row["n"]
         for row in Job.objects.order_by().values("state").annotate(n=Count("pk"))

@@ -4,6 +4,9 @@ They are mounted under the jobs admin (``JobAdmin.get_urls``) and wrapped in
 ``admin_site.admin_view``: staff only, CSRF-protected, never cached. Each table shows only
 to users who may view it in the admin, and replays only for users with its replay
 permission. Replay changes nothing on GET: the confirming POST does the work.
+
+Each page reads PostgreSQL's clock once and passes it down: the age filters and the ages
+shown agree with each other and with the workers, whatever the web host's clock says.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, QueryDict
 from django.template.response import TemplateResponse
 from django.urls import reverse
-from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.utils.translation import gettext as _
 from django.views.decorators.http import require_http_methods
@@ -35,14 +37,15 @@ from jobs.monitor.replay import (
 from jobs.monitor.tables import Filters, Row, RunTable, run_tables, visible_tables
 from jobs.registry import get_registry
 from jobs.runs import RunState
+from jobs.scheduler.clock import database_now
 
 
 def monitor(request: HttpRequest, *, site: AdminSite) -> HttpResponse:
     """Every run table's rows in one list: filters, job_id search, newest first, paginated."""
     tables = _visible(request)
     filters = FilterForm(request.GET, tables).filters()
-    now = timezone.now()
-    page = query.fetch_page(tables, filters, _page_number(request))
+    now = database_now()
+    page = query.fetch_page(tables, filters, _page_number(request), now=now)
     may_replay = {t.label for t in tables if t.can_replay(request.user)}
     params = filter_query(request.GET)
     rows = [
@@ -72,8 +75,8 @@ def monitor(request: HttpRequest, *, site: AdminSite) -> HttpResponse:
 def groups(request: HttpRequest, *, site: AdminSite) -> HttpResponse:
     """Failures counted by cause and by job type over the last hour, day and week."""
     tables = _visible(request)
-    now = timezone.now()
-    by_cause, by_type = query.failure_groups(tables)
+    now = database_now()
+    by_cause, by_type = query.failure_groups(tables, now=now)
     base = reverse(f"{site.name}:jobs_monitor")
     context = {
         **site.each_context(request),

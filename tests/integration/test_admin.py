@@ -16,6 +16,9 @@ from django.utils import timezone
 from jobs.models import Job, TenantOverride
 from jobs.monitor import modeladmin
 from jobs.runs import RunState
+from jobs.scheduler import get_schedules, slots
+from jobs.scheduler.clock import database_now
+from jobs.scheduler.timing import Decision, SlotKind
 from tests.factories import JobFactory
 from tests.integration.test_admin_factories import (
     VIEW_ALL,
@@ -23,6 +26,7 @@ from tests.integration.test_admin_factories import (
     DeadLetterFactory,
     DeliveryFactory,
     client_for,
+    fast_web_clock,
     operator,
 )
 
@@ -151,6 +155,21 @@ def test_the_overview_counts_states_and_types_and_names_unsupported_ones(viewer)
     assert response.context["unsupported"] == [("gone.away.v1", 1)]
     assert response.context["oldest_due_age"] in {"1h", "90m"}
     assert len(ctx.captured_queries) < 15  # a fixed handful, whatever the table holds
+
+
+def test_the_overview_judges_overdue_schedules_by_the_database_clock(viewer, monkeypatch):
+    [digest] = get_schedules()  # the demo's every-minute schedule
+    now = database_now()
+    with connection.cursor() as cur:  # its slot of this minute fired just now
+        slot = now.replace(second=0, microsecond=0)
+        slots.record(cur, digest.name, Decision(slot, SlotKind.ON_TIME), job_id="x", by="test")
+    JobFactory(run_after=now - timedelta(minutes=2))
+    fast_web_clock(monkeypatch)
+
+    response = viewer.get(reverse("admin:jobs_overview"))
+
+    assert response.context["schedules"] == []
+    assert response.context["oldest_due_age"] == "2m"
 
 
 def test_the_overview_needs_the_jobs_view_permission():

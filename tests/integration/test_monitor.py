@@ -13,6 +13,7 @@ from jobs.monitor import query
 from jobs.monitor.query import failure_groups, fetch_page
 from jobs.monitor.tables import Filters, run_tables, summarize
 from jobs.runs import ErrorCode, RunState, run_contract_models
+from jobs.scheduler.clock import database_now
 from tests.factories import JobFactory
 from tests.integration.test_admin_factories import (
     VIEW_ALL,
@@ -21,6 +22,7 @@ from tests.integration.test_admin_factories import (
     DeliveryFactory,
     ago,
     client_for,
+    fast_web_clock,
     operator,
 )
 
@@ -280,3 +282,16 @@ def test_system_checks_pass_for_the_project_and_name_a_missing_permission(monkey
     monkeypatch.setattr(Delivery._meta, "permissions", [])
     [error] = check_run_tables()
     assert error.id == "jobs.E030" and "replay_delivery" in error.msg
+
+
+def test_ages_are_measured_on_the_database_clock(monkeypatch):
+    """A failure recorded two minutes ago (PostgreSQL's clock) is "2m" on a fast web host."""
+    DeliveryFactory(job_id="welcome-1", finished_at=database_now() - timedelta(minutes=2))
+    admin = client_for(operator("root", *VIEW_ALL))
+    fast_web_clock(monkeypatch)
+
+    monitor = admin.get(reverse(MONITOR))
+    [line] = admin.get(reverse("admin:jobs_monitor_groups")).context["sections"][0]["lines"]
+
+    assert [item["age"] for item in monitor.context["rows"]] == ["2m"]
+    assert (line["first"], line["last"]) == ("2m", "2m")
