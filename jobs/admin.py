@@ -23,10 +23,10 @@ from django.contrib.admin import helpers
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.core import checks
 from django.db.models import QuerySet
+from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
-from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
@@ -142,7 +142,8 @@ class JobAdmin(RunTableAdmin):
     def run_now_selected(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:
         return self._queue_action(
             request,
-            queryset.filter(state=RunState.QUEUED, run_after__gt=timezone.now()),
+            # PostgreSQL's clock, as queue.run_now() judges it: not the web host's.
+            queryset.filter(state=RunState.QUEUED, run_after__gt=Now()),
             action="run_now_selected",
             title=_("Run delayed jobs now?"),
             call=lambda ids, by: queue.run_now(ids),

@@ -119,6 +119,19 @@ def test_retry_now_makes_delayed_jobs_due(superuser):
     assert Job.objects.get(pk=delayed.pk).run_after < later - timedelta(minutes=59)
 
 
+def test_retry_now_judges_delayed_by_the_database_clock(superuser, monkeypatch):
+    """A job due in 3 minutes (PostgreSQL's clock) is still delayed on a host 5 minutes fast."""
+    delayed = JobFactory(run_after=database_now() + timedelta(minutes=3))
+    fast_web_clock(monkeypatch)
+    data = {"action": "run_now_selected", "_selected_action": [delayed.pk]}
+
+    page = superuser.post(reverse(CHANGELIST), data)
+
+    assert page.context["count"] == 1
+    superuser.post(reverse(CHANGELIST), {**data, "post": "yes"})
+    assert Job.objects.get(pk=delayed.pk).run_after <= database_now()
+
+
 def test_actions_need_their_permission(viewer):
     queued = JobFactory()
     data = {"action": "cancel_selected", "_selected_action": [queued.pk], "post": "yes"}
