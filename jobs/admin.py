@@ -5,7 +5,8 @@ belongs to :mod:`jobs.queue`. The deliberate actions call the queue once per act
 eligible selected rows only, after a confirmation page, and log one entry per changed row:
 
 * replay failed jobs (``jobs.replay_job``), through the failure monitor's confirmation;
-* cancel queued jobs and run delayed ones now ("retry now") (``jobs.change_job``).
+* cancel queued jobs and run delayed ones now ("retry now") (``jobs.change_job``), the
+  newest ``ACTION_LIMIT`` eligible rows of a selection at most, as replay-all.
 
 The failure monitor, its grouped view, replay and the overview are mounted under this
 admin's URLs (``admin/jobs/job/monitor/`` …), so the default admin site is kept.
@@ -36,8 +37,13 @@ from jobs.models import Job, TenantOverride
 from jobs.monitor import overview, views
 from jobs.monitor.checks import check_run_tables
 from jobs.monitor.modeladmin import InputFilter, RunTableAdmin
+from jobs.monitor.query import MAX_ROWS
+from jobs.monitor.replay import REPLAY_ALL_LIMIT
 from jobs.registry import get_registry
 from jobs.runs import RunState
+
+# Rows one cancel or retry-now may change, over "select all" too: replay-all's bound.
+ACTION_LIMIT = REPLAY_ALL_LIMIT
 
 # The monitor's expectations of every run table, checked wherever the admin is installed.
 checks.register(check_run_tables, "jobs")
@@ -133,6 +139,7 @@ class JobAdmin(RunTableAdmin):
             request,
             queryset.filter(state=RunState.QUEUED),
             action="cancel_selected",
+            logged="Cancelled via the admin jobs list",
             title=_("Cancel queued jobs?"),
             call=lambda ids, by: queue.cancel(ids, by=by),
             done=lambda n: ngettext("Cancelled %(count)d job.", "Cancelled %(count)d jobs.", n),
@@ -145,6 +152,7 @@ class JobAdmin(RunTableAdmin):
             # PostgreSQL's clock, as queue.run_now() judges it: not the web host's.
             queryset.filter(state=RunState.QUEUED, run_after__gt=Now()),
             action="run_now_selected",
+            logged="Made due now via the admin jobs list (retry now)",
             title=_("Run delayed jobs now?"),
             call=lambda ids, by: queue.run_now(ids),
             done=lambda n: ngettext(
@@ -158,42 +166,67 @@ class JobAdmin(RunTableAdmin):
         eligible: QuerySet,
         *,
         action: str,
+        logged: str,
         title: str,
         call: Callable[[list[int], str], list[int]],
         done: Callable[[int], str],
     ) -> HttpResponse | None:
-        """Confirm, then one queue call for the eligible rows; log and report what changed."""
-        ids = list(eligible.order_by("pk").values_list("pk", flat=True))
-        if request.POST.get("post") == "yes":
-            changed = call(ids, request.user.get_username()) if ids else []
-            if changed:
-                LogEntry.objects.log_actions(
-                    request.user.pk,
-                    Job.objects.filter(pk__in=changed).order_by("pk"),
-                    CHANGE,
-                    change_message=f"{action} via the admin",
-                )
-            selected = len(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))
-            message = done(len(changed)) % {"count": len(changed)}
-            if selected > len(changed):
-                message += " " + ngettext(
-                    "%(count)d selected job was not eligible.",
-                    "%(count)d selected jobs were not eligible.",
-                    selected - len(changed),
-                ) % {"count": selected - len(changed)}
-            self.message_user(request, message, messages.SUCCESS if changed else messages.WARNING)
-            return None
+        """Confirm, then one queue call for the rows the page showed; log and report them.
+
+        The page takes the newest ``ACTION_LIMIT`` eligible rows (over "select all" too) and
+        says so; its confirming POST names exactly those rows, so nothing changes that the
+        operator was not shown. A "yes" over a whole filter (``select_across``) is asked again.
+        """
+        taken = list(eligible.order_by("-pk").values_list("pk", flat=True)[:ACTION_LIMIT])
+        across = request.POST.get("select_across") == "1"
+        if request.POST.get("post") == "yes" and not across:
+            return self._act(request, taken, logged=logged, call=call, done=done)
+        matching = len(taken)
+        if matching >= ACTION_LIMIT:  # there may be more: count them, up to the list's cap
+            matching = eligible.order_by().values("pk")[:MAX_ROWS].count()
+        selected = len(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))
         context = {
             **self.admin_site.each_context(request),
             "title": title,
             "opts": self.opts,
-            "jobs": eligible.order_by("pk")[:100],
-            "count": len(ids),
-            "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
+            "jobs": eligible.order_by("-pk")[: min(len(taken), 100)],  # the rows it changes
+            "ids": taken,
+            "count": matching,
+            "capped": matching >= MAX_ROWS,
+            "limit": ACTION_LIMIT,
+            "skipped": 0 if across else max(0, selected - matching),
             "action": action,
             "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
         }
         return TemplateResponse(request, "admin/jobs/job/action_confirmation.html", context)
+
+    def _act(
+        self,
+        request: HttpRequest,
+        ids: list[int],
+        *,
+        logged: str,
+        call: Callable[[list[int], str], list[int]],
+        done: Callable[[int], str],
+    ) -> None:
+        """The confirming POST: one queue call, one log entry per changed row, a message."""
+        changed = call(ids, request.user.get_username()) if ids else []
+        if changed:
+            LogEntry.objects.log_actions(
+                request.user.pk,
+                Job.objects.filter(pk__in=changed).order_by("pk"),
+                CHANGE,
+                change_message=logged,
+            )
+        selected = len(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))
+        message = done(len(changed)) % {"count": len(changed)}
+        if selected > len(changed):
+            message += " " + ngettext(
+                "%(count)d selected job was not eligible.",
+                "%(count)d selected jobs were not eligible.",
+                selected - len(changed),
+            ) % {"count": selected - len(changed)}
+        self.message_user(request, message, messages.SUCCESS if changed else messages.WARNING)
 
     def get_urls(self) -> list[URLPattern]:
         site = self.admin_site

@@ -13,6 +13,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
+from jobs import admin as jobs_admin
 from jobs.models import Job, TenantOverride
 from jobs.monitor import modeladmin
 from jobs.runs import RunState
@@ -130,6 +131,49 @@ def test_retry_now_judges_delayed_by_the_database_clock(superuser, monkeypatch):
     assert page.context["count"] == 1
     superuser.post(reverse(CHANGELIST), {**data, "post": "yes"})
     assert Job.objects.get(pk=delayed.pk).run_after <= database_now()
+
+
+@pytest.mark.parametrize("action", ["cancel_selected", "run_now_selected"])
+def test_select_all_is_bounded_like_replay_all_and_the_page_says_so(superuser, monkeypatch, action):
+    monkeypatch.setattr(jobs_admin, "ACTION_LIMIT", 3, raising=False)
+    later = database_now() + timedelta(hours=1)
+    jobs = [JobFactory(run_after=later) for _ in range(5)]
+    select_all = {"action": action, "select_across": "1", "_selected_action": [jobs[0].pk]}
+
+    with CaptureQueriesContext(connection) as ctx:
+        page = superuser.post(reverse(CHANGELIST), select_all)
+
+    reads = [q["sql"] for q in ctx.captured_queries if '"jobs_job"' in q["sql"]]
+    assert reads and all("LIMIT" in sql for sql in reads)  # no query loads every match
+    assert (page.context["count"], page.context["limit"]) == (5, 3)
+    assert b"Only the newest 3 jobs are changed at once" in page.content
+    newest = sorted(job.pk for job in jobs)[-3:]
+    assert sorted(page.context["ids"]) == newest
+    assert sorted(job.pk for job in page.context["jobs"]) == newest  # lists what it changes
+    assert Job.objects.filter(pk__in=newest, run_after=later, state="queued").count() == 3
+
+    confirmed = {"action": action, "_selected_action": page.context["ids"], "post": "yes"}
+    superuser.post(reverse(CHANGELIST), confirmed)
+
+    untouched = Job.objects.filter(state="queued", run_after=later)
+    assert sorted(untouched.values_list("pk", flat=True)) == sorted(j.pk for j in jobs[:2])
+    assert sorted(int(e.object_id) for e in LogEntry.objects.all()) == newest
+    assert {e.change_message for e in LogEntry.objects.all()} == {
+        "cancel_selected": {"Cancelled via the admin jobs list"},
+        "run_now_selected": {"Made due now via the admin jobs list (retry now)"},
+    }[action]
+
+
+def test_a_confirming_post_over_select_all_is_asked_again(superuser):
+    """The confirmation names its rows; "post=yes" over a whole filter is not a confirmation."""
+    queued = JobFactory()
+    crafted = {"action": "cancel_selected", "select_across": "1", "post": "yes"}
+
+    page = superuser.post(reverse(CHANGELIST), {**crafted, "_selected_action": [queued.pk]})
+
+    assert page.status_code == 200 and page.context["ids"] == [queued.pk]
+    assert Job.objects.get(pk=queued.pk).state == RunState.QUEUED
+    assert not LogEntry.objects.exists()
 
 
 def test_actions_need_their_permission(viewer):
