@@ -117,10 +117,33 @@ class RunTableAdmin(admin.ModelAdmin):
 
     @admin.action(permissions=["replay"], description=_("Replay selected failed rows…"))
     def replay_selected(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse:
-        """Show the monitor's replay confirmation for the selected rows (at most 500)."""
-        pks = list(queryset.order_by("pk").values_list("pk", flat=True)[:REPLAY_ALL_LIMIT])
-        back = request.get_full_path()
-        return confirmation(request, self.admin_site, {self.run_table: pks}, back)
+        """Show the monitor's replay confirmation for the selected rows (at most 500).
+
+        Over "select all" that is the newest 500 eligible rows of the filtered list, and the
+        page says how many match, as "replay all matching" does on the monitor.
+        """
+        table, back = self.run_table, request.get_full_path()
+        if request.POST.get("select_across") != "1":
+            pks = list(queryset.order_by("-pk").values_list("pk", flat=True)[:REPLAY_ALL_LIMIT])
+            return confirmation(request, self.admin_site, {table: pks}, back)
+        eligible = queryset.filter(self.model.replay_eligible())
+        pks = list(eligible.order_by("-pk").values_list("pk", flat=True)[:REPLAY_ALL_LIMIT])
+        matching = len(pks)
+        if matching >= REPLAY_ALL_LIMIT:
+            matching = table.count(eligible, MAX_ROWS)
+        shown = [
+            (k, v) for k, v in request.GET.items() if k not in (PAGE_VAR, "_changelist_filters")
+        ]
+        return confirmation(
+            request,
+            self.admin_site,
+            {table: pks},
+            back,
+            matching=matching,
+            capped=matching >= MAX_ROWS,
+            limit=REPLAY_ALL_LIMIT,
+            filters=", ".join(f"{key}={value}" for key, value in shown) or str(_("none")),
+        )
 
     def change_view(
         self,

@@ -130,8 +130,12 @@ def confirmation(
     matching: int | None = None,
     capped: bool = False,
     filters: str = "",
+    limit: int | None = None,
 ) -> HttpResponse:
-    """The confirmation page for replaying ``targets`` (also used by the admin actions)."""
+    """The confirmation page for replaying ``targets`` (also used by the admin actions).
+
+    ``matching`` is how many rows the filter matched when only ``limit`` of them were taken.
+    """
     check_permission(request.user, targets)
     rows: list[Row] = []
     for table, pks in targets.items():
@@ -152,7 +156,7 @@ def confirmation(
         "matching": matching,
         "capped": capped,
         "filters": filters,
-        "limit": REPLAY_ALL_LIMIT,
+        "limit": REPLAY_ALL_LIMIT if limit is None else limit,
         "next": back,
         "action": reverse(f"{site.name}:jobs_monitor_replay"),
     }

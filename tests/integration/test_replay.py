@@ -13,7 +13,7 @@ from django.test import Client
 from django.urls import reverse
 
 from jobs.models import Job
-from jobs.monitor import views
+from jobs.monitor import modeladmin, views
 from jobs.runs import RunState
 from project.curation.models import CurationRun
 from project.harvester.models import DeadLetter
@@ -257,6 +257,25 @@ def test_the_admin_action_shows_the_same_confirmation():
     assert page.status_code == 200 and b"resend the message" in page.content
     assert page.context["tokens"] == f"mail.delivery:{delivery.pk}"
     assert Delivery.objects.get(pk=delivery.pk).resends == 0
+
+
+def test_the_admin_action_over_select_all_takes_the_newest_eligible_rows_and_says_so(
+    monkeypatch,
+):
+    monkeypatch.setattr(modeladmin, "REPLAY_ALL_LIMIT", 3)
+    for _ in range(3):
+        DeliveryFactory(state=RunState.SUCCEEDED)  # the oldest rows: nothing to replay there
+    failed = [DeliveryFactory() for _ in range(4)]
+    client = client_for(operator("alice", *VIEW_ALL, *REPLAY_ALL))
+
+    page = client.post(
+        reverse("admin:mail_delivery_changelist"),
+        {"action": "replay_selected", "select_across": "1", "_selected_action": [failed[0].pk]},
+    )
+
+    assert (page.context["matching"], page.context["eligible"]) == (4, 3)
+    assert page.context["tokens"].split() == [f"mail.delivery:{d.pk}" for d in failed[:0:-1]]
+    assert b"Only the newest 3" in page.content
 
 
 def test_the_detail_page_offers_replay_only_when_it_applies():
