@@ -89,6 +89,11 @@ class Leadership:
     def leading(self) -> bool:
         return self._leading
 
+    @property
+    def reachable(self) -> bool:
+        """False once the last attempt to contend could not reach the database."""
+        return not self._unreachable
+
     def try_acquire(self) -> bool:
         """Take the lock if no one holds it; True while this process leads."""
         with self._mutex:

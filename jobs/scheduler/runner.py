@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -39,6 +39,16 @@ from jobs.scheduler.schedules import Schedule, get_schedules
 from jobs.scheduler.watchdog import Watchdog
 
 logger = logging.getLogger("jobs.scheduler")
+
+
+@dataclass(frozen=True)
+class OnceReport:
+    """What one ``run_once`` did: whether it led, and which duties ran or failed."""
+
+    led: bool
+    reachable: bool  # False: it could not reach the database to contend for leadership
+    ran: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()  # raised, reported errors, or lost leadership mid-pass
 
 
 @dataclass
@@ -81,6 +91,7 @@ class Scheduler:
         self.passes = 0  # passes that ran duties as leader
         self.ready = False
         self.alive_at = time.monotonic()
+        self.last_pass: dict[str, bool] = {}  # duty name -> it ran cleanly, in the last pass
         self._stop = threading.Event()
         self._next_attempt = 0.0
         self._status_failing = False
@@ -120,6 +131,16 @@ class Scheduler:
             restore_signals(previous)
             logger.info("scheduler %s stopped", self.config.identity, extra={"action": "stopped"})
 
+    def run_once(self) -> OnceReport:
+        """Try once to lead; if leading, run every duty once. Says what happened."""
+        self.run(until=lambda _: True)
+        return OnceReport(
+            led=bool(self.last_pass),
+            reachable=self.leadership.reachable,
+            ran=tuple(name for name, ok in self.last_pass.items() if ok),
+            failed=tuple(name for name, ok in self.last_pass.items() if not ok),
+        )
+
     def request_stop(self) -> None:
         self._stop.set()
 
@@ -152,12 +173,14 @@ class Scheduler:
             logger.exception("cannot read the database clock; will try again")
             connection.close()
             return
+        self.last_pass = {}
         for duty in due:
             if not self.leadership.prove():
                 return
             duty.next_at = time.monotonic() + duty.interval
+            self.last_pass[duty.name] = False
             try:
-                duty.run(now)
+                result = duty.run(now)
             except LeadershipLost as exc:
                 logger.warning("%s pass abandoned: %s", duty.name, exc)
                 self.leadership.prove()
@@ -167,6 +190,7 @@ class Scheduler:
                 logger.exception("%s pass failed; will try again", duty.name)
                 connection.close()
                 continue
+            self.last_pass[duty.name] = not _reported_errors(result)
             metrics.passes.labels(duty.name).inc()
             if duty.name == "cron":
                 self._export_status(now)
@@ -191,3 +215,10 @@ class Scheduler:
         else:
             target = self._next_attempt
         return max(0.0, min(target - time.monotonic(), 1.0))
+
+
+def _reported_errors(result: object) -> int:
+    """Duties report failures they logged and went past as ``errors`` in their counts."""
+    if isinstance(result, Mapping):
+        return int(result.get("errors", 0))
+    return int(getattr(result, "errors", 0))

@@ -162,6 +162,22 @@ def test_the_watchdog_reaps_the_run_of_a_killed_worker_and_frees_its_key(spawn):
     QuickRun.objects.create(job_id="nightly-curation", state="running", heartbeat_at=Now())
 
 
+def test_once_while_another_leads_exits_with_the_stood_by_status(spawn):
+    leader = spawn(*SCHEDULER)
+    leader.wait_for_output(LEADS)
+    once = spawn("runscheduler", "--settings", "tests.runapp.settings_scheduler", "--once")
+    assert once.wait() == 3  # STOOD_BY: a cron-driven caller can tell it did nothing
+    assert "stood by: another scheduler leads; nothing was done" in once.output()
+    assert fired_by(once) == 0
+
+    leader.signal(signal.SIGTERM)
+    assert leader.wait() == 0
+    ran = spawn("runscheduler", "--settings", "tests.runapp.settings_scheduler", "--once")
+    assert ran.wait() == 0
+    assert "led: ran cron, watchdog, retention" in ran.output()
+    assert fired_by(ran) >= 1
+
+
 def test_a_bad_schedule_refuses_to_start_with_a_clear_message(spawn):
     process = spawn("runscheduler", "--settings", "tests.runapp.settings_bad_schedule")
     assert process.wait() != 0

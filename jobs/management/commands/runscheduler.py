@@ -12,6 +12,9 @@ from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.runner import Scheduler
 from jobs.scheduler.schedules import load_schedules
 
+#: Exit status of ``--once`` when another scheduler leads and this one did nothing.
+STOOD_BY = 3
+
 
 def _env_port(name: str) -> int | None:
     raw = os.environ.get(name)
@@ -34,7 +37,11 @@ class Command(BaseCommand):
         parser.add_argument(
             "--once",
             action="store_true",
-            help="Try once to lead; if leading, run every duty once, then exit.",
+            help=(
+                "Try once to lead; if leading, run every duty once, then exit. Exit status: "
+                f"0 led and every duty ran, {STOOD_BY} stood by (another scheduler leads, "
+                "nothing was done), 1 an error (a duty failed, or no database)."
+            ),
         )
         parser.add_argument(
             "--tick-interval",
@@ -85,4 +92,19 @@ class Command(BaseCommand):
             scheduler = Scheduler(config, schedules=load_schedules(), registry=get_registry())
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from None
-        scheduler.run(until=(lambda _: True) if options["once"] else None)
+        if not options["once"]:
+            scheduler.run()
+            return
+        report = scheduler.run_once()
+        if not report.reachable:
+            raise CommandError("could not reach the database to contend for leadership")
+        if not report.led:
+            raise CommandError(
+                "stood by: another scheduler leads; nothing was done", returncode=STOOD_BY
+            )
+        if report.failed:
+            raise CommandError(
+                f"led, but {', '.join(report.failed)} failed (see the log); "
+                f"ran {', '.join(report.ran) or 'nothing else'}"
+            )
+        self.stdout.write(f"led: ran {', '.join(report.ran)}")
