@@ -164,12 +164,30 @@ def confirmation(
 
 
 def _confirm_all(request: HttpRequest, site: AdminSite, back: str) -> HttpResponse:
-    """Replay all matching this filter: the newest ``REPLAY_ALL_LIMIT`` eligible rows."""
-    tables = [t for t in _visible(request) if t.can_replay(request.user)]
+    """Replay all matching this filter: the newest ``REPLAY_ALL_LIMIT`` eligible rows.
+
+    Unlike the monitor, which ignores a bad filter value, this refuses one: dropping a filter
+    would widen "all matching" to every row the user may replay.
+    """
+    visible = _visible(request)
+    tables = [t for t in visible if t.can_replay(request.user)]
     if not tables:
         raise PermissionDenied(_("You may not replay any run table."))
-    filters = FilterForm(request.GET, tables).filters()
-    rows, matching, capped = query.eligible_rows(tables, filters, REPLAY_ALL_LIMIT)
+    form = FilterForm(request.GET, visible)
+    if not form.is_valid():
+        problems = "; ".join(f"{name}: {' '.join(errs)}" for name, errs in form.errors.items())
+        messages.warning(
+            request,
+            _("Nothing to replay: the filter is not valid (%(problems)s).")
+            % {"problems": problems},
+        )
+        return HttpResponseRedirect(back)
+    filters = form.filters()
+    if filters.module:  # one table named: the user must be allowed to replay that one
+        check_permission(request.user, [t for t in visible if t.label == filters.module])
+    rows, matching, capped = query.eligible_rows(
+        tables, filters, REPLAY_ALL_LIMIT, now=database_now()
+    )
     targets: dict[RunTable, list[Any]] = {}
     for row in rows:
         targets.setdefault(row.table, []).append(row.pk)

@@ -118,6 +118,21 @@ def test_replay_all_matching_is_bounded_and_shows_the_count(monkeypatch):
     assert Job.objects.get(name="test.noop.v1").state == RunState.FAILED
 
 
+def test_replay_all_never_widens_a_filter_it_cannot_apply():
+    """A module the user may not replay, or a bad value, is refused: never "all the rest"."""
+    JobFactory(failed=True, job_id="unrelated-job")
+    DeliveryFactory()
+    jobs_only = client_for(operator("ops", *VIEW_ALL, "jobs.replay_job"))
+
+    other_module = jobs_only.get(reverse(REPLAY), {"all": "1", "module": "mail.delivery"})
+    bad_value = jobs_only.get(reverse(REPLAY), {"all": "1", "error": "no-such-code"})
+
+    assert other_module.status_code == 403 and b"unrelated-job" not in other_module.content
+    assert bad_value.status_code == 302 and b"unrelated-job" not in bad_value.content
+    [message] = [str(m) for m in bad_value.wsgi_request._messages]
+    assert message.startswith("Nothing to replay: the filter is not valid (error:")
+
+
 def test_anonymous_users_cannot_replay():
     job = JobFactory(failed=True)
     response = confirm(Client(), f"jobs.job:{job.pk}")
