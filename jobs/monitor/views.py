@@ -104,17 +104,25 @@ def replay_view(request: HttpRequest, *, site: AdminSite) -> HttpResponse:
     """Ask for confirmation (GET, or POST from the bulk form), replay on the confirming POST."""
     back = _next_url(request, site)
     data = request.POST if request.method == "POST" else request.GET
-    if request.method == "POST" and data.get("confirm") == "yes":
-        targets = parse_tokens(data.getlist("rows"), run_tables())
+    confirming = request.method == "POST" and data.get("confirm") == "yes"
+    if data.get("all") and not confirming:
+        return _confirm_all(request, site, back)
+    targets = parse_tokens(data.getlist("rows"), run_tables())
+    named = sum(len(pks) for pks in targets.values())
+    if named > REPLAY_ALL_LIMIT:  # no page sends more; a crafted request may not either
+        messages.warning(
+            request,
+            _("Replay at most %(limit)d rows at once; %(named)d were named.")
+            % {"limit": REPLAY_ALL_LIMIT, "named": named},
+        )
+        return HttpResponseRedirect(back)
+    if confirming:
         results = replay(request.user, targets, via="the admin failure monitor")
         done = any(r.replayed for r in results)
         messages.add_message(
             request, messages.SUCCESS if done else messages.WARNING, summary(results)
         )
         return HttpResponseRedirect(back)
-    if data.get("all"):
-        return _confirm_all(request, site, back)
-    targets = parse_tokens(data.getlist("rows"), run_tables())
     if not targets:
         messages.warning(request, _("Select the rows to replay first."))
         return HttpResponseRedirect(back)

@@ -133,6 +133,21 @@ def test_replay_all_never_widens_a_filter_it_cannot_apply():
     assert message.startswith("Nothing to replay: the filter is not valid (error:")
 
 
+def test_a_request_naming_more_rows_than_the_bound_is_refused(monkeypatch):
+    """The pages never send more than the bound; a crafted request cannot either."""
+    monkeypatch.setattr(views, "REPLAY_ALL_LIMIT", 2)
+    tokens = [f"mail.delivery:{DeliveryFactory().pk}" for _ in range(3)]
+    client = client_for(operator("alice", *VIEW_ALL, *REPLAY_ALL))
+
+    asked = client.post(reverse(REPLAY), {"rows": tokens, "next": "/admin/"})
+    confirmed = confirm(client, *tokens)
+
+    assert (asked.status_code, confirmed.status_code) == (302, 302)
+    assert not Delivery.objects.filter(resends__gt=0).exists() and not LogEntry.objects.exists()
+    message = [str(m) for m in confirmed.wsgi_request._messages][-1]
+    assert message == "Replay at most 2 rows at once; 3 were named."
+
+
 def test_anonymous_users_cannot_replay():
     job = JobFactory(failed=True)
     response = confirm(Client(), f"jobs.job:{job.pk}")
