@@ -23,6 +23,7 @@ from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.core import checks
+from django.db import transaction
 from django.db.models import QuerySet
 from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse
@@ -209,15 +210,19 @@ class JobAdmin(RunTableAdmin):
         call: Callable[[list[int], str], list[int]],
         done: Callable[[int], str],
     ) -> None:
-        """The confirming POST: one queue call, one log entry per changed row, a message."""
-        changed = call(ids, request.user.get_username()) if ids else []
-        if changed:
-            LogEntry.objects.log_actions(
-                request.user.pk,
-                Job.objects.filter(pk__in=changed).order_by("pk"),
-                CHANGE,
-                change_message=logged,
-            )
+        """The confirming POST: one queue call, one log entry per changed row, a message.
+
+        The change and its record commit together: no change without who made it.
+        """
+        with transaction.atomic():
+            changed = call(ids, request.user.get_username()) if ids else []
+            if changed:
+                LogEntry.objects.log_actions(
+                    request.user.pk,
+                    Job.objects.filter(pk__in=changed).order_by("pk"),
+                    CHANGE,
+                    change_message=logged,
+                )
         selected = len(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))
         message = done(len(changed)) % {"count": len(changed)}
         if selected > len(changed):

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import User
-from django.db import connection
+from django.db import DatabaseError, connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
@@ -174,6 +174,37 @@ def test_a_confirming_post_over_select_all_is_asked_again(superuser):
     assert page.status_code == 200 and page.context["ids"] == [queued.pk]
     assert Job.objects.get(pk=queued.pk).state == RunState.QUEUED
     assert not LogEntry.objects.exists()
+
+
+@pytest.fixture
+def admin_log_refused():
+    """PostgreSQL refuses every admin log entry (a full disk, a lost privilege…)."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "CREATE FUNCTION refuse_log() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'admin log refused'; END $$"
+        )
+        cur.execute(
+            "CREATE TRIGGER refuse_log BEFORE INSERT ON django_admin_log "
+            "FOR EACH ROW EXECUTE FUNCTION refuse_log()"
+        )
+    yield
+    with connection.cursor() as cur:
+        cur.execute("DROP TRIGGER refuse_log ON django_admin_log")
+        cur.execute("DROP FUNCTION refuse_log()")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("action", ["cancel_selected", "run_now_selected"])
+def test_no_change_without_its_log_entry(superuser, admin_log_refused, action):
+    later = database_now() + timedelta(hours=1)
+    job = JobFactory(run_after=later)
+    data = {"action": action, "_selected_action": [job.pk], "post": "yes"}
+
+    with pytest.raises(DatabaseError, match="admin log refused"):
+        superuser.post(reverse(CHANGELIST), data)
+
+    assert Job.objects.filter(pk=job.pk, state=RunState.QUEUED, run_after=later).exists()
 
 
 def test_actions_need_their_permission(viewer):
