@@ -3,6 +3,8 @@
 * ``jobs.E030`` a run table that replays declares no replay permission, so nobody but a
   superuser could replay it
 * ``jobs.E031`` a run table dropped a column the monitor cannot do without
+* ``jobs.E032`` two run tables share a monitor label, so a replay token or a module filter
+  could name the wrong one
 * ``jobs.W030`` a run table does not implement ``replay()``: its rows show, without replay
 """
 
@@ -12,15 +14,28 @@ from typing import Any
 
 from django.core.checks import CheckMessage, Error, Warning
 
-from jobs.monitor.tables import run_tables
+from jobs.monitor.tables import RunTable, run_tables
 
 REQUIRED_FIELDS = ("job_id", "state", "created_at")
 
 
 def check_run_tables(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     messages: list[CheckMessage] = []
+    first: dict[str, RunTable] = {}
     for table in run_tables():
         model = table.model
+        taken = first.setdefault(table.label, table)
+        if taken is not table:
+            messages.append(
+                Error(
+                    f"{model.__module__}.{model.__name__} and {taken.model.__module__}."
+                    f"{taken.model.__name__} share the monitor label {table.label!r}, so "
+                    f"the failure monitor could not tell their rows apart.",
+                    hint="Give one of them another monitor_label.",
+                    obj=model,
+                    id="jobs.E032",
+                )
+            )
         missing = [name for name in REQUIRED_FIELDS if name not in table.fields]
         if missing:
             messages.append(

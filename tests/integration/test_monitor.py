@@ -295,3 +295,16 @@ def test_ages_are_measured_on_the_database_clock(monkeypatch):
 
     assert [item["age"] for item in monitor.context["rows"]] == ["2m"]
     assert (line["first"], line["last"]) == ("2m", "2m")
+
+
+def test_a_system_check_refuses_two_tables_with_one_label(monkeypatch):
+    """Replay tokens and the module filter name tables by label: one label, one table."""
+    from jobs.monitor.checks import check_run_tables
+    from project.curation.models import CurationRun
+
+    monkeypatch.setattr(CurationRun, "monitor_label", "mail.delivery")
+    [error] = check_run_tables()
+
+    assert error.id == "jobs.E032" and "'mail.delivery'" in error.msg
+    assert "project.mail.models.Delivery" in error.msg
+    assert "project.curation.models.CurationRun" in error.msg
