@@ -26,6 +26,7 @@ from django.utils.translation import gettext as _
 
 from jobs import queue
 from jobs.models import Job
+from jobs.monitor.tables import RunTable
 from jobs.monitor.views import age
 from jobs.registry import get_registry
 from jobs.runs import RunState
@@ -109,8 +110,8 @@ def overdue_schedules(now: datetime) -> list[dict[str, Any]] | None:
 
 
 def overview(request: HttpRequest, *, site: AdminSite) -> HttpResponse:
-    """The jobs table at a glance, for users who may view jobs."""
-    if not request.user.has_perm("jobs.view_job"):
+    """The jobs table at a glance, for users who may view jobs (view or change, as the admin)."""
+    if not RunTable(Job).can_view(request.user):
         raise PermissionDenied(_("You may not view jobs."))
     context = {
         **site.each_context(request),

@@ -265,6 +265,15 @@ def test_the_overview_needs_the_jobs_view_permission():
     assert mail_only.get(reverse("admin:jobs_overview")).status_code == 403
 
 
+def test_the_overview_admits_whoever_the_jobs_list_admits():
+    """As in the admin, the change permission includes viewing."""
+    changer = client_for(operator("changer", "jobs.change_job"))
+
+    assert changer.get(reverse(CHANGELIST)).status_code == 200
+    assert changer.get(reverse("admin:jobs_overview")).status_code == 200
+    assert reverse("admin:jobs_overview") in changer.get(reverse(CHANGELIST)).content.decode()
+
+
 def test_tenant_overrides_are_added_but_never_moved(superuser):
     superuser.post(
         reverse("admin:jobs_tenantoverride_add"),
