@@ -12,6 +12,8 @@ Ids are stable so they can be looked up and, for warnings, silenced:
 * ``jobs.W001`` a payload class without a registered handler (its jobs would stay queued)
 * ``jobs.E020`` an invalid schedule (``JOBS["SCHEDULES"]`` or ``jobs.scheduler.schedule()``)
 * ``jobs.E021`` ``SCHEDULER_LEADER_TIMEOUT`` under one second (a live leader could lose it)
+* ``jobs.W022`` ``DB_STATEMENT_TIMEOUT`` / ``DB_LOCK_TIMEOUT`` not below the leader timeout
+* ``jobs.E023`` ``DB_NETWORK_TIMEOUT`` under one second (keepalives count whole seconds)
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ from jobs.registry import MAX_ATTEMPTS_MAX, catalogue
 
 # Durations where zero is meaningful: no window at all, or never wait in-process.
 ZERO_ALLOWED = frozenset(
-    {"SUCCESS_WINDOW", "FAILURE_WINDOW", "RETRY_IN_PROCESS_UP_TO", "HANDLER_CONN_MAX_AGE"}
+    {
+        "SUCCESS_WINDOW",
+        "FAILURE_WINDOW",
+        "RETRY_IN_PROCESS_UP_TO",
+        "HANDLER_CONN_MAX_AGE",
+        # A database bound of zero is off (PostgreSQL's own meaning of 0 for these timeouts).
+        "DB_STATEMENT_TIMEOUT",
+        "DB_LOCK_TIMEOUT",
+        "DB_NETWORK_TIMEOUT",
+    }
 )
 INT_RANGES = {"DEFAULT_MAX_ATTEMPTS": (1, MAX_ATTEMPTS_MAX), "PRUNE_BATCH_SIZE": (1, None)}
 # A terminal row must outlive the window in which it holds its job_id, or pruning it lets a
@@ -235,3 +246,59 @@ def check_scheduler_settings(app_configs: Any = None, **kwargs: Any) -> list[Che
             )
         ]
     return []
+
+
+@register("jobs")
+def check_database_bounds(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The bounds of jobs.dbbounds must fit the leader timeout and the TCP stack."""
+    values = _user_durations(
+        (
+            "DB_STATEMENT_TIMEOUT",
+            "DB_LOCK_TIMEOUT",
+            "DB_NETWORK_TIMEOUT",
+            "SCHEDULER_LEADER_TIMEOUT",
+        )
+    )
+    messages: list[CheckMessage] = []
+    leader = values.get("SCHEDULER_LEADER_TIMEOUT")
+    for key in ("DB_STATEMENT_TIMEOUT", "DB_LOCK_TIMEOUT"):
+        bound = values.get(key)
+        if bound and leader and bound >= leader:
+            messages.append(
+                Warning(
+                    f"JOBS[{key!r}] ({bound}) is not shorter than "
+                    f"JOBS['SCHEDULER_LEADER_TIMEOUT'] ({leader}).",
+                    hint=(
+                        "A scheduler statement that runs into this bound makes the leader step "
+                        "down (its loop has not moved for SCHEDULER_LEADER_TIMEOUT) instead of "
+                        "being cancelled and retried; keep it well below "
+                        "SCHEDULER_LEADER_TIMEOUT."
+                    ),
+                    id="jobs.W022",
+                )
+            )
+    network = values.get("DB_NETWORK_TIMEOUT")
+    if network and network < timedelta(seconds=1):
+        messages.append(
+            Error(
+                f"JOBS['DB_NETWORK_TIMEOUT'] ({network}) is shorter than one second.",
+                hint=(
+                    "TCP keepalive probes count whole seconds; use a few seconds, or 0 to "
+                    "leave the operating system's defaults."
+                ),
+                id="jobs.E023",
+            )
+        )
+    return messages
+
+
+def _user_durations(keys: tuple[str, ...]) -> dict[str, timedelta]:
+    """The valid durations among ``keys`` (defaults where unset); invalid ones are E002's."""
+    user = getattr(settings, "JOBS", None)
+    user = user if isinstance(user, dict) else {}
+    found: dict[str, timedelta] = {}
+    for key in keys:
+        duration, error = _duration(key, user.get(key, DEFAULTS[key]))
+        if duration is not None and error is None:
+            found[key] = duration
+    return found

@@ -57,8 +57,19 @@ DEFAULTS: dict[str, Any] = {
     "MISFIRE_GRACE": timedelta(seconds=60),
     # A scheduler leader that has not proved itself for this long loses its database session
     # (PostgreSQL's idle_session_timeout) and with it leadership, so a stalled or cut-off
-    # leader hands over to a standby.
+    # leader hands over to a standby; a leader whose loop has not moved for this long (a duty
+    # stuck in a call) steps down itself.
     "SCHEDULER_LEADER_TIMEOUT": timedelta(seconds=10),
+    # Bounds on the database calls of the worker's and the scheduler's own connections (never
+    # on handlers'), applied by jobs.dbbounds as libpq connection parameters; 0 turns one off.
+    # statement_timeout of their statements: a statement running or waiting longer is
+    # cancelled, and the loop retries. Keep it well below SCHEDULER_LEADER_TIMEOUT.
+    "DB_STATEMENT_TIMEOUT": timedelta(seconds=5),
+    # lock_timeout of their statements: a wait for a lock another session holds gives up.
+    "DB_LOCK_TIMEOUT": timedelta(seconds=2),
+    # A connection whose network path goes dead (sent data unacknowledged, keepalive probes
+    # unanswered) is dropped after about this long: tcp_user_timeout and TCP keepalives.
+    "DB_NETWORK_TIMEOUT": timedelta(seconds=10),
     # Recorded cron slots are deleted this long after their slot time (each schedule's latest
     # slot is always kept: it is where the next tick starts).
     "SLOT_RETENTION": timedelta(days=30),

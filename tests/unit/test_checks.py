@@ -9,7 +9,7 @@ from django.core import checks
 from django.test import override_settings
 
 from jobs import Payload
-from jobs.checks import check_registry, check_settings
+from jobs.checks import check_database_bounds, check_registry, check_settings
 
 
 def messages(jobs_setting) -> list[tuple[str, str, str | None]]:
@@ -194,3 +194,70 @@ class TestRegistryChecks:
 
     def test_registered_payloads_have_no_warning(self):
         assert not [m for m in check_registry() if m.id == "jobs.W001" and "jobapp." in m.msg]
+
+
+class TestDatabaseBounds:
+    """The bounds on the worker's and the scheduler's own connections (jobs.dbbounds)."""
+
+    @staticmethod
+    def bounds_messages(jobs_setting) -> list[tuple[str, str, str | None]]:
+        with override_settings(JOBS=jobs_setting):
+            return [(m.id, m.msg, m.hint) for m in check_database_bounds()]
+
+    def test_defaults_pass_and_the_check_is_registered(self):
+        assert self.bounds_messages({}) == []
+        assert check_database_bounds in checks.registry.registry.get_checks()
+
+    @pytest.mark.parametrize(
+        "key", ["DB_STATEMENT_TIMEOUT", "DB_LOCK_TIMEOUT", "DB_NETWORK_TIMEOUT"]
+    )
+    def test_zero_turns_a_bound_off_and_negative_is_e002(self, key):
+        assert messages({key: 0}) == []
+        assert self.bounds_messages({key: 0}) == []
+        assert messages({key: -1}) == [
+            (
+                "jobs.E002",
+                f"JOBS[{key!r}] must be zero or a positive duration, got -1.",
+                "Give a datetime.timedelta or a number of seconds.",
+            )
+        ]
+
+    def test_w022_a_statement_bound_not_shorter_than_the_leader_timeout(self):
+        found = self.bounds_messages({"DB_STATEMENT_TIMEOUT": 10, "DB_LOCK_TIMEOUT": 12})
+        hint = (
+            "A scheduler statement that runs into this bound makes the leader step down (its "
+            "loop has not moved for SCHEDULER_LEADER_TIMEOUT) instead of being cancelled and "
+            "retried; keep it well below SCHEDULER_LEADER_TIMEOUT."
+        )
+        assert found == [
+            (
+                "jobs.W022",
+                "JOBS['DB_STATEMENT_TIMEOUT'] (0:00:10) is not shorter than "
+                "JOBS['SCHEDULER_LEADER_TIMEOUT'] (0:00:10).",
+                hint,
+            ),
+            (
+                "jobs.W022",
+                "JOBS['DB_LOCK_TIMEOUT'] (0:00:12) is not shorter than "
+                "JOBS['SCHEDULER_LEADER_TIMEOUT'] (0:00:10).",
+                hint,
+            ),
+        ]
+        with override_settings(JOBS={"DB_STATEMENT_TIMEOUT": 10}):
+            assert [type(m) for m in check_database_bounds()] == [checks.Warning]
+        assert (
+            self.bounds_messages({"DB_STATEMENT_TIMEOUT": 10, "SCHEDULER_LEADER_TIMEOUT": 11}) == []
+        )
+
+    def test_e023_a_network_bound_under_a_second(self):
+        assert self.bounds_messages({"DB_NETWORK_TIMEOUT": 0.5}) == [
+            (
+                "jobs.E023",
+                "JOBS['DB_NETWORK_TIMEOUT'] (0:00:00.500000) is shorter than one second.",
+                "TCP keepalive probes count whole seconds; use a few seconds, or 0 to leave "
+                "the operating system's defaults.",
+            )
+        ]
+
+    def test_invalid_values_are_left_to_e002(self):
+        assert self.bounds_messages({"DB_STATEMENT_TIMEOUT": "5s", "DB_NETWORK_TIMEOUT": -1}) == []

@@ -1,0 +1,114 @@
+"""A TCP proxy to the test PostgreSQL that can go silent: the network path of a partition.
+
+``freeze()`` stops forwarding bytes in both directions but closes nothing, so the client's
+kernel still acknowledges what it sends (the proxy's socket is alive) and keepalive probes
+are answered: a call on a connection through it simply never gets its answer. That is the
+failure TCP's own timeouts cannot see (a hung pooler or proxy, a half-dead NAT), and the one
+the client-side bounds of ``jobs.dbbounds`` exist for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import socket
+import threading
+from urllib.parse import quote
+
+from django.db import connection
+
+
+def database_target() -> str | tuple[str, int]:
+    """Where the test database listens: a Unix socket path, or (host, port)."""
+    params = connection.settings_dict
+    host = params["HOST"] or "localhost"
+    port = int(params.get("PORT") or 5432)
+    if host.startswith("/"):
+        return os.path.join(host, f".s.PGSQL.{port}")
+    return (host, port)
+
+
+class TcpProxy:
+    def __init__(self, target: str | tuple[str, int] | None = None) -> None:
+        self.target = target or database_target()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._forwarding = threading.Event()
+        self._forwarding.set()
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="test-proxy", daemon=True).start()
+
+    def database_url(self) -> str:
+        """The test database's URL, reached through this proxy."""
+        params = connection.settings_dict
+        password = f":{quote(params['PASSWORD'])}" if params.get("PASSWORD") else ""
+        return (
+            f"postgres://{quote(params['USER'])}{password}@127.0.0.1:{self.port}/{params['NAME']}"
+        )
+
+    def freeze(self) -> None:
+        """Stop forwarding, keep every socket open: calls through the proxy hang."""
+        self._forwarding.clear()
+
+    def thaw(self) -> None:
+        self._forwarding.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._forwarding.set()  # wake the pumps so they see the close
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in [self._listener, *sockets]:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def __enter__(self) -> TcpProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            family = socket.AF_UNIX if isinstance(self.target, str) else socket.AF_INET
+            upstream = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                upstream.connect(self.target)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+
+    def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
+        peers = {client: upstream, upstream: client}
+        with selectors.DefaultSelector() as selector:
+            for sock in peers:
+                selector.register(sock, selectors.EVENT_READ)
+            while not self._closed.is_set():
+                if not self._forwarding.is_set():
+                    self._forwarding.wait()  # silent: read nothing, send nothing, close nothing
+                    continue
+                for key, _ in selector.select(timeout=0.1):
+                    if not self._forwarding.is_set():
+                        break
+                    try:
+                        data = key.fileobj.recv(65536)
+                        if not data:
+                            return self._drop(client, upstream)
+                        peers[key.fileobj].sendall(data)
+                    except OSError:
+                        return self._drop(client, upstream)
+
+    def _drop(self, *sockets: socket.socket) -> None:
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
