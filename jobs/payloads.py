@@ -78,7 +78,11 @@ class Payload:
                 f"{cls.__qualname__} must declare its versioned name: "
                 f"class {cls.__name__}(Payload, name='email.send.v1')"
             )
-        if not isinstance(name, str) or len(name) > NAME_MAX_LENGTH or not NAME_PATTERN.match(name):
+        if (
+            not isinstance(name, str)
+            or len(name) > NAME_MAX_LENGTH
+            or not NAME_PATTERN.fullmatch(name)
+        ):
             raise TypeError(
                 f"{cls.__qualname__}: invalid job name {name!r}; use lowercase dotted segments "
                 f"ending in a version, e.g. 'email.send.v1' (at most {NAME_MAX_LENGTH} characters)"

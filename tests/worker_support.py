@@ -102,3 +102,84 @@ def registry(recorder: Recorder, **policy) -> Registry:
             JobType(Step, scripted(recorder), Policy(**step_policy)),
         ]
     )
+
+
+class Hostile(Payload, name="test.hostile.v1"):
+    """Tells the hostile handler how to misbehave (see ``hostile``)."""
+
+    action: str
+    seconds: float = 0.0
+
+
+class Unruly(BaseException):
+    """A BaseException that is neither SystemExit nor KeyboardInterrupt."""
+
+
+def hostile(recorder: Recorder):
+    """A handler that returns, raises or leaves behind whatever ``payload.action`` says."""
+    import asyncio
+    import math
+    from datetime import datetime
+
+    from django.db import connection, transaction
+
+    from jobs.models import TenantOverride
+
+    def handle(payload: Hostile, ctx: JobContext):
+        recorder.enter(payload, ctx)
+        try:
+            action = payload.action
+            if action == "ok":
+                return {"fine": True}
+            if action == "nul-error":
+                raise RuntimeError("bad\x00text and a lone \udc80 surrogate")
+            if action == "nan-result":
+                return {"score": math.nan}
+            if action == "nul-result":
+                return {"text": "a\x00b"}
+            if action == "datetime-result":
+                return datetime.now()
+            if action == "refuse-me":
+                return "refuse-me"
+            if action == "retry-max":
+                raise RetryAfter(timedelta.max)
+            if action == "system-exit":
+                raise SystemExit(3)
+            if action == "keyboard-interrupt":
+                raise KeyboardInterrupt
+            if action == "cancelled-error":
+                raise asyncio.CancelledError
+            if action == "unruly":
+                raise Unruly("not an Exception")
+            if action == "open-atomic":
+                transaction.atomic().__enter__()
+                TenantOverride.objects.create(tenant="left-open", component="x")
+                return None
+            if action == "autocommit-off":
+                connection.set_autocommit(False)
+                TenantOverride.objects.create(tenant="no-autocommit", component="x")
+                return None
+            if action == "ignore-cancel":
+                time.sleep(payload.seconds)
+                return None
+            raise AssertionError(f"unknown action {action}")
+        finally:
+            recorder.leave(ctx)
+
+    return handle
+
+
+def hostile_registry(recorder: Recorder, **policy) -> Registry:
+    options = {
+        "concurrency": 8,
+        "timeout": timedelta(seconds=5),
+        "max_attempts": 3,
+        "backoff": FAST_BACKOFF,
+        **policy,
+    }
+    return Registry(
+        [
+            JobType(Echo, echo_handler(recorder), Policy(concurrency=8)),
+            JobType(Hostile, hostile(recorder), Policy(**options)),
+        ]
+    )

@@ -18,12 +18,13 @@ The worker, the scheduler, the admin and management commands call these function
 them writes the jobs table itself.
 """
 
-from jobs.queue.claim import claim, claim_sql, renew
+from jobs.queue.claim import claim, claim_sql, next_attempt, renew
 from jobs.queue.enqueue import enqueue, enqueue_many
 from jobs.queue.maintenance import backlog, fail_exhausted, pending, prune, requeue_expired
 from jobs.queue.operations import cancel, replay, run_now
 from jobs.queue.outcomes import complete, fail, record, release, retry
 from jobs.queue.types import (
+    RETRY_DELAY_MAX,
     AllTenants,
     AllTenantsExcept,
     BacklogRow,
@@ -31,6 +32,7 @@ from jobs.queue.types import (
     ClaimRequest,
     Enqueued,
     InvalidJob,
+    InvalidResult,
     NewJob,
     OnlyTenant,
     Outcome,
@@ -41,6 +43,7 @@ from jobs.queue.types import (
 )
 
 __all__ = [
+    "RETRY_DELAY_MAX",
     "AllTenants",
     "AllTenantsExcept",
     "BacklogRow",
@@ -48,6 +51,7 @@ __all__ = [
     "ClaimedJob",
     "Enqueued",
     "InvalidJob",
+    "InvalidResult",
     "NewJob",
     "OnlyTenant",
     "Outcome",
@@ -64,6 +68,7 @@ __all__ = [
     "enqueue_many",
     "fail",
     "fail_exhausted",
+    "next_attempt",
     "pending",
     "prune",
     "record",

@@ -146,3 +146,36 @@ def renew(
         )
         kept = {id_ for (id_,) in cur.fetchall()}
     return {job.id for job in jobs} - kept
+
+
+def next_attempt(
+    job: ClaimedJob,
+    *,
+    lease: timedelta | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> int | None:
+    """Count another attempt of a held job before it runs again in the same claim.
+
+    A short ``RetryAfter`` is waited out in the worker; the attempt after it is recorded
+    here, fenced by the claim token and renewing the lease, so a worker that dies during the
+    wait cannot let the job run past its ``max_attempts``. Returns the job's attempts now, or
+    None when the lease was lost (the handler must not run again).
+    """
+    with _db.cursor(using) as cur:
+        cur.execute(
+            """
+            UPDATE jobs_job
+            SET attempts = attempts + 1,
+                lease_expires_at = statement_timestamp() + make_interval(secs => %(lease)s),
+                heartbeat_at = statement_timestamp()
+            WHERE id = %(id)s AND claim_token = %(token)s AND state = 'running'
+            RETURNING attempts
+            """,
+            {
+                "id": job.id,
+                "token": job.claim_token,
+                "lease": _db.seconds(lease or jobs_settings.LEASE),
+            },
+        )
+        row = cur.fetchone()
+    return None if row is None else row[0]

@@ -9,9 +9,8 @@ whose window has passed still holds its key until someone needs it: enqueue then
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, transaction
@@ -19,8 +18,11 @@ from django.utils import timezone
 
 from jobs.conf import NOTIFY_CHANNEL, jobs_settings
 from jobs.models import PRIORITY_MAX, PRIORITY_MIN, new_job_id
-from jobs.queue import _db, keys
+from jobs.queue import _db, keys, text
 from jobs.queue.types import Enqueued, InvalidJob, NewJob, validate_key
+
+#: The furthest ahead ``delay`` may put a job; ``run_after`` is bounded by datetime itself.
+DELAY_MAX = timedelta(days=100 * 365)
 
 # Rounds of "insert, find the key holders, release the expired ones" before giving up. Each
 # round only repeats for rows whose key holder vanished or expired in the meantime.
@@ -77,6 +79,10 @@ def _row(job: NewJob, index: int) -> dict[str, Any]:
             f"job_id must be a non-empty string of at most 255 characters, got {job_id!r}",
             index=index,
         )
+    for what, value in (("name", job.name), ("job_id", job_id)):
+        bad = text.problem(value)
+        if bad:
+            raise InvalidJob(f"{what} {bad}: {value!r}", index=index)
     try:
         tenant = validate_key(job.tenant or jobs_settings.DEFAULT_TENANT, "tenant")
         queue = validate_key(job.queue or jobs_settings.DEFAULT_QUEUE, "queue")
@@ -105,14 +111,21 @@ def _row(job: NewJob, index: int) -> dict[str, Any]:
         not isinstance(job.run_after, datetime) or timezone.is_naive(job.run_after)
     ):
         raise InvalidJob(f"run_after must be an aware datetime, got {job.run_after!r}", index=index)
+    if job.delay is not None and (
+        not isinstance(job.delay, timedelta) or abs(job.delay) > DELAY_MAX
+    ):
+        raise InvalidJob(
+            f"delay must be a timedelta of at most {DELAY_MAX.days} days, got {job.delay!r}",
+            index=index,
+        )
     delay = 0.0 if job.delay is None else _db.seconds(job.delay)
     if not isinstance(job.payload, dict):
         raise InvalidJob(
             f"payload must be a dict (a JSON object), got {type(job.payload).__name__}", index=index
         )
     try:
-        payload = json.dumps(job.payload, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        payload = text.dumps(job.payload)
+    except ValueError as exc:
         raise InvalidJob(f"payload is not JSON-serializable: {exc}", index=index) from None
     return {
         "job_id": job_id,
@@ -137,13 +150,16 @@ def _insert_or_find(cur, rows: list[dict[str, Any]]) -> dict[tuple[str, str], En
         if not skipped:
             return done
         holders = keys.holders(cur, [(row["tenant"], row["job_id"]) for row in skipped])
-        released = keys.release(cur, [h["id"] for h in holders.values() if h["expired"]])
+        keys.release(cur, [h["id"] for h in holders.values() if h["expired"]])
         pending = []
         for row in skipped:
             key = (row["tenant"], row["job_id"])
             holder = holders.get(key)
-            if holder is None or holder["id"] in released:
-                pending.append(row)  # the key is free now: insert again
+            if holder is None or holder["expired"]:
+                # The key is free now: insert again. When a concurrent enqueuer released the
+                # expired holder first (ours released nothing), the next round's insert meets
+                # that enqueuer's new row, which is the live one to report.
+                pending.append(row)
             else:
                 done[key] = Enqueued(
                     holder["id"],

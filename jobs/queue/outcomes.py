@@ -12,15 +12,14 @@ so a busy worker acknowledges in batches instead of one commit per job.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS
 
-from jobs.queue import _db
-from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport
+from jobs.queue import _db, text
+from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay
 
 _RECORD = """
 UPDATE jobs_job j
@@ -54,16 +53,20 @@ def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> Out
     """Write many outcomes in one statement; report which were applied and which fenced."""
     if not outcomes:
         return OutcomeReport((), ())
+    # The Outcome constructors already made these storable; an Outcome built by hand is
+    # made so here, since one refused value would fail the whole batch.
     params = {
         "ids": [o.id for o in outcomes],
         "tokens": [o.token for o in outcomes],
         "states": [o.state for o in outcomes],
-        "codes": [o.code for o in outcomes],
-        "details": [None if o.detail is None else o.detail[:MAX_DETAIL] for o in outcomes],
-        "delays": [max(0.0, o.delay) for o in outcomes],
+        "codes": [None if o.code is None else text.clean(o.code)[:32] for o in outcomes],
+        "details": [
+            None if o.detail is None else text.clean(o.detail[:MAX_DETAIL]) for o in outcomes
+        ],
+        "delays": [clamp_delay(o.delay) for o in outcomes],
         "ats": [o.at for o in outcomes],
         "deltas": [o.attempts_delta for o in outcomes],
-        "results": [None if o.result is None else json.dumps(o.result) for o in outcomes],
+        "results": [o.result_json for o in outcomes],
     }
     with _db.cursor(using) as cur:
         cur.execute(_RECORD, params)
@@ -75,7 +78,10 @@ def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> Out
 
 
 def complete(job: ClaimedJob, result: Any = None, *, using: str = DEFAULT_DB_ALIAS) -> bool:
-    """Mark a claimed job succeeded; False if fenced out (the lease was lost)."""
+    """Mark a claimed job succeeded; False if fenced out (the lease was lost).
+
+    Raises :class:`~jobs.queue.InvalidResult` when ``result`` is not storable JSON.
+    """
     return _one(Outcome.succeeded(job, result), using)
 
 

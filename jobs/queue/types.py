@@ -9,9 +9,18 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+from jobs.queue import text
 from jobs.runs import RunState
 
-_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+
+#: The longest delay an outcome may ask for: a retry further out is scheduled at this delay.
+#: A ``RetryAfter(timedelta.max)`` would otherwise overflow PostgreSQL's timestamps.
+RETRY_DELAY_MAX = timedelta(days=30)
+
+
+class InvalidResult(ValueError):
+    """A handler's return value cannot be stored as the job's JSON result."""
 
 
 class InvalidJob(ValueError):
@@ -25,7 +34,7 @@ class InvalidJob(ValueError):
 
 def validate_key(value: object, what: str) -> str:
     """Tenants, components and queues are short identifiers: letters, digits, ``_.:-``."""
-    if not isinstance(value, str) or not _KEY.match(value):
+    if not isinstance(value, str) or not _KEY.fullmatch(value):
         raise ValueError(
             f"{what} must be 1-64 characters of letters, digits, '_', '.', ':' or '-' "
             f"starting with a letter or digit, got {value!r}"
@@ -149,7 +158,10 @@ class AllTenants(Scope):
 class Outcome:
     """The result of one claimed attempt, written only while ``token`` still holds the job.
 
-    Build one with :meth:`succeeded`, :meth:`retry`, :meth:`failed` or :meth:`released`.
+    Build one with :meth:`succeeded`, :meth:`retry`, :meth:`failed` or :meth:`released`: they
+    make every value storable (error text cleaned of what PostgreSQL refuses, delays clamped
+    to :data:`RETRY_DELAY_MAX`, results encoded strictly), so one outcome cannot make a batch
+    of outcomes fail to write.
     """
 
     id: int
@@ -159,12 +171,19 @@ class Outcome:
     detail: str | None = ""
     delay: float = 0.0
     at: datetime | None = None
-    attempts_delta: int = 0  # -1 gives the claimed attempt back; +n adds in-process retries
-    result: Any = None
+    attempts_delta: int = 0  # -1 gives the claimed attempt back
+    result_json: str | None = None  # the result, already encoded (see jobs.queue.text.dumps)
 
     @classmethod
     def succeeded(cls, job: ClaimedJob, result: Any = None) -> Outcome:
-        return cls(job.id, job.claim_token, RunState.SUCCEEDED, result=result)
+        """Raises :class:`InvalidResult` when ``result`` is not storable JSON."""
+        if result is None:
+            return cls(job.id, job.claim_token, RunState.SUCCEEDED)
+        try:
+            encoded = text.dumps(result)
+        except ValueError as exc:
+            raise InvalidResult(f"the result cannot be stored as JSON: {exc}") from None
+        return cls(job.id, job.claim_token, RunState.SUCCEEDED, result_json=encoded)
 
     @classmethod
     def retry(
@@ -176,17 +195,32 @@ class Outcome:
         delay: timedelta | float = 0.0,
         at: datetime | None = None,
     ) -> Outcome:
-        seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
-        return cls(job.id, job.claim_token, RunState.QUEUED, code, detail, seconds, at)
+        return cls(
+            job.id,
+            job.claim_token,
+            RunState.QUEUED,
+            text.clean(code),
+            text.clean(detail),
+            clamp_delay(delay),
+            at,
+        )
 
     @classmethod
     def failed(cls, job: ClaimedJob, *, code: str, detail: str = "") -> Outcome:
-        return cls(job.id, job.claim_token, RunState.FAILED, code, detail)
+        return cls(job.id, job.claim_token, RunState.FAILED, text.clean(code), text.clean(detail))
 
     @classmethod
     def released(cls, job: ClaimedJob) -> Outcome:
         """Hand the job back untried (shutdown): due at once, and the attempt is returned."""
         return cls(job.id, job.claim_token, RunState.QUEUED, None, None, attempts_delta=-1)
+
+
+def clamp_delay(delay: timedelta | float) -> float:
+    """Seconds from 0 to :data:`RETRY_DELAY_MAX`; NaN counts as 0."""
+    seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+    if not seconds > 0:  # negative, zero or NaN
+        return 0.0
+    return min(seconds, RETRY_DELAY_MAX.total_seconds())
 
 
 @dataclass(frozen=True, slots=True)

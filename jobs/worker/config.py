@@ -28,9 +28,16 @@ class WorkerConfig:
     scope: Scope = field(default_factory=lambda: AllTenantsExcept(DEFAULT_COMPONENT))
     concurrency: int = 10
     shutdown_timeout: float = 30.0
+    # After the shutdown timeout: how long cancelled handlers get to return before exit.
+    cancel_timeout: float = 5.0
     poll_interval: float = 0.5
     ack_interval: float = 0.005
     maintenance_interval: float = 15.0
+    # Expired leases are looked for this often, so a dead worker's jobs come back within
+    # lease + this interval (the query reads only running rows).
+    recovery_interval: float = 1.0
+    # After a database error the loop waits poll_interval, doubling per failure, up to this.
+    error_backoff_max: float = 10.0
     maintenance_limit: int = 100
     lease: timedelta | None = None
     listen: bool | None = None
@@ -45,6 +52,12 @@ class WorkerConfig:
             problems.append(f"concurrency must be from 1 to 1000, got {self.concurrency}")
         if self.shutdown_timeout <= 0:
             problems.append(f"shutdown timeout must be positive, got {self.shutdown_timeout}")
+        if self.cancel_timeout < 0:
+            problems.append(f"cancel timeout must not be negative, got {self.cancel_timeout}")
+        if self.recovery_interval <= 0:
+            problems.append(f"recovery interval must be positive, got {self.recovery_interval}")
+        if self.error_backoff_max <= 0:
+            problems.append(f"error backoff must be positive, got {self.error_backoff_max}")
         if self.poll_interval <= 0:
             problems.append(f"poll interval must be positive, got {self.poll_interval}")
         if self.maintenance_interval <= 0:

@@ -18,37 +18,48 @@ lease lost meanwhile               nothing written (fenced)                   â€
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import cache
 from typing import Any
 
-from jobs import runs
+from django.db import connections
+from psycopg.pq import TransactionStatus
+
+from jobs import queue, runs
 from jobs.conf import as_timedelta
 from jobs.context import JobContext
 from jobs.payloads import InvalidPayload
-from jobs.queue import ClaimedJob, Outcome
+from jobs.queue import ClaimedJob, InvalidResult, Outcome
+from jobs.queue.types import clamp_delay
 from jobs.registry import JobType, classify
 from jobs.runs import ErrorCode
 from jobs.worker import metrics
 
 logger = logging.getLogger("jobs.worker")
+IDLE = TransactionStatus.IDLE
 
 
 @dataclass(eq=False)
 class Running:
-    """A job this worker holds, from claim until its outcome is written."""
+    """A job this worker holds, from claim until its outcome is written.
+
+    The flags change under the worker's lock: ``started`` and ``handed_back`` decide, between
+    a handler thread and a draining worker, which of them has the job.
+    """
 
     job: ClaimedJob
     job_type: JobType
     ctx: JobContext
-    lost: bool = False  # lease lost or handed back: write no outcome
+    lost: bool = False  # lease lost or abandoned at exit: write no outcome
+    started: bool = False  # a handler thread took the job
     finished: bool = False  # the handler returned; the outcome may wait for the next flush
-    extra_attempts: int = 0  # retries waited out in-process, added to attempts at the end
+    handed_back: bool = False  # released by a drain before any handler thread took it
+    shutdown: bool = False  # cancelled by a drain: hand the job back whatever happens
     claimed_at: float = field(default_factory=time.monotonic)
     run_pk: object = None  # the bound run row (policy.run_model), once the payload is decoded
 
@@ -75,23 +86,41 @@ def make_context(job: ClaimedJob, job_type: JobType) -> JobContext:
     )
 
 
-def execute(running: Running, *, shutting_down: Callable[[], bool]) -> Outcome | None:
-    """Decode, call the handler (again, for short in-process retries) and return the outcome."""
+def execute(
+    running: Running, *, shutting_down: Callable[[], bool], lease: timedelta | None = None
+) -> Outcome | None:
+    """Decode, call the handler (again, for short in-process retries) and return the outcome.
+
+    Runs on a handler thread. Whatever the handler does (returns anything, raises any
+    ``BaseException``, leaves a transaction open) ends in an outcome, or in None when the job
+    is no longer this worker's to report on.
+    """
     job, job_type, ctx = running.job, running.job_type, running.ctx
     try:
         payload = job_type.decode(job.payload)
-    except InvalidPayload as exc:
-        return Outcome.failed(job, code=ErrorCode.INVALID_PAYLOAD, detail=str(exc))
-    run_model = job_type.policy.run_model
-    if run_model is not None:
-        running.run_pk = getattr(payload, job_type.policy.run_field)
+        run_model = job_type.policy.run_model
+        if run_model is not None:
+            running.run_pk = getattr(payload, job_type.policy.run_field)
+    except BaseException as exc:  # any failure to decode is the payload's
+        return Outcome.failed(job, code=ErrorCode.INVALID_PAYLOAD, detail=_payload_error(exc))
     while True:
         if run_model is not None:
             runs.mark_running(run_model, running.run_pk, attempt=ctx.attempt)
         error, result, duration = _call(job_type, payload, ctx)
         metrics.for_type(job.name).handler_duration.observe(duration)
+        left_open = close_open_transactions()
         if running.lost:
             return None
+        if running.shutdown:
+            return Outcome.released(job)
+        if left_open:
+            detail = (
+                f"the handler left a transaction open on database {', '.join(left_open)}; "
+                "it was rolled back, so the handler's writes there were not saved"
+            )
+            if error is not None:
+                detail += "\n\n" + _describe(error)
+            return _retry_or_fail(running, ErrorCode.HANDLER_ERROR, detail)
         overran = time.monotonic() > ctx.deadline
         if error is None and not overran:
             return _succeeded(running, result)
@@ -101,20 +130,23 @@ def execute(running: Running, *, shutting_down: Callable[[], bool]) -> Outcome |
                 ErrorCode.DEADLINE_EXCEEDED,
                 f"handler ran {duration:.3f}s, over its {ctx.timeout:g}s timeout",
             )
-        kind = classify(job_type.policy, error)
+        kind = _classify(job_type, error)
         detail = _describe(error)
         if kind in ("reject", "permanent"):
-            return _with_attempts(
-                running, Outcome.failed(job, code=ErrorCode.REJECTED, detail=detail)
-            )
+            return Outcome.failed(job, code=ErrorCode.REJECTED, detail=detail)
         if kind == "retry_after":
-            delay = error.delay
+            delay = clamp_delay(error.delay)
             threshold = job_type.policy.in_process_limit().total_seconds()
             if not ctx.final_attempt and delay <= threshold:
-                if not _wait_in_process(running, delay, shutting_down):
-                    continue
+                interrupted = _wait_in_process(running, delay, shutting_down)
                 if running.lost:
                     return None
+                if not interrupted:
+                    attempt = _count_next_attempt(running, lease)
+                    if attempt is None:
+                        return None
+                    if attempt:
+                        continue
             return _retry_or_fail(running, ErrorCode.HANDLER_ERROR, detail, delay=delay)
         return _retry_or_fail(running, ErrorCode.HANDLER_ERROR, detail)
 
@@ -128,63 +160,117 @@ def _call(
             result = asyncio.run(job_type.handler(payload, ctx))
         else:
             result = job_type.handler(payload, ctx)
-    except Exception as exc:
+    except BaseException as exc:  # SystemExit, CancelledError: all outcomes
         return exc, None, time.monotonic() - started
     return None, result, time.monotonic() - started
 
 
-def _wait_in_process(running: Running, delay: float, shutting_down: Callable[[], bool]) -> bool:
-    """Sleep out a short Retry-After, keeping the lease; False means try again now.
+def _classify(job_type: JobType, error: BaseException) -> str:
+    """The policy's classification; BaseExceptions that are not Exceptions are transient."""
+    if not isinstance(error, Exception):
+        return "transient"
+    try:
+        return classify(job_type.policy, error)
+    except Exception:  # a broken classify() hook must not lose the outcome
+        logger.exception(
+            "classifying an error of %s failed; treating it as transient", job_type.name
+        )
+        return "transient"
 
-    Returns True when the wait was interrupted (cancelled or shutting down): the caller then
-    hands the retry to the queue instead.
+
+def close_open_transactions() -> list[str]:
+    """Roll back what a handler left open on this thread's connections; their aliases.
+
+    A handler that leaves ``atomic()`` unexited, turns autocommit off, or starts a
+    transaction on the raw connection has not committed its writes; reusing the connection
+    would let the worker's own writes join that transaction. The connection is closed (the
+    server rolls back) and replaced by a fresh one on next use.
+    """
+    dirty = []
+    for conn in connections.all(initialized_only=True):
+        raw = conn.connection
+        if raw is None:
+            continue
+        try:
+            status = raw.info.transaction_status
+            open_ = conn.in_atomic_block or not conn.get_autocommit() or status != IDLE
+        except Exception:  # a connection too broken to ask is not reused either
+            open_ = True
+        if not open_:
+            continue
+        dirty.append(conn.alias)
+        try:
+            raw.close()
+        except Exception:
+            logger.debug("closing connection %s failed", conn.alias, exc_info=True)
+        del connections[conn.alias]  # the next use of the alias opens a fresh connection
+    return dirty
+
+
+def _wait_in_process(running: Running, delay: float, shutting_down: Callable[[], bool]) -> bool:
+    """Sleep out a short Retry-After, keeping the lease; True when interrupted.
+
+    An interrupted wait (cancelled or shutting down) hands the retry to the queue instead.
     """
     ctx = running.ctx
-    # The next attempt's clock starts after the wait, so the lease keeper keeps renewing.
+    # The next attempt's clock starts after the wait: no deadline passes while waiting.
     ctx.started = time.monotonic() + delay
-    interrupted = ctx.sleep(delay) or shutting_down()
-    if interrupted:
-        return True
-    running.extra_attempts += 1
-    ctx.attempt += 1
+    return ctx.sleep(delay) or shutting_down()
+
+
+def _count_next_attempt(running: Running, lease: timedelta | None) -> int | None:
+    """Record the next attempt before running it; None if fenced, 0 if it could not be saved."""
+    ctx = running.ctx
+    try:
+        attempt = queue.next_attempt(running.job, lease=lease)
+    except Exception:
+        logger.warning(
+            "could not record the next attempt of job %s; retrying it through the queue",
+            ctx.job_id,
+            exc_info=True,
+        )
+        return 0
+    if attempt is None:
+        running.lost = True
+        return None
+    ctx.attempt = attempt
     ctx.started = time.monotonic()
-    return False
+    return attempt
 
 
 def _succeeded(running: Running, result: Any) -> Outcome:
     try:
-        json.dumps(result)
-    except (TypeError, ValueError) as exc:
-        return _with_attempts(
-            running,
-            Outcome.failed(
-                running.job,
-                code=ErrorCode.HANDLER_ERROR,
-                detail=f"the handler's return value is not JSON-serializable: {exc}",
-            ),
+        return Outcome.succeeded(running.job, result)
+    except InvalidResult as exc:
+        # Running the handler again would return the same kind of value: fail at once.
+        return Outcome.failed(
+            running.job,
+            code=ErrorCode.HANDLER_ERROR,
+            detail=f"the handler returned {type(result).__name__}, and {exc}",
         )
-    return _with_attempts(running, Outcome.succeeded(running.job, result))
 
 
 def _retry_or_fail(running: Running, code: str, detail: str, delay: float | None = None) -> Outcome:
     job, ctx = running.job, running.ctx
     if ctx.final_attempt:
-        return _with_attempts(running, Outcome.failed(job, code=code, detail=detail))
+        return Outcome.failed(job, code=code, detail=detail)
     if delay is None:
         delay = running.job_type.policy.resolved_backoff().delay(ctx.attempt)
-    return _with_attempts(running, Outcome.retry(job, code=code, detail=detail, delay=delay))
-
-
-def _with_attempts(running: Running, outcome: Outcome) -> Outcome:
-    """Count the attempts waited out in-process, which the queue has not seen yet."""
-    if not running.extra_attempts:
-        return outcome
-    return replace(outcome, attempts_delta=running.extra_attempts)
+    return Outcome.retry(job, code=code, detail=detail, delay=delay)
 
 
 def _describe(error: BaseException) -> str:
-    text = "".join(traceback.format_exception(error))
+    try:
+        text = "".join(traceback.format_exception(error))
+    except Exception:  # an exception whose __str__ raises
+        text = f"{type(error).__qualname__} (its message could not be formatted)"
     return text.strip()
+
+
+def _payload_error(exc: BaseException) -> str:
+    if isinstance(exc, InvalidPayload):
+        return str(exc)
+    return f"decoding the payload raised {type(exc).__qualname__}:\n{_describe(exc)}"
 
 
 def sync_run_rows(settled: list[tuple[Running, Outcome]]) -> None:

@@ -1,11 +1,14 @@
 """The lease keeper: renews every held lease in one statement, enforces handler deadlines.
 
-Every third of the lease it renews the leases of all held jobs whose handler is still inside
-its timeout (stamping ``heartbeat_at``). A job whose renewal finds its token gone has been
-taken away (its lease expired and a maintenance pass or another worker moved it): the handler
-is told to stop and no outcome will be written. A handler past its timeout is told to stop
-and its lease is no longer renewed; what remains of the lease lets a prompt handler still
-record ``deadline_exceeded``.
+Every third of the lease it renews the leases of all held jobs (stamping ``heartbeat_at``),
+for as long as their handler runs: Python cannot stop a thread, and a lease that lapsed while
+its handler still ran would let a second worker run the same job at the same time. A handler
+past its timeout is told to stop (its attempt ends ``deadline_exceeded`` when it returns); one
+that never returns holds its slot and its job until the process exits. A job whose renewal
+finds its token gone has been taken away (a stall let the lease expire and a maintenance pass
+or another worker moved it): the handler is told to stop and no outcome will be written. A
+job whose handler already returned is not reported lost: its outcome write, which may have
+just committed, says whether it was applied or fenced.
 """
 
 from __future__ import annotations
@@ -75,16 +78,22 @@ class LeaseKeeper:
                 ctx.cancelled.set()
 
     def renew_once(self, now: float | None = None) -> set[int]:
-        """Renew the leases of held jobs still inside their deadline; returns the lost ids."""
+        """Renew the leases of every held job; returns the ids of running handlers' lost leases."""
         now = time.monotonic() if now is None else now
-        renewable = [r for r in self._held() if not r.lost and now <= r.ctx.deadline]
+        renewable = [r for r in self._held() if not r.lost]
         if not renewable:
             self._last_renewal = now
             return set()
         try:
             lost = queue.renew([r.job for r in renewable], lease=timedelta(seconds=self._lease))
-        except Exception:
-            logger.exception("lease renewal failed")
+        except Exception as exc:
+            logger.warning(
+                "lease renewal of %d jobs failed (%s: %s)",
+                len(renewable),
+                type(exc).__name__,
+                (str(exc).strip().splitlines() or [""])[0],
+                extra={"action": "renew_failed"},
+            )
             connection.close()
             if now - self._last_renewal >= self._lease:
                 # Past a full lease without a successful renewal, others may own the jobs.
@@ -93,6 +102,9 @@ class LeaseKeeper:
                 return set()
         self._last_renewal = now
         self._beat_run_rows([r for r in renewable if r.job.id not in lost])
+        # Read after the renewal: an outcome is written only once its handler finished, so
+        # a job that is not finished now cannot have lost its lease to our own outcome.
+        lost = {r.job.id for r in renewable if r.job.id in lost and not r.finished}
         for running in renewable:
             if running.job.id in lost:
                 running.lost = True

@@ -1,4 +1,4 @@
-"""The worker's periodic pass: expired leases, exhausted jobs, backlog gauges.
+"""The worker's periodic passes: expired leases (every second), exhausted jobs, backlog gauges.
 
 Every worker runs it for its own tenant scope (the scheduler's watchdog runs the same queue
 functions for all tenants), so jobs of a dead worker are recovered even when no scheduler
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-
-from django.db import connection
 
 from jobs import queue
 from jobs.queue import BacklogRow, SweepRow
@@ -28,19 +26,14 @@ class WorkerMaintenance:
         self._names = list(registry.names())
         self._unsupported_total = 0
 
-    def run_once(self) -> list[SweepRow]:
-        """One pass; returns the jobs it failed (for the caller's terminal-failure hook)."""
-        scope, limit = self.config.scope, self.config.maintenance_limit
-        try:
-            requeued = queue.requeue_expired(scope=scope, limit=limit)
-            failed = queue.fail_exhausted(
-                scope=scope, max_attempts=self.registry.max_attempts(), limit=limit
-            )
-            rows = queue.backlog(scope=scope, supported=self._names)
-        except Exception:
-            logger.exception("maintenance pass failed; will try again")
-            connection.close()
-            return []
+    def recover(self) -> list[SweepRow]:
+        """Requeue running jobs whose lease expired (a worker died); raises DatabaseError.
+
+        Cheap enough to run every second: it reads only running rows, through their index.
+        """
+        requeued = queue.requeue_expired(
+            scope=self.config.scope, limit=self.config.maintenance_limit
+        )
         for row in requeued:
             metrics.expired_leases.labels(row.name).inc()
         if requeued:
@@ -50,6 +43,17 @@ class WorkerMaintenance:
                 [r.id for r in requeued],
                 extra={"action": "requeue_expired"},
             )
+        return requeued
+
+    def run_once(self) -> list[SweepRow]:
+        """Fail exhausted jobs and refresh the backlog gauges; raises DatabaseError.
+
+        Returns the jobs it failed (for the caller's terminal-failure hook).
+        """
+        scope, limit = self.config.scope, self.config.maintenance_limit
+        failed = queue.fail_exhausted(
+            scope=scope, max_attempts=self.registry.max_attempts(), limit=limit
+        )
         if failed:
             logger.warning(
                 "failed %d jobs with no attempts left: ids %s",
@@ -57,7 +61,7 @@ class WorkerMaintenance:
                 [r.id for r in failed],
                 extra={"action": "fail_exhausted"},
             )
-        self._report_backlog(rows)
+        self._report_backlog(queue.backlog(scope=scope, supported=self._names))
         return failed
 
     def _report_backlog(self, rows: list[BacklogRow]) -> None:

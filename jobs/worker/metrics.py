@@ -54,6 +54,10 @@ queue_latency = Histogram(
     ["job_type"],
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300),
 )
+loop_errors = Counter(
+    "jobs_worker_loop_errors_total",
+    "Run-loop passes that failed on a database error (each followed by a backoff).",
+)
 running = Gauge("jobs_worker_running", "Handlers running in this worker process.")
 ready = Gauge("jobs_worker_ready", "1 while this worker claims work, 0 while starting or draining.")
 

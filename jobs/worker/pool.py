@@ -25,40 +25,68 @@ _STOP = object()
 
 
 class HandlerPool:
+    """``size`` threads taking tasks in order. A thread that dies is replaced at once."""
+
     def __init__(self, size: int, name: str = "jobs-handler") -> None:
         self._tasks: stdlib_queue.SimpleQueue = stdlib_queue.SimpleQueue()
         self._max_age = jobs_settings.HANDLER_CONN_MAX_AGE.total_seconds()
-        self._threads = [
-            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
-            for i in range(size)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._name = name
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._started = 0
+        self._threads: list[threading.Thread] = []
+        for _ in range(size):
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        with self._lock:
+            thread = threading.Thread(
+                target=self._loop, name=f"{self._name}-{self._started}", daemon=True
+            )
+            self._started += 1
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
 
     def submit(self, task: Callable[[], None]) -> None:
         self._tasks.put(task)
 
     def shutdown(self, timeout: float) -> bool:
         """Ask threads to exit after their current task; True if all did within ``timeout``."""
-        for _ in self._threads:
+        with self._lock:
+            self._stopping = True
+            threads = list(self._threads)
+        for _ in threads:
             self._tasks.put(_STOP)
         deadline = time.monotonic() + timeout
-        for thread in self._threads:
+        for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._threads)
+        return not any(thread.is_alive() for thread in threads)
 
     def _loop(self) -> None:
         opened: dict[str, tuple[int, float]] = {}
+        stopped = False
         try:
             while (task := self._tasks.get()) is not _STOP:
                 try:
                     task()
-                except Exception:  # a bug in the worker itself; the job's lease will expire
+                except BaseException:  # the task handles its own errors; this is a last guard
                     logger.exception("handler task crashed")
                 finally:
                     self._recycle(opened)
+            stopped = True
         finally:
-            connections.close_all()
+            try:
+                connections.close_all()
+            finally:
+                if not stopped and not self._stopping:
+                    logger.error("handler thread %s died; starting another", _current_name())
+                    self._start_thread()
+
+    @property
+    def alive(self) -> int:
+        """Handler threads alive now (for tests and health)."""
+        with self._lock:
+            return sum(thread.is_alive() for thread in self._threads)
 
     def _recycle(self, opened: dict[str, tuple[int, float]]) -> None:
         """After a job: keep healthy connections, close broken, dirty or old ones."""
@@ -78,3 +106,7 @@ class HandlerPool:
                 opened.pop(conn.alias, None)
             else:
                 conn.errors_occurred = False
+
+
+def _current_name() -> str:
+    return threading.current_thread().name

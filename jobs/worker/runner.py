@@ -16,6 +16,7 @@ A second signal skips the wait. Outcomes already decided are always flushed befo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -23,13 +24,13 @@ from collections import Counter
 from collections.abc import Callable
 from functools import partial
 
-from django.db import connection, transaction
+from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 
 from jobs import queue
 from jobs.process import install_stop_signals, restore_signals, start_http
-from jobs.queue import ClaimedJob, ClaimRequest, Outcome
+from jobs.queue import ClaimedJob, ClaimRequest, Outcome, OutcomeReport
 from jobs.registry import Registry
-from jobs.runs import RunState
+from jobs.runs import ErrorCode, RunState
 from jobs.worker import metrics
 from jobs.worker.config import WorkerConfig
 from jobs.worker.execution import Running, execute, make_context, sync_run_rows
@@ -39,6 +40,9 @@ from jobs.worker.pool import HandlerPool
 from jobs.worker.wakeup import NotifyListener
 
 logger = logging.getLogger("jobs.worker")
+
+#: After a second stop signal, how long cancelled handlers still get to return (seconds).
+FORCED_CANCEL_TIMEOUT = 1.0
 
 #: Called with (job type name, job_id, error code, detail) when a job becomes failed.
 TerminalHook = Callable[[str, str, str, str], None]
@@ -69,6 +73,9 @@ class Worker:
         self._rotation = 0
         self._next_poll = 0.0
         self._next_maintenance = 0.0
+        self._next_recovery = 0.0
+        self._retry_at = 0.0  # after a database error, no pass before this
+        self._errors = 0  # consecutive failed passes
         self._maintenance = WorkerMaintenance(self.config, registry)
         self._listener: NotifyListener | None = None
         self.ready = False
@@ -145,29 +152,132 @@ class Worker:
 
     def _pass(self) -> None:
         now = time.monotonic()
-        if now >= self._next_maintenance:
-            self._maintain()
-            self._next_maintenance = now + self.config.maintenance_interval
+        if now < self._retry_at:
+            return  # backing off after a database error
+        # Timers move first: a pass that keeps failing cannot starve outcomes and claims.
+        try:
+            if now >= self._next_recovery:
+                self._next_recovery = now + self.config.recovery_interval
+                self._recover()
+            if now >= self._next_maintenance:
+                self._next_maintenance = now + self.config.maintenance_interval
+                self._maintain()
+        except DatabaseError as exc:
+            self._database_error(exc)
+            return
         acks = self._take_acks(now)
         requests = self._claim_requests(now)
         if not acks and not requests:
+            self._errors = 0
             return
         outcomes = [(r, o) for r, o in acks if o is not None and not r.lost]
         try:
-            with transaction.atomic():
-                report = queue.record([o for _, o in outcomes]) if outcomes else None
-                if report is not None:
-                    applied = set(report.applied)
-                    sync_run_rows([(r, o) for r, o in outcomes if r.job.id in applied])
-                claimed = self._claim(requests) if requests else []
-        except Exception:
-            logger.exception("database error in the run loop; retrying after the poll interval")
-            self._put_back(acks)
-            connection.close()
-            self._next_poll = time.monotonic() + self.config.poll_interval
-            return
+            report, claimed = self._write_and_claim(outcomes, requests)
+        except DatabaseError as exc:
+            if not _refused_data(exc) or not outcomes:
+                self._put_back(acks)
+                self._database_error(exc)
+                return
+            # One outcome the database refused must not hold back the others: write them
+            # one by one, and fail the one that still cannot be written.
+            logger.warning(
+                "the database refused a batch of %d outcomes (%s); writing them one by one",
+                len(outcomes),
+                _one_line(exc),
+                extra={"action": "outcome_fallback"},
+            )
+            try:
+                report, outcomes = self._write_one_by_one(outcomes)
+            except DatabaseError as exc:
+                self._put_back(acks)
+                self._database_error(exc)
+                return
+            claimed = []
+        self._errors = 0
         self._settle(acks, outcomes, report)
         self._dispatch(claimed)
+
+    def _write_and_claim(
+        self, outcomes: list[tuple[Running, Outcome]], requests: list[ClaimRequest]
+    ) -> tuple[OutcomeReport | None, list[ClaimedJob]]:
+        """Outcomes and the next claim in one transaction: one commit per loop pass."""
+        with transaction.atomic():
+            report = queue.record([o for _, o in outcomes]) if outcomes else None
+            if report is not None:
+                applied = set(report.applied)
+                sync_run_rows([(r, o) for r, o in outcomes if r.job.id in applied])
+            claimed = self._claim(requests) if requests else []
+        return report, claimed
+
+    def _write_one_by_one(
+        self, outcomes: list[tuple[Running, Outcome]]
+    ) -> tuple[OutcomeReport, list[tuple[Running, Outcome]]]:
+        """Each outcome in its own transaction; one the database refuses becomes a failure.
+
+        Returns the report and the outcomes as written (a refused one replaced).
+        """
+        applied: list[int] = []
+        fenced: list[int] = []
+        written: list[tuple[Running, Outcome]] = []
+        for running, outcome in outcomes:
+            job = running.job
+            try:
+                ok = self._write_one(running, outcome)
+            except DatabaseError as exc:
+                if not _refused_data(exc):
+                    raise
+                logger.error(
+                    "the database refused the outcome of job %s (%s): %s; failing the job",
+                    job.job_id,
+                    job.name,
+                    _one_line(exc),
+                    extra={"job_id": job.job_id, "job_type": job.name, "action": "refused"},
+                )
+                outcome = Outcome.failed(
+                    job,
+                    code=ErrorCode.HANDLER_ERROR,
+                    detail=f"the database refused this attempt's outcome ({outcome.state}): "
+                    f"{_one_line(exc)}",
+                )
+                try:
+                    ok = self._write_one(running, outcome)
+                except DatabaseError as again:
+                    if not _refused_data(again):
+                        raise
+                    # Not even the failure could be stored: let the lease expire.
+                    logger.error("could not fail job %s either: %s", job.job_id, again)
+                    running.lost = True
+                    continue
+            (applied if ok else fenced).append(job.id)
+            written.append((running, outcome))
+        return OutcomeReport(tuple(applied), tuple(fenced)), written
+
+    def _write_one(self, running: Running, outcome: Outcome) -> bool:
+        with transaction.atomic():
+            report = queue.record([outcome])
+            if report.applied:
+                sync_run_rows([(running, outcome)])
+        return bool(report.applied)
+
+    def _database_error(self, exc: DatabaseError) -> None:
+        """Back off after a failed pass: poll interval, doubling, capped; one line a retry."""
+        self._errors += 1
+        delay = min(
+            self.config.poll_interval * 2 ** min(self._errors - 1, 20),
+            self.config.error_backoff_max,
+        )
+        self._retry_at = time.monotonic() + delay
+        metrics.loop_errors.inc()
+        logger.error(
+            "database error in the run loop (%s); retry %d in %.1fs",
+            _one_line(exc),
+            self._errors,
+            delay,
+            exc_info=self._errors == 1,
+            extra={"action": "loop_error", "retry": self._errors, "delay": delay},
+        )
+        with contextlib.suppress(Exception):
+            connection.close()
 
     def _take_acks(self, now: float) -> list[tuple[Running, Outcome | None]]:
         with self._lock:
@@ -245,12 +355,29 @@ class Worker:
             self._pool.submit(partial(self._execute, running))
 
     def _execute(self, running: Running) -> None:
-        """Runs on a handler thread."""
+        """Runs on a handler thread. Whatever happens in it, the slot is freed."""
+        with self._lock:
+            if running.handed_back:
+                return  # a drain released the job before this thread took it
+            running.started = True
+        outcome: Outcome | None = None
         try:
-            outcome = execute(running, shutting_down=self._stopping.is_set)
-        except Exception:
+            outcome = execute(
+                running, shutting_down=self._stopping.is_set, lease=self.config.lease_duration
+            )
+        except BaseException as exc:  # a bug of ours must not leak the slot
             logger.exception("worker error running job %s", running.job.job_id)
-            outcome = None  # its lease will expire and the job will run again
+            if not running.lost:
+                outcome = Outcome.retry(
+                    running.job,
+                    code=ErrorCode.HANDLER_ERROR,
+                    detail=f"the worker failed running the job: {_one_line(exc)}",
+                    delay=running.job_type.policy.resolved_backoff().delay(running.ctx.attempt),
+                )
+        finally:
+            self._finished(running, outcome)
+
+    def _finished(self, running: Running, outcome: Outcome | None) -> None:
         with self._lock:
             running.finished = True
             self._in_flight -= 1
@@ -281,6 +408,15 @@ class Worker:
 
     def _log_outcome(self, running: Running, outcome: Outcome) -> None:
         job = running.job
+        if outcome.attempts_delta < 0:  # handed back by a drain after its handler returned
+            metrics.released.labels(job.name).inc()
+            logger.warning(
+                "handed back job %s (%s): its handler returned after being cancelled",
+                job.job_id,
+                job.name,
+                extra={"job_id": job.job_id, "job_type": job.name, "action": "released"},
+            )
+            return
         kind = {RunState.SUCCEEDED: "succeeded", RunState.FAILED: "failed"}.get(
             outcome.state, "retried"
         )
@@ -292,7 +428,7 @@ class Worker:
             "job_id": job.job_id,
             "job_type": job.name,
             "tenant": job.tenant,
-            "attempt": job.attempts + outcome.attempts_delta,
+            "attempt": running.ctx.attempt,
             "outcome": kind,
             "code": outcome.code or "",
             "duration": round(duration, 6),
@@ -319,7 +455,9 @@ class Worker:
 
     def _wait_time(self) -> float:
         now = time.monotonic()
-        waits = [self._next_poll - now, self._next_maintenance - now]
+        if now < self._retry_at:
+            return self._retry_at - now
+        waits = [self._next_poll - now, self._next_maintenance - now, self._next_recovery - now]
         with self._lock:
             if self._first_ack_at is not None:
                 waits.append(self._first_ack_at + self.config.ack_interval - now)
@@ -335,6 +473,10 @@ class Worker:
 
     # -- maintenance -------------------------------------------------------------------------
 
+    def _recover(self) -> None:
+        if self._maintenance.recover():
+            self._exhausted.clear()  # requeued jobs are due now: claim them at once
+
     def _maintain(self) -> None:
         for row in self._maintenance.run_once():
             self._terminal(row.name, row.job_id, row.code, "failed by the exhaustion pass")
@@ -342,11 +484,16 @@ class Worker:
     # -- drain -------------------------------------------------------------------------------
 
     def _drain(self) -> int:
+        """Stop claiming, let handlers finish, then cancel and hand back what is left.
+
+        A job is handed back only once no handler of this worker runs it: its handler
+        returned after being cancelled, or never started. A handler that ignores its
+        cancellation past the cancel timeout keeps its lease when the process exits, so no
+        other worker runs the job until that lease expires (``lease_expired``).
+        """
         self.ready = False
         metrics.ready.set(0)
-        deadline = time.monotonic() + self.config.shutdown_timeout
-        with self._lock:
-            busy = self._in_flight
+        busy = self._busy()
         if busy:
             logger.info(
                 "draining: waiting up to %gs for %d running jobs",
@@ -354,38 +501,79 @@ class Worker:
                 busy,
                 extra={"action": "drain"},
             )
-        while not self._force.is_set():
+        self._flush_until(time.monotonic() + self.config.shutdown_timeout, until_forced=True)
+        self._cancel_leftovers()
+        self._flush_until(time.monotonic() + self._cancel_grace)
+        self._abandon_leftovers()
+        logger.info("worker stopped", extra={"action": "stopped"})
+        return 0
+
+    @property
+    def _cancel_grace(self) -> float:
+        """A second signal skips the shutdown wait and shortens this one to a second."""
+        if self._force.is_set():
+            return min(self.config.cancel_timeout, FORCED_CANCEL_TIMEOUT)
+        return self.config.cancel_timeout
+
+    def _busy(self) -> int:
+        with self._lock:
+            return self._in_flight
+
+    def _flush_until(self, deadline: float, *, until_forced: bool = False) -> None:
+        """Write outcomes as handlers finish, until none runs or the deadline passes.
+
+        With ``until_forced``, a second stop signal also ends the wait.
+        """
+        while not (until_forced and self._force.is_set()):
             self._wake.clear()
             self._pass()
             with self._lock:
                 if self._in_flight == 0 and not self._acks:
-                    break
+                    return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                break
+                return
             self._wake.wait(min(remaining, max(self.config.ack_interval, 0.05)))
-        self._pass()
-        self._hand_back()
-        logger.info("worker stopped", extra={"action": "stopped"})
-        return 0
 
-    def _hand_back(self) -> None:
-        """Cancel handlers still running and release their jobs for another worker."""
+    def _cancel_leftovers(self) -> None:
+        """Ask running handlers to stop; release jobs no handler thread has taken."""
         with self._lock:
-            leftovers = [r for r in self._held.values() if not r.finished and not r.lost]
-            for running in leftovers:
-                running.lost = True
-                running.ctx.cancelled.set()
+            unstarted = []
+            for running in self._held.values():
+                if running.finished or running.lost:
+                    continue
+                if running.started:
+                    running.shutdown = True
+                    running.ctx.cancelled.set()
+                else:
+                    running.handed_back = True
+                    unstarted.append(running)
+            for running in unstarted:
                 self._held.pop(running.job.id, None)
-        if not leftovers:
-            return
+                self._in_flight -= 1
+                self._in_flight_by_name[running.job.name] -= 1
+                metrics.running.dec()
+        cancelled = self._busy()
+        if cancelled:
+            logger.warning(
+                "cancelled %d running handlers; waiting up to %gs for them to return",
+                cancelled,
+                self._cancel_grace,
+                extra={"action": "cancel"},
+            )
+        if unstarted:
+            self._release(unstarted)
+
+    def _release(self, handed: list[Running]) -> None:
         try:
-            report = queue.release([r.job for r in leftovers])
-            sync_run_rows([(r, Outcome.released(r.job)) for r in leftovers])
-        except Exception:
+            with transaction.atomic():
+                report = queue.release([r.job for r in handed])
+                applied = set(report.applied)
+                sync_run_rows([(r, Outcome.released(r.job)) for r in handed if r.job.id in applied])
+        except DatabaseError:
             logger.exception("could not release jobs at shutdown; their leases will expire")
             return
-        for running in leftovers:
+        for running in handed:
             metrics.released.labels(running.job.name).inc()
         logger.warning(
             "handed back %d unfinished jobs: ids %s",
@@ -393,6 +581,21 @@ class Worker:
             list(report.applied),
             extra={"action": "released"},
         )
+
+    def _abandon_leftovers(self) -> None:
+        """Handlers still running at exit keep their leases: never release a running job."""
+        with self._lock:
+            stuck = [r for r in self._held.values() if not r.finished and not r.lost]
+            for running in stuck:
+                running.lost = True
+        if stuck:
+            logger.error(
+                "%d handlers did not stop after cancellation; their jobs keep their leases and "
+                "run again after those expire (lease_expired): ids %s",
+                len(stuck),
+                [r.job.id for r in stuck],
+                extra={"action": "abandoned"},
+            )
 
     # -- process plumbing --------------------------------------------------------------------
 
@@ -413,3 +616,13 @@ class Worker:
             ", ".join(self._names) or "(none)",
             extra={"action": "started"},
         )
+
+
+def _refused_data(exc: DatabaseError) -> bool:
+    """True when the database refused what was sent, rather than being unreachable."""
+    return not isinstance(exc, OperationalError | InterfaceError)
+
+
+def _one_line(exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

@@ -117,7 +117,49 @@ def test_sigterm_lets_a_short_job_finish_and_hands_a_long_one_back(spawn, tmp_pa
     assert job_row(short).state == "succeeded"
     handed_back = job_row(long)
     assert (handed_back.state, handed_back.attempts, handed_back.claim_token) == ("queued", 0, None)
-    assert "handed back 1 unfinished jobs" in worker.output()
+    assert "its handler returned after being cancelled" in worker.output()
+
+
+def test_drain_never_lets_two_handlers_run_one_job(spawn, tmp_path):
+    # The handler ignores cancellation for 2 s: past the shutdown timeout, within the cancel
+    # timeout. Its lease (1 s) must be renewed meanwhile, so the second worker, already
+    # polling, cannot take the job until the handler returned and the job was handed back.
+    path = tmp_path / "trace"
+    job = enqueue(Trace(path=str(path), seconds=2.0, ignore_cancel=True))
+    first = spawn(
+        "runworker", *FAST, "--shutdown-timeout", "0.3", "--cancel-timeout", "5", lease=1.0
+    )
+    wait_for(lambda: starts(path, first.pid), what="first worker started the job")
+    first.signal(signal.SIGTERM)
+    second = spawn("runworker", *FAST, lease=1.0)
+
+    wait_for(lambda: job_row(job).state == "succeeded", what="the job finished", timeout=30)
+    assert first.wait(timeout=15) == 0
+    lines = [(r[0], r[1]) for r in read_trace(path)]
+    assert lines == [
+        ("start", str(first.pid)),
+        ("end", str(first.pid)),
+        ("start", str(second.pid)),
+        ("end", str(second.pid)),
+    ]
+    assert "its handler returned after being cancelled" in first.output()
+
+
+def test_a_handler_still_running_at_exit_keeps_its_lease(spawn, tmp_path):
+    path = tmp_path / "trace"
+    job = enqueue(Trace(path=str(path), seconds=60, ignore_cancel=True))
+    worker = spawn(
+        "runworker", *FAST, "--shutdown-timeout", "0.3", "--cancel-timeout", "0.3", lease=30.0
+    )
+    wait_for(lambda: starts(path, worker.pid), what="the job started")
+
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=15) == 0
+
+    held = job_row(job)
+    assert (held.state, held.attempts) == ("running", 1), "never released while it ran"
+    assert held.claimed_by.endswith(f":{worker.pid}")
+    assert "1 handlers did not stop after cancellation" in worker.output()
 
 
 def test_second_signal_stops_at_once_without_losing_the_job(spawn, tmp_path):

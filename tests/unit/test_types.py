@@ -35,7 +35,9 @@ def test_final_attempt_flag():
 
 def test_outcome_constructors_carry_the_token():
     job = claimed()
-    assert Outcome.succeeded(job, 5) == Outcome(job.id, job.claim_token, "succeeded", result=5)
+    assert Outcome.succeeded(job, 5) == Outcome(
+        job.id, job.claim_token, "succeeded", result_json="5"
+    )
     retry = Outcome.retry(job, code="handler_error", delay=timedelta(seconds=2))
     assert (retry.state, retry.delay, retry.code) == ("queued", 2.0, "handler_error")
     assert Outcome.released(job).attempts_delta == -1

@@ -54,6 +54,14 @@ class Command(BaseCommand):
             help="Seconds to let running jobs finish on SIGTERM (default 30).",
         )
         parser.add_argument(
+            "--cancel-timeout",
+            type=float,
+            default=_env_number("WORKER_CANCEL_TIMEOUT", float, 5.0),
+            help="After the shutdown timeout, seconds to wait for cancelled handlers to return "
+            "before exiting; jobs still running then keep their leases (env "
+            "WORKER_CANCEL_TIMEOUT; default 5).",
+        )
+        parser.add_argument(
             "--poll-interval",
             type=float,
             default=0.5,
@@ -63,8 +71,8 @@ class Command(BaseCommand):
             "--maintenance-interval",
             type=float,
             default=15.0,
-            help="Seconds between passes that requeue expired leases, fail exhausted jobs and "
-            "refresh backlog gauges (default 15).",
+            help="Seconds between passes that fail exhausted jobs and refresh backlog gauges "
+            "(default 15). Expired leases are recovered every second regardless.",
         )
         parser.add_argument(
             "--http-port",
@@ -91,6 +99,7 @@ class Command(BaseCommand):
                 scope=scope_from(options["tenant"], options["component"]),
                 concurrency=options["concurrency"],
                 shutdown_timeout=options["shutdown_timeout"],
+                cancel_timeout=options["cancel_timeout"],
                 poll_interval=options["poll_interval"],
                 maintenance_interval=options["maintenance_interval"],
                 http_host=options["http_host"],

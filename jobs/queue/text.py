@@ -1,0 +1,83 @@
+"""Text and JSON that PostgreSQL will store: no NUL characters, no lone surrogates.
+
+PostgreSQL's ``text`` refuses NUL (``\\x00``) and ``jsonb`` refuses ``\\u0000``; both refuse
+strings that are not valid UTF-8, which in Python means lone surrogates (``"\\ud800"``, as
+``surrogateescape`` decoding produces). A refused value fails its whole statement, so
+everything a caller or a handler hands to the queue passes through here first:
+
+* :func:`problem` and :func:`check_json` find such values so enqueue can refuse them
+  (``InvalidJob``) before any statement runs in the caller's transaction;
+* :func:`clean` makes any text storable (error details, tracebacks) by escaping what the
+  database would refuse, so an outcome is never lost to the text it carries;
+* :func:`dumps` encodes a result strictly (no NaN or infinities, nothing the database would
+  refuse), raising :class:`ValueError` with the place of the first bad value.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+# A \u0000 escape in json.dumps output: a backslash preceded by an even number of backslashes
+# (an escaped backslash is "\\", so an odd run means the "u0000" is literal text).
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def problem(value: str) -> str | None:
+    """Why PostgreSQL would refuse this string, or None when it is storable."""
+    if "\x00" in value:
+        return "contains a NUL character (\\x00)"
+    if _SURROGATE.search(value):
+        return "contains a lone surrogate (not valid UTF-8)"
+    return None
+
+
+def clean(value: str) -> str:
+    """The string with NUL characters and lone surrogates escaped as visible text."""
+    if "\x00" in value:
+        value = value.replace("\x00", "\\x00")
+    if _SURROGATE.search(value):
+        value = value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
+
+
+def dumps(value: Any) -> str:
+    """Encode ``value`` as JSON that ``jsonb`` accepts, or raise ValueError saying why."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(str(exc) or type(exc).__name__) from None
+    bad = check_json_text(text)
+    if bad:
+        raise ValueError(f"{bad}: {_locate(value)}")
+    return text
+
+
+def check_json_text(text: str) -> str | None:
+    """Why ``jsonb`` would refuse this ``json.dumps(ensure_ascii=False)`` output, or None."""
+    if "\\u0000" in text and _NUL_ESCAPE.search(text):
+        return "a string contains a NUL character (\\u0000)"
+    if _SURROGATE.search(text):
+        return "a string contains a lone surrogate (not valid UTF-8)"
+    return None
+
+
+def _locate(value: Any, path: str = "$") -> str:
+    """The path of the first string (key or value) the database would refuse."""
+    if isinstance(value, str):
+        return path if problem(value) else ""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and problem(key):
+                return f"key {key!r} of {path}"
+            found = _locate(item, f"{path}.{key}")
+            if found:
+                return found
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            found = _locate(item, f"{path}[{index}]")
+            if found:
+                return found
+    return ""

@@ -1,0 +1,337 @@
+"""A worker nothing can wedge: whatever a handler returns, raises or leaves behind.
+
+Each test drives the real worker in-process against real PostgreSQL with a handler that
+misbehaves on purpose (tests/worker_support.py: ``hostile``), and checks that the bad job
+ends in a valid state with a readable cause while every other job, and the worker, go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from jobs import Payload, enqueue, queue
+from jobs.models import Job, TenantOverride
+from jobs.queue import NewJob
+from jobs.registry import JobType, Policy, Registry
+from jobs.worker import metrics
+from jobs.worker.config import WorkerConfig
+from jobs.worker.execution import Running, make_context
+from jobs.worker.leases import LeaseKeeper
+from jobs.worker.runner import Worker
+from tests.factories import JobFactory
+from tests.worker_support import Echo, Hostile, Recorder, hostile_registry
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ACTIVE = ("queued", "running")
+
+
+@pytest.fixture
+def recorder():
+    return Recorder()
+
+
+def run_until(registry, done, *, timeout=15.0, **config) -> Worker:
+    """Run a real worker in this thread until ``done(worker)`` or the deadline."""
+    options = {
+        "concurrency": 4,
+        "poll_interval": 0.05,
+        "maintenance_interval": 0.5,
+        "shutdown_timeout": 1.0,
+        "install_signal_handlers": False,
+        **config,
+    }
+    worker = Worker(registry, WorkerConfig(**options))
+    deadline = time.monotonic() + timeout
+    timed_out = []
+
+    def until(w: Worker) -> bool:
+        if time.monotonic() > deadline:
+            timed_out.append(True)
+            return True
+        return done(w)
+
+    worker.run(until=until)
+    assert not timed_out, "the worker did not get there before the deadline"
+    return worker
+
+
+def settled(*ids: int) -> bool:
+    """Every one of these jobs has left the active states (or waits for a far retry)."""
+    rows = Job.objects.filter(pk__in=ids)
+    return all(
+        j.state not in ACTIVE or (j.state == "queued" and j.run_after > timezone.now())
+        for j in rows
+    )
+
+
+def echoes(count: int) -> list[int]:
+    return [enqueue(Echo(text=f"e{i}")).id for i in range(count)]
+
+
+def job(pk: int) -> Job:
+    return Job.objects.get(pk=pk)
+
+
+class TestPoisonOutcomes:
+    @pytest.mark.parametrize(
+        "action, state, detail",
+        [
+            ("nul-error", "failed", "bad\\x00text and a lone \\udc80 surrogate"),
+            ("nan-result", "failed", "Out of range float values are not JSON compliant"),
+            ("nul-result", "failed", "a string contains a NUL character (\\u0000): $.text"),
+            ("datetime-result", "failed", "Object of type datetime is not JSON serializable"),
+            ("retry-max", "failed", "retry requested after"),
+        ],
+    )
+    def test_one_bad_outcome_fails_alone_and_the_worker_goes_on(
+        self, recorder, action, state, detail
+    ):
+        before = echoes(5)
+        poison = queue.enqueue(NewJob(Hostile.job_name, {"action": action}, max_attempts=1)).id
+        after = echoes(5)
+        late: list[int] = []
+
+        def done(w: Worker) -> bool:
+            if not settled(*before, poison, *after):
+                return False
+            if not late:  # the same worker must still claim new work
+                late.append(enqueue(Echo(text="late")).id)
+            return settled(*late) and w.idle
+
+        run_until(hostile_registry(recorder), done, concurrency=8)
+
+        assert {job(pk).state for pk in before + after + late} == {"succeeded"}
+        bad = job(poison)
+        assert (bad.state, bad.last_error) == (state, "handler_error")
+        assert detail in bad.error_detail
+
+    def test_retry_delays_are_clamped_to_the_documented_maximum(self, recorder):
+        poison = queue.enqueue(NewJob(Hostile.job_name, {"action": "retry-max"})).id
+
+        run_until(hostile_registry(recorder), lambda w: settled(poison) and w.idle)
+
+        ahead = job(poison).run_after - timezone.now()
+        assert queue.RETRY_DELAY_MAX - timedelta(minutes=1) < ahead <= queue.RETRY_DELAY_MAX
+
+    def test_an_outcome_the_database_refuses_is_written_alone_as_a_failure(self, recorder, caplog):
+        # A user's trigger (or constraint) may refuse a value the worker cannot foresee.
+        with connection.cursor() as cur:
+            cur.execute(
+                """
+                CREATE FUNCTION refuse_me() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN
+                    IF NEW.result::text LIKE '%%refuse-me%%' THEN
+                        RAISE EXCEPTION 'results saying refuse-me are refused'
+                            USING ERRCODE = 'check_violation';
+                    END IF;
+                    RETURN NEW;
+                END $$;
+                CREATE TRIGGER refuse_me BEFORE UPDATE ON jobs_job
+                    FOR EACH ROW EXECUTE FUNCTION refuse_me();
+                """
+            )
+        try:
+            before = echoes(4)
+            poison = queue.enqueue(NewJob(Hostile.job_name, {"action": "refuse-me"})).id
+            after = echoes(4)
+            with caplog.at_level(logging.WARNING, logger="jobs.worker"):
+                run_until(
+                    hostile_registry(recorder),
+                    lambda w: settled(*before, poison, *after) and w.idle,
+                    concurrency=8,
+                )
+        finally:
+            with connection.cursor() as cur:
+                cur.execute("DROP TRIGGER refuse_me ON jobs_job; DROP FUNCTION refuse_me()")
+
+        assert {job(pk).state for pk in before + after} == {"succeeded"}
+        bad = job(poison)
+        assert (bad.state, bad.last_error) == ("failed", "handler_error")
+        assert "the database refused this attempt's outcome (succeeded)" in bad.error_detail
+        assert "results saying refuse-me are refused" in bad.error_detail
+        assert "writing them one by one" in caplog.text
+
+
+class TestAnyException:
+    @pytest.mark.parametrize(
+        "action, name",
+        [
+            ("system-exit", "SystemExit: 3"),
+            ("keyboard-interrupt", "KeyboardInterrupt"),
+            ("cancelled-error", "CancelledError"),
+            ("unruly", "Unruly: not an Exception"),
+        ],
+    )
+    def test_a_base_exception_is_an_outcome_and_frees_the_slot(self, recorder, action, name):
+        poison = queue.enqueue(NewJob(Hostile.job_name, {"action": action}, max_attempts=1)).id
+        after = echoes(3)
+
+        threads: list[int] = []
+
+        def done(w: Worker) -> bool:
+            if settled(poison, *after) and w.idle:
+                threads.append(w._pool.alive)
+                return True
+            return False
+
+        run_until(hostile_registry(recorder), done, concurrency=1)
+
+        bad = job(poison)
+        assert (bad.state, bad.last_error) == ("failed", "handler_error")
+        assert name in bad.error_detail
+        assert {job(pk).state for pk in after} == {"succeeded"}
+        assert threads == [1], "the handler thread is alive (or was replaced)"
+
+    def test_any_exception_while_decoding_is_invalid_payload(self):
+        class PickyV1(Payload, name="test.picky.v1"):
+            key: str
+
+            def validate(self) -> None:
+                {}[self.key]  # a KeyError, not a ValueError
+
+        picky = queue.enqueue(NewJob(PickyV1.job_name, {"key": "missing"})).id
+        registry = Registry([JobType(PickyV1, lambda p, c: None, Policy())])
+
+        run_until(registry, lambda w: settled(picky) and w.idle)
+
+        bad = job(picky)
+        assert (bad.state, bad.last_error, bad.attempts) == ("failed", "invalid_payload", 1)
+        assert "KeyError: 'missing'" in bad.error_detail
+
+
+class TestOpenTransactions:
+    @pytest.mark.parametrize(
+        "action, tenant", [("open-atomic", "left-open"), ("autocommit-off", "no-autocommit")]
+    )
+    def test_a_handler_that_leaves_a_transaction_open_fails(self, recorder, action, tenant):
+        bad = queue.enqueue(NewJob(Hostile.job_name, {"action": action}, max_attempts=1)).id
+        after = echoes(3)
+
+        run_until(
+            hostile_registry(recorder),
+            lambda w: settled(bad, *after) and w.idle,
+            concurrency=1,
+        )
+
+        failed = job(bad)
+        assert (failed.state, failed.last_error) == ("failed", "handler_error")
+        assert "left a transaction open on database default" in failed.error_detail
+        assert not TenantOverride.objects.filter(tenant=tenant).exists(), "rolled back"
+        assert {job(pk).state for pk in after} == {"succeeded"}
+
+
+class TestDatabaseErrors:
+    def test_the_loop_backs_off_with_one_line_per_retry(self, recorder, caplog):
+        with connection.cursor() as cur:
+            cur.execute("ALTER TABLE jobs_job RENAME TO jobs_job_away")
+        started = time.monotonic()
+        cpu = time.process_time()
+        seen: dict[str, float] = {}
+        late: list[int] = []
+
+        def errors() -> int:
+            return sum("database error in the run loop" in r.getMessage() for r in caplog.records)
+
+        def done(w: Worker) -> bool:
+            if "errors" not in seen:
+                if errors() < 5:
+                    return False
+                seen["errors"] = time.monotonic() - started
+                seen["cpu"] = time.process_time() - cpu
+                with connection.cursor() as cur:
+                    cur.execute("ALTER TABLE jobs_job_away RENAME TO jobs_job")
+                late.append(enqueue(Echo(text="after the outage")).id)
+            return settled(*late) and w.idle
+
+        try:
+            with caplog.at_level(logging.INFO, logger="jobs.worker"):
+                run_until(hostile_registry(recorder), done, error_backoff_max=0.5)
+        finally:
+            with connection.cursor() as cur:
+                cur.execute("ALTER TABLE IF EXISTS jobs_job_away RENAME TO jobs_job")
+
+        # Five failures with a doubling wait from the 0.05 s poll interval take at least
+        # 0.05 + 0.1 + 0.2 + 0.4 s; a spinning loop gets there in milliseconds.
+        assert seen["errors"] >= 0.7
+        assert seen["cpu"] < 0.5 * seen["errors"]
+        assert job(late[0]).state == "succeeded"
+        tracebacks = [r for r in caplog.records if r.exc_info and "run loop" in r.getMessage()]
+        assert len(tracebacks) == 1, "a traceback for the first failure, one line afterwards"
+
+
+class TestLeaseBookkeeping:
+    def test_a_renewal_racing_our_own_outcome_is_not_a_lost_lease(self, recorder, caplog):
+        done = queue.enqueue(NewJob(Echo.job_name, {"text": "x"}))
+        [claimed] = queue.claim([queue.ClaimRequest(Echo.job_name, 1)], scope=queue.AllTenants())
+        registry = hostile_registry(recorder)
+        running = Running(
+            claimed, registry[Echo.job_name], make_context(claimed, registry[Echo.job_name])
+        )
+        running.finished = True
+        assert queue.complete(claimed, "x")  # the outcome commits before the renewal runs
+        keeper = LeaseKeeper(lambda: [running], lease_seconds=10)
+        lost_before = metrics.lost_leases.labels(Echo.job_name)._value.get()
+
+        with caplog.at_level(logging.WARNING, logger="jobs.worker"):
+            keeper.renew_once()
+
+        assert not running.lost and not running.ctx.cancelled.is_set()
+        assert metrics.lost_leases.labels(Echo.job_name)._value.get() == lost_before
+        assert "lost the lease" not in caplog.text
+        assert job(done.id).state == "succeeded"
+
+
+class TestRecovery:
+    def test_an_expired_lease_comes_back_within_a_second_at_default_settings(self, recorder):
+        expires = {}
+
+        def done(w: Worker) -> bool:
+            if not expires:  # once the worker is past its first maintenance pass
+                dead = JobFactory(
+                    name=Echo.job_name,
+                    payload={"text": "orphan"},
+                    running=True,
+                    attempts=1,
+                    lease_expires_at=timezone.now() + timedelta(milliseconds=300),
+                )
+                expires[dead.pk] = time.monotonic() + 0.3
+                return False
+            [(pk, at)] = expires.items()
+            if job(pk).state != "succeeded":
+                return False
+            expires["took"] = time.monotonic() - at
+            return True
+
+        worker = Worker(hostile_registry(recorder), WorkerConfig(install_signal_handlers=False))
+        deadline = time.monotonic() + 10
+        worker.run(until=lambda w: time.monotonic() > deadline or done(w))
+
+        assert "took" in expires, "the orphaned job was not recovered"
+        assert expires["took"] <= 1.5
+
+
+def test_pool_threads_survive_a_task_that_raises_base_exception():
+    from jobs.worker.pool import HandlerPool
+
+    pool = HandlerPool(2)
+    ran = []
+
+    def bad():
+        raise SystemExit(1)
+
+    for _ in range(4):
+        pool.submit(bad)
+    pool.submit(lambda: ran.append(True))
+    deadline = time.monotonic() + 5
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran
+    assert pool.alive == 2
+    assert pool.shutdown(timeout=5)

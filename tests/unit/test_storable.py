@@ -1,0 +1,64 @@
+"""Outcomes and enqueue input are made storable, or refused, before PostgreSQL sees them."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from datetime import timedelta
+
+import pytest
+
+from jobs.queue import RETRY_DELAY_MAX, ClaimedJob, InvalidResult, Outcome, text
+
+
+def claimed() -> ClaimedJob:
+    return ClaimedJob(1, "j-1", "a.v1", {}, "default", "default", 0, 1, 3, uuid.uuid4(), 0.0)
+
+
+@pytest.mark.parametrize(
+    "raw, stored",
+    [
+        ("boom\x00here", "boom\\x00here"),
+        ("lone \ud800 surrogate", "lone \\ud800 surrogate"),
+        ("fine: ünïcødé 🎉", "fine: ünïcødé 🎉"),
+    ],
+)
+def test_error_text_is_cleaned(raw, stored):
+    outcome = Outcome.failed(claimed(), code="handler_error", detail=raw)
+    assert outcome.detail == stored
+    assert text.problem(outcome.detail) is None
+    assert Outcome.retry(claimed(), code="x", detail=raw).detail == stored
+
+
+@pytest.mark.parametrize(
+    "result, why",
+    [
+        (math.nan, "Out of range float values are not JSON compliant"),
+        ({"a": [1, math.inf]}, "Out of range float values are not JSON compliant"),
+        ({"a": "x\x00y"}, "a string contains a NUL character .*: \\$\\.a"),
+        (["ok", "\udcff"], "lone surrogate .*: \\$\\[1\\]"),
+        ({"k\x00": 1}, "NUL character .*key 'k\\\\x00' of \\$"),
+        (object(), "Object of type object is not JSON serializable"),
+    ],
+)
+def test_results_are_encoded_strictly(result, why):
+    with pytest.raises(InvalidResult, match=why):
+        Outcome.succeeded(claimed(), result)
+
+
+def test_a_backslash_before_u0000_is_text_not_a_nul():
+    assert Outcome.succeeded(claimed(), {"a": "\\u0000"}).result_json == '{"a":"\\\\u0000"}'
+
+
+@pytest.mark.parametrize(
+    "delay, seconds",
+    [
+        (timedelta.max, RETRY_DELAY_MAX.total_seconds()),
+        (math.inf, RETRY_DELAY_MAX.total_seconds()),
+        (math.nan, 0.0),
+        (-5, 0.0),
+        (2.5, 2.5),
+    ],
+)
+def test_retry_delays_are_clamped(delay, seconds):
+    assert Outcome.retry(claimed(), code="handler_error", delay=delay).delay == seconds
