@@ -5,7 +5,14 @@
 Functions decorated with Django's ``@task`` are enqueued as jobs of one built-in type,
 ``django.task.v1``, whose payload names the task function and carries its arguments. They run
 under ``manage.py runworker`` like any other job type: leases, retries with backoff, drain,
-metrics, and the admin's failure monitor and replay. ``get_result()`` reads the job row.
+metrics, and the admin's failure monitor and replay. ``get_result()`` reads the job row and
+never imports the task, so results stay readable after a task is removed.
+
+A task's own exceptions retry like any handler's (``Reject`` ends at once); what retrying
+cannot fix fails at once as ``rejected``: a task that cannot be imported or is not a
+``Task``, a return value that is not JSON, a ``BaseException`` that is not an ``Exception``,
+a backend alias no longer configured.
+docs/tasks.md has the table of every case and what ``get_result()`` then reports.
 
 OPTIONS (all optional): ``DATABASE`` (alias, default ``"default"``), ``MAX_ATTEMPTS``
 (default ``JOBS["DEFAULT_MAX_ATTEMPTS"]``), ``CONCURRENCY`` (tasks run at once per worker,
@@ -14,7 +21,12 @@ default 10) and ``TIMEOUT`` (seconds, default 300).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from traceback import format_exception
@@ -33,7 +45,7 @@ from django.utils.module_loading import import_string
 from jobs.conf import jobs_settings
 from jobs.context import JobContext
 from jobs.errors import Reject
-from jobs.payloads import Payload
+from jobs.payloads import InvalidPayload, Payload
 from jobs.policy import Policy
 
 _STATUS = {
@@ -45,6 +57,7 @@ _STATUS = {
 }
 # The exception line that ends a formatted traceback: "pkg.mod.Error: message" or "KeyError".
 _EXCEPTION_LINE = re.compile(r"^(?P<path>[A-Za-z_][\w.]*)(?::|$)")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class DjangoTaskV1(Payload, name="django.task.v1"):
@@ -109,9 +122,14 @@ class PostgresBackend(BaseTaskBackend):
         return self._result(job)
 
     def _result(self, job: Any) -> TaskResult:
-        payload = DjangoTaskV1.from_json(job.payload)
-        task = _task(payload.path).using(
-            priority=job.priority, queue_name=job.queue, run_after=job.run_after
+        payload = _stored_payload(job.payload)
+        task = _stored_task(
+            payload.path,
+            priority=job.priority,
+            backend=self.alias,
+            queue_name=job.queue,
+            run_after=job.run_after,
+            takes_context=payload.takes_context,
         )
         status = _STATUS[job.state]
         result = TaskResult(
@@ -134,28 +152,43 @@ class PostgresBackend(BaseTaskBackend):
 
 
 def run_task(payload: DjangoTaskV1, ctx: JobContext) -> Any:
-    """The worker's handler for ``django.task.v1``: call the task function."""
-    from django.tasks import task_backends
+    """The worker's handler for ``django.task.v1``: call the task function.
 
-    task = _task(payload.path)
-    backend = task_backends[payload.backend]
+    What cannot succeed however often it is tried fails at once as ``rejected`` (a
+    :class:`~jobs.Reject` whose message says why): a backend alias that is not this backend,
+    a task that cannot be imported or is not a ``Task``, a return value that is not JSON, and
+    a ``BaseException`` that is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``).
+    Any other exception is the task's own and follows the type's retry policy.
+    """
+    backend = _backend(payload.backend)
+    try:
+        task = _import_task(payload.path)
+    except Reject as exc:
+        _finished(backend, backend.get_result(str(ctx.id)), exc)
+        raise
     result = backend.get_result(str(ctx.id))
     task_started.send(type(backend), task_result=result)
     try:
-        if payload.takes_context:
-            value = task.call(TaskContext(task_result=result), *payload.args, **payload.kwargs)
-        else:
-            value = task.call(*payload.args, **payload.kwargs)
-        value = normalize_json(value)
+        try:
+            if payload.takes_context:
+                value = task.call(TaskContext(task_result=result), *payload.args, **payload.kwargs)
+            else:
+                value = task.call(*payload.args, **payload.kwargs)
+        except Exception:
+            raise
+        except BaseException as exc:
+            # In a handler thread nothing would catch it: the job would hang until its lease
+            # ran out. These exceptions mean "stop", never "try later".
+            raise Reject(
+                f"{payload.path} raised {_class_path(type(exc))}, which is not an Exception: "
+                "the attempt fails without a retry"
+            ) from exc
+        try:
+            value = to_json(value, "result")
+        except (TypeError, ValueError) as exc:
+            raise Reject(f"{payload.path} returned a value that is not JSON: {exc}") from exc
     except Exception as exc:
-        # Sent inside the except block, as Django's receivers expect (they log exc_info).
-        failed = replace(
-            result,
-            status=TaskResultStatus.FAILED,
-            finished_at=timezone.now(),
-            errors=[*result.errors, _error(exc)],
-        )
-        task_finished.send(type(backend), task_result=failed)
+        _finished(backend, result, exc)
         raise
     done = replace(result, status=TaskResultStatus.SUCCESSFUL, finished_at=timezone.now())
     object.__setattr__(done, "_return_value", value)
@@ -163,12 +196,53 @@ def run_task(payload: DjangoTaskV1, ctx: JobContext) -> Any:
     return value
 
 
-def _error(exc: BaseException) -> TaskError:
-    kind = type(exc)
-    return TaskError(
-        exception_class_path=f"{kind.__module__}.{kind.__qualname__}",
-        traceback="".join(format_exception(exc)),
+def _finished(backend: PostgresBackend, result: TaskResult, exc: BaseException) -> None:
+    """Send ``task_finished`` for a failed attempt; call it inside the ``except`` block.
+
+    Django's own receivers log ``sys.exc_info()``, so the exception must be the one handled.
+    """
+    failed = replace(
+        result,
+        status=TaskResultStatus.FAILED,
+        finished_at=timezone.now(),
+        errors=[*result.errors, _error(exc)],
     )
+    task_finished.send(type(backend), task_result=failed)
+
+
+def _backend(alias: str) -> PostgresBackend:
+    """The TASKS backend that enqueued the job; Reject when settings no longer name it."""
+    from django.tasks import task_backends
+    from django.tasks.exceptions import InvalidTaskBackend
+
+    try:
+        backend = task_backends[alias]
+    except InvalidTaskBackend as exc:
+        raise Reject(f"TASKS has no backend {alias!r}, the one that enqueued this task") from exc
+    if not isinstance(backend, PostgresBackend):
+        raise Reject(f"TASKS[{alias!r}] is {_class_path(type(backend))}, not {BACKEND_PATH}")
+    return backend
+
+
+def _import_task(path: str) -> Task:
+    """Import the task a payload names; Reject when it is gone or is not a ``Task``."""
+    try:
+        task = import_string(path)
+    except ImportError as exc:  # ModuleNotFoundError too, and "doesn't look like a path"
+        raise Reject(f"task {path} cannot be imported: {exc}") from exc
+    if not isinstance(task, Task):
+        raise Reject(f"{path} is a {type(task).__qualname__}, not a django.tasks Task")
+    return task
+
+
+def _error(exc: BaseException) -> TaskError:
+    return TaskError(
+        exception_class_path=_class_path(type(exc)), traceback="".join(format_exception(exc))
+    )
+
+
+def _class_path(kind: type) -> str:
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 BACKEND_PATH = "jobs.backends.PostgresBackend"
@@ -187,11 +261,126 @@ def task_policy() -> Policy | None:
     return None
 
 
-def _task(path: str) -> Task:
-    task = import_string(path)
-    if not isinstance(task, Task):
-        raise Reject(f"{path} is not a django.tasks Task")
+def to_json(value: Any, where: str) -> Any:
+    """``value`` as the JSON the jobs table stores and reads back, or an error naming ``where``.
+
+    Django's ``normalize_json`` first (mappings, sequences, UTF-8 bytes; a ``TypeError`` for
+    other types), then what ``jsonb`` and ``json.dumps`` would do or refuse: non-string keys
+    become strings as ``json.dumps`` writes them, and NaN, infinities, NUL characters and
+    lone surrogates raise ``ValueError``, so the problem surfaces here, named, instead of as
+    a database error.
+    """
+    return _json(value, where, set())
+
+
+def _json(value: Any, where: str, open_: set[int]) -> Any:
+    match value:
+        case str():
+            _check_text(value, where)
+            return value
+        case bool() | int() | None:
+            return value
+        case float():
+            if not math.isfinite(value):
+                raise ValueError(f"{where}: {value!r} is not a JSON number")
+            return value
+        case bytes():
+            try:
+                text = value.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{where}: bytes that are not UTF-8") from None
+            _check_text(text, where)
+            return text
+        case Mapping() | Sequence():
+            if id(value) in open_:
+                raise ValueError(f"{where}: a container that contains itself")
+            open_.add(id(value))
+            try:
+                if isinstance(value, Mapping):
+                    return {
+                        _json_key(key, where): _json(item, f"{where}[{key!r}]", open_)
+                        for key, item in value.items()
+                    }
+                return [_json(item, f"{where}[{i}]", open_) for i, item in enumerate(value)]
+            finally:
+                open_.discard(id(value))
+    raise TypeError(
+        f"{where}: {_class_path(type(value)).removeprefix('builtins.')} is not a JSON type"
+    )
+
+
+def _json_key(key: object, where: str) -> str:
+    """A mapping key as ``json.dumps`` writes it (``1`` → ``"1"``, ``None`` → ``"null"``)."""
+    if isinstance(key, bytes):
+        key = _json(key, f"{where} (a key)", set())
+    if isinstance(key, float) and not math.isfinite(key):
+        raise ValueError(f"{where}: the key {key!r} is not a JSON number")
+    if isinstance(key, str):
+        _check_text(key, f"{where} (a key)")
+        return key
+    if key is None or isinstance(key, bool | int | float):
+        return json.dumps(key)
+    raise TypeError(f"{where}: a key of type {type(key).__qualname__} (JSON keys are strings)")
+
+
+def _check_text(text: str, where: str) -> None:
+    if "\x00" in text:
+        raise ValueError(f"{where}: a NUL character (\\x00), which PostgreSQL cannot store")
+    if _SURROGATE.search(text):
+        raise ValueError(f"{where}: a lone surrogate, which is not valid UTF-8")
+
+
+def _stored_payload(data: Any) -> DjangoTaskV1:
+    """The job's payload; one that does not decode (the worker fails it as
+    ``invalid_payload``) is read field by field, so its result can still be shown."""
+    try:
+        return DjangoTaskV1.from_json(data)
+    except InvalidPayload:
+        data = data if isinstance(data, dict) else {}
+
+    def field(name: str, kind: type, default: Any) -> Any:
+        value = data.get(name)
+        return value if isinstance(value, kind) else default
+
+    return DjangoTaskV1(
+        path=field("path", str, ""),
+        args=field("args", list, []),
+        kwargs=field("kwargs", dict, {}),
+        takes_context=field("takes_context", bool, False),
+        backend=field("backend", str, "default"),
+    )
+
+
+def _stored_task(path: str, **fields: Any) -> Task:
+    """The ``Task`` a stored job names, found without importing anything.
+
+    The function is the real one when its module is already loaded (as it is wherever the
+    task was enqueued or run), else a stand-in that imports the task when called, so a
+    result stays readable after its task was removed. Django's ``Task`` validates itself
+    against the current settings; a stored record is built without that check, because
+    queues or priorities allowed when it was enqueued may have changed since.
+    """
+    module_name, _, name = path.rpartition(".")
+    found = getattr(sys.modules.get(module_name), name, None)
+    func = found.func if isinstance(found, Task) else _stand_in(path, module_name, name)
+    task = object.__new__(Task)
+    for field in dataclasses.fields(Task):
+        default = None if field.default is dataclasses.MISSING else field.default
+        object.__setattr__(task, field.name, fields.get(field.name, default))
+    object.__setattr__(task, "func", func)
     return task
+
+
+def _stand_in(path: str, module_name: str, name: str) -> Callable[..., Any]:
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        task = import_string(path)
+        if not isinstance(task, Task):
+            raise ImportError(f"{path} is a {type(task).__qualname__}, not a django.tasks Task")
+        return task.call(*args, **kwargs)
+
+    stand_in.__module__, stand_in.__name__, stand_in.__qualname__ = module_name, name, name
+    stand_in.__doc__ = f"Stands for the task {path}, which this process has not imported."
+    return stand_in
 
 
 def _errors(job: Any) -> list[TaskError]:

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from datetime import timedelta
 
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import connections
-from django.tasks import TaskResultStatus, default_task_backend, task_backends
+from django.tasks import TaskResult, TaskResultStatus, default_task_backend, task_backends
 from django.tasks.exceptions import TaskResultDoesNotExist
+from django.test import override_settings
 from django.utils import timezone
 
 from jobs.backends import PostgresBackend
 from jobs.models import Job
 from jobs.testing import JobFailed, run_worker
+from tests.factories import JobFactory
 from tests.jobapp import tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -74,6 +77,8 @@ def test_retries_apply_to_tasks_like_native_jobs(tmp_path):
     assert result.status == TaskResultStatus.SUCCESSFUL
     assert result.return_value == "second time lucky"
     assert result.attempts == 2
+    # A success clears the job's error: errors lists no earlier attempt.
+    assert result.errors == []
 
 
 def test_takes_context_receives_the_task_result():
@@ -136,3 +141,215 @@ def test_task_finished_signal_reports_the_attempts_outcome():
 
     assert ("refuse", TaskResultStatus.FAILED) in seen
     assert all(status != TaskResultStatus.RUNNING for _, status in seen)
+
+
+# -- what retrying cannot fix fails at once; get_result reads any stored job -------------
+
+
+def _enqueue_path(
+    path: str,
+    *args,
+    max_attempts: int | None = None,
+    queue: str = "default",
+    backend: str = "default",
+) -> str:
+    """A stored django.task.v1 job naming ``path``, as a deploy that removed the task leaves."""
+    from jobs.backends import DjangoTaskV1
+    from jobs.producer import enqueue
+
+    payload = DjangoTaskV1(path=path, args=list(args), kwargs={}, backend=backend)
+    return str(enqueue(payload, queue=queue, max_attempts=max_attempts).id)
+
+
+def _failed_at_once(result_id: str, code: str = "rejected") -> TaskResult:
+    """Run the worker; the job must fail on its first attempt with ``code``."""
+    with pytest.raises(JobFailed) as failed:
+        run_worker(timeout=5)
+    assert (failed.value.job_id, failed.value.code) == (
+        Job.objects.get(pk=int(result_id)).job_id,
+        code,
+    )
+    job = Job.objects.get(pk=int(result_id))
+    assert (job.state, job.last_error, job.attempts, job.result) == ("failed", code, 1, None)
+    result = default_task_backend.get_result(result_id)
+    assert result.status == TaskResultStatus.FAILED
+    assert result.attempts == 1
+    return result
+
+
+@pytest.mark.parametrize(
+    ("task", "reason"),
+    [
+        (tasks.returns_datetime, "result: datetime.datetime is not a JSON type"),
+        (tasks.returns_object, "result: object is not a JSON type"),
+        (tasks.returns_nan, "result['ratio']: nan is not a JSON number"),
+        (tasks.returns_infinity, "result[1]: inf is not a JSON number"),
+        (tasks.returns_nul, "result: a NUL character (\\x00), which PostgreSQL cannot store"),
+    ],
+    ids=["datetime", "object", "nan", "infinity", "nul"],
+)
+def test_a_return_value_that_is_not_json_fails_at_once_as_rejected(task, reason):
+    result = task.enqueue()
+
+    result = _failed_at_once(result.id)
+
+    [error] = result.errors
+    assert error.exception_class_path == "jobs.errors.Reject"
+    assert error.traceback.endswith(
+        f"jobs.errors.Reject: {task.module_path} returned a value that is not JSON: {reason}"
+    )
+    with pytest.raises(ValueError, match="Task failed"):
+        _ = result.return_value
+
+
+def test_return_values_are_normalized_as_django_does():
+    result = tasks.returns_normalized.enqueue()
+
+    run_worker()
+
+    result.refresh()
+    assert result.return_value == {"pair": [1, 2], "raw": "ok", "nested": [{"n": None}]}
+
+
+@pytest.mark.parametrize(
+    ("path", "cause"),
+    [
+        ("tests.jobapp.gone.vanished", "ModuleNotFoundError: No module named 'tests.jobapp.gone'"),
+        (
+            "tests.jobapp.tasks.vanished",
+            'ImportError: Module "tests.jobapp.tasks" does not define a "vanished" attribute/class',
+        ),
+        ("vanished", "ImportError: vanished doesn't look like a module path"),
+    ],
+    ids=["module", "attribute", "not-a-path"],
+)
+def test_a_task_that_no_longer_exists_fails_at_once_and_its_result_stays_readable(path, cause):
+    result_id = _enqueue_path(path, 1)
+
+    ready = default_task_backend.get_result(result_id)
+    assert (ready.status, ready.args, ready.task.name) == (
+        TaskResultStatus.READY,
+        [1],
+        path.rpartition(".")[2],
+    )
+    # A path without a dot has no module: Task.module_path then starts with the dot.
+    assert ready.task.module_path == path if "." in path else f".{path}"
+
+    result = _failed_at_once(result_id)
+
+    [error] = result.errors
+    assert error.exception_class_path == "jobs.errors.Reject"
+    assert cause in error.traceback
+    assert error.traceback.endswith(
+        f"jobs.errors.Reject: task {path} cannot be imported: {cause.partition(': ')[2]}"
+    )
+    with pytest.raises(ImportError):
+        result.task.call(1)
+
+
+def test_a_path_that_names_something_other_than_a_task_fails_at_once():
+    result_id = _enqueue_path("tests.jobapp.tasks.plain_function")
+
+    assert default_task_backend.get_result(result_id).status == TaskResultStatus.READY
+    result = _failed_at_once(result_id)
+
+    [error] = result.errors
+    assert error.exception_class_path == "jobs.errors.Reject"
+    assert error.traceback.endswith(
+        "jobs.errors.Reject: tests.jobapp.tasks.plain_function is a function, "
+        "not a django.tasks Task"
+    )
+
+
+def test_get_result_does_not_import_the_task_module(tmp_path, monkeypatch):
+    (tmp_path / "lazy_tasks.py").write_text(
+        "from django.tasks import task\n\n\n@task\ndef hello(name):\n    return 'hi ' + name\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "lazy_tasks", raising=False)
+    result_id = _enqueue_path("lazy_tasks.hello", "you")
+
+    result = default_task_backend.get_result(result_id)
+
+    assert "lazy_tasks" not in sys.modules
+    assert (result.task.name, result.task.module_path) == ("hello", "lazy_tasks.hello")
+    # The stand-in imports the task when it is called, and only then.
+    assert result.task.call("me") == "hi me"
+    assert "lazy_tasks" in sys.modules
+    monkeypatch.delitem(sys.modules, "lazy_tasks")
+
+
+def test_get_result_reads_a_job_whose_queue_the_settings_no_longer_list():
+    result_id = _enqueue_path("tests.jobapp.tasks.add", 1, 2, queue="retired")
+
+    result = tasks.add.get_result(result_id)
+
+    assert (result.status, result.task.queue_name) == (TaskResultStatus.READY, "retired")
+
+
+@pytest.mark.parametrize(
+    ("task", "raised"),
+    [(tasks.exits, "SystemExit: 3"), (tasks.interrupts, "KeyboardInterrupt")],
+    ids=["SystemExit", "KeyboardInterrupt"],
+)
+def test_a_task_raising_a_base_exception_fails_at_once_and_the_worker_survives(task, raised):
+    from django.tasks.signals import task_finished
+
+    seen = []
+
+    def receiver(sender, task_result, **kwargs):
+        seen.append(task_result.status)
+
+    result = task.enqueue()
+    task_finished.connect(receiver)
+    try:
+        result = _failed_at_once(result.id)
+    finally:
+        task_finished.disconnect(receiver)
+
+    [error] = result.errors
+    assert error.exception_class_path == "jobs.errors.Reject"
+    assert raised in error.traceback
+    kind = raised.partition(":")[0]
+    assert error.traceback.endswith(
+        f"jobs.errors.Reject: {task.module_path} raised builtins.{kind}, "
+        "which is not an Exception: the attempt fails without a retry"
+    )
+    assert seen == [TaskResultStatus.FAILED]
+
+
+def test_a_job_naming_a_backend_the_settings_no_longer_have_fails_at_once():
+    result_id = _enqueue_path("tests.jobapp.tasks.add", 1, 2, backend="retired")
+
+    result = _failed_at_once(result_id)
+
+    [error] = result.errors
+    assert error.exception_class_path == "jobs.errors.Reject"
+    assert error.traceback.endswith(
+        "jobs.errors.Reject: TASKS has no backend 'retired', the one that enqueued this task"
+    )
+
+
+def test_the_result_names_the_backend_that_enqueued_the_task():
+    backends = {
+        "default": {"BACKEND": "jobs.backends.PostgresBackend"},
+        "other": {"BACKEND": "jobs.backends.PostgresBackend"},
+    }
+    with override_settings(TASKS=backends):
+        result = tasks.add.using(backend="other").enqueue(1, 2)
+
+        assert (result.backend, result.task.backend) == ("other", "other")
+        result.refresh()
+        assert result.status == TaskResultStatus.READY
+
+
+def test_a_payload_that_does_not_decode_fails_at_once_and_its_result_stays_readable():
+    job = JobFactory(
+        name="django.task.v1",
+        payload={"path": "tests.jobapp.tasks.add", "args": [1, 2], "kwargs": {}, "later": 1},
+    )
+
+    ready = default_task_backend.get_result(str(job.pk))
+    assert (ready.status, ready.task.name, ready.args) == (TaskResultStatus.READY, "add", [1, 2])
+
+    _failed_at_once(str(job.pk), code="invalid_payload")

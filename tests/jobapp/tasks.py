@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from django.tasks import task
 
 from jobs import Reject
@@ -42,3 +44,52 @@ def flaky(marker_path: str) -> str:
         marker.write_text("failed once")
         raise ConnectionError("first attempt fails")
     return "second time lucky"
+
+
+# -- failure cases: what get_result() reports for each (docs/tasks.md) ---------------------
+
+
+@task
+def returns_datetime() -> datetime:
+    return datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+
+@task
+def returns_object() -> object:
+    return object()
+
+
+@task
+def returns_nan() -> dict:
+    return {"ratio": float("nan")}
+
+
+@task
+def returns_infinity() -> list:
+    return [1, float("inf")]
+
+
+@task
+def returns_nul() -> str:
+    return "a\x00b"
+
+
+@task
+def returns_normalized() -> dict:
+    """Tuples and UTF-8 bytes are JSON after Django's normalize_json: a list and a str."""
+    return {"pair": (1, 2), "raw": b"ok", "nested": [{"n": None}]}
+
+
+@task
+def exits() -> None:
+    raise SystemExit(3)
+
+
+@task
+def interrupts() -> None:
+    raise KeyboardInterrupt
+
+
+def plain_function() -> str:
+    """Not a Task: a payload naming it cannot run."""
+    return "not a task"
