@@ -55,8 +55,9 @@ _STATUS = {
     "failed": TaskResultStatus.FAILED,
     "cancelled": TaskResultStatus.FAILED,
 }
-# The exception line that ends a formatted traceback: "pkg.mod.Error: message" or "KeyError".
-_EXCEPTION_LINE = re.compile(r"^(?P<path>[A-Za-z_][\w.]*)(?::|$)")
+# The exception line of a formatted traceback: "pkg.mod.Error: message" or "KeyError"; a
+# class defined in a function has "<locals>" in its path.
+_EXCEPTION_LINE = re.compile(r"^(?P<path>[A-Za-z_][\w.<>]*)(?::|$)")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -143,7 +144,9 @@ class PostgresBackend(BaseTaskBackend):
             args=list(payload.args),
             kwargs=dict(payload.kwargs),
             backend=self.alias,
-            errors=_errors(job) if status == TaskResultStatus.FAILED else [],
+            # Django lists the errors of every attempt; the row keeps the last one, which
+            # also explains a retry that is waiting (READY) or that then succeeded.
+            errors=_errors(job) if job.last_error else [],
             # Only the last worker is kept: one entry per attempt, naming it.
             worker_ids=[job.claimed_by or "unknown"] * job.attempts,
         )
@@ -383,14 +386,69 @@ def _stand_in(path: str, module_name: str, name: str) -> Callable[..., Any]:
     return stand_in
 
 
+# get_result's exception class when the job's error is not a traceback, by last_error (the
+# codes of jobs.runs.ErrorCode, which this module does not import: it loads before the models).
+_CODE_CLASSES = {
+    "deadline_exceeded": "builtins.TimeoutError",
+    "invalid_payload": "jobs.payloads.InvalidPayload",
+    "cancelled": "jobs.errors.Cancelled",
+}
+_TRACEBACK_HEADER = "Traceback (most recent call last):"
+_CHAIN_SEPARATORS = (
+    "The above exception was the direct cause of the following exception:",
+    "During handling of the above exception, another exception occurred:",
+)
+# An exception group's header starts "  + "; the worker strips the detail's leading spaces.
+_GROUP_HEADERS = (
+    "  + Exception Group " + _TRACEBACK_HEADER,
+    "+ Exception Group " + _TRACEBACK_HEADER,
+)
+
+
 def _errors(job: Any) -> list[TaskError]:
-    """The failure as Django's TaskError, the exception class read from the traceback."""
-    detail = job.error_detail or job.last_error
-    path = "builtins.Exception"
-    for line in reversed(detail.splitlines()):
-        match = _EXCEPTION_LINE.match(line)
-        if match and not line.startswith(("Traceback", "During handling", "The above")):
-            found = match.group("path")
-            path = found if "." in found else f"builtins.{found}"
-            break
+    """The failure as Django's ``TaskError``: the exception class read from the traceback.
+
+    Details that are not a traceback (a deadline, an expired lease, a cancellation) are
+    reported as ``"<last_error>: <detail>"`` with a class chosen by ``_CODE_CLASSES``.
+    """
+    detail = job.error_detail or ""
+    path = _raised_class(detail)
+    if path is None:
+        path = _CODE_CLASSES.get(job.last_error, "builtins.Exception")
+        detail = f"{job.last_error}: {detail}" if detail else job.last_error
     return [TaskError(exception_class_path=path, traceback=detail)]
+
+
+def _raised_class(detail: str) -> str | None:
+    """The class of the exception a formatted traceback ends with; None if it is no traceback.
+
+    Chained exceptions come first, each ended by a separator line; the last block's exception
+    line is the first unindented line after its header (so a message quoting another
+    traceback does not mislead), and the lines after it are the rest of its message and its
+    notes. An exception group's lines carry a ``"  | "`` margin.
+    """
+    lines = detail.splitlines()
+    last_block = max((i for i, line in enumerate(lines) if line in _CHAIN_SEPARATORS), default=-1)
+    start = next(
+        (
+            i
+            for i in range(last_block + 1, len(lines))
+            if lines[i] == _TRACEBACK_HEADER or lines[i] in _GROUP_HEADERS
+        ),
+        None,
+    )
+    if start is None:
+        return None
+    margin = "" if lines[start] == _TRACEBACK_HEADER else "  | "
+    for line in lines[start + 1 :]:
+        if not line.startswith(margin):
+            break
+        line = line.removeprefix(margin)
+        if line and not line[0].isspace():
+            match = _EXCEPTION_LINE.match(line)
+            if match is None:
+                break
+            found = match.group("path")
+            # format_exception leaves out the module of builtins (and of __main__).
+            return found if "." in found else f"builtins.{found}"
+    return "builtins.Exception"  # cut short before the exception line (long details are)

@@ -352,4 +352,114 @@ def test_a_payload_that_does_not_decode_fails_at_once_and_its_result_stays_reada
     ready = default_task_backend.get_result(str(job.pk))
     assert (ready.status, ready.task.name, ready.args) == (TaskResultStatus.READY, "add", [1, 2])
 
-    _failed_at_once(str(job.pk), code="invalid_payload")
+    result = _failed_at_once(str(job.pk), code="invalid_payload")
+
+    [error] = result.errors
+    assert error.exception_class_path == "jobs.payloads.InvalidPayload"
+    assert error.traceback == "invalid_payload: unknown field 'later'"
+
+
+# -- get_result's errors: the exception class and traceback of the last failure ----------
+
+
+def test_the_exception_class_is_read_past_multiline_messages_and_notes():
+    result = tasks.raises_multiline.enqueue()
+
+    result = _failed_at_once(result.id)
+
+    [error] = result.errors
+    assert error.exception_class_path == "tests.jobapp.tasks.TaskProblem"
+    assert error.exception_class is tasks.TaskProblem
+    assert "SecondLine: not an exception class\na note" in error.traceback
+
+
+def test_the_exception_class_is_read_past_a_traceback_quoted_in_the_message():
+    result = tasks.raises_quoting_a_traceback.enqueue()
+
+    result = _failed_at_once(result.id)
+
+    [error] = result.errors
+    assert error.exception_class_path == "tests.jobapp.tasks.TaskProblem"
+    assert error.traceback.endswith("OtherError: remote")
+
+
+def test_a_chained_exception_reports_the_last_one_raised():
+    result = tasks.raises_chained.enqueue()
+
+    result = _failed_at_once(result.id)
+
+    [error] = result.errors
+    assert error.exception_class_path == "tests.jobapp.tasks.TaskProblem"
+    assert "KeyError: 'missing'" in error.traceback
+
+
+def test_an_exception_group_reports_its_own_class():
+    result_id = _enqueue_path("tests.jobapp.tasks.raises_group", max_attempts=1)
+
+    result = _failed_at_once(result_id, code="handler_error")
+
+    [error] = result.errors
+    assert error.exception_class_path == "builtins.ExceptionGroup"
+    assert "ValueError: one" in error.traceback
+
+
+@pytest.mark.parametrize(
+    ("code", "detail", "class_path"),
+    [
+        (
+            "deadline_exceeded",
+            "handler ran 301.000s, over its 300s limit",
+            "builtins.TimeoutError",
+        ),
+        ("cancelled", "cancelled by alice", "jobs.errors.Cancelled"),
+        ("lease_expired", "lease expired while held by vm:1", "builtins.Exception"),
+        ("stale", "", "builtins.Exception"),
+    ],
+)
+def test_a_failure_without_a_traceback_reports_its_code(code, detail, class_path):
+    job = JobFactory(
+        name="django.task.v1",
+        payload={"path": "tests.jobapp.tasks.add", "args": [1, 2], "kwargs": {}},
+        failed=True,
+        last_error=code,
+        error_detail=detail,
+    )
+
+    [error] = default_task_backend.get_result(str(job.pk)).errors
+
+    assert error.exception_class_path == class_path
+    assert error.traceback == (f"{code}: {detail}" if detail else code)
+
+
+def test_a_traceback_cut_short_reports_exception():
+    detail = 'Traceback (most recent call last):\n  File "tasks.py", line 3, in f\n    g()'
+    job = JobFactory(
+        name="django.task.v1",
+        payload={"path": "tests.jobapp.tasks.add", "args": [1, 2], "kwargs": {}},
+        failed=True,
+        error_detail=detail,
+    )
+
+    [error] = default_task_backend.get_result(str(job.pk)).errors
+
+    assert (error.exception_class_path, error.traceback) == ("builtins.Exception", detail)
+
+
+def test_a_retry_that_waits_reports_the_error_of_the_attempt_before():
+    detail = (
+        'Traceback (most recent call last):\n  File "t.py", line 1, in f\nConnectionError: down'
+    )
+    job = JobFactory(
+        name="django.task.v1",
+        payload={"path": "tests.jobapp.tasks.add", "args": [1, 2], "kwargs": {}},
+        attempts=1,
+        last_error="handler_error",
+        error_detail=detail,
+    )
+
+    result = default_task_backend.get_result(str(job.pk))
+
+    assert result.status == TaskResultStatus.READY
+    assert [(e.exception_class_path, e.traceback) for e in result.errors] == [
+        ("builtins.ConnectionError", detail)
+    ]

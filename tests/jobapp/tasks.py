@@ -49,6 +49,10 @@ def flaky(marker_path: str) -> str:
 # -- failure cases: what get_result() reports for each (docs/tasks.md) ---------------------
 
 
+class TaskProblem(Reject):
+    """A rejection defined next to the tasks: its path is not builtins, and it never retries."""
+
+
 @task
 def returns_datetime() -> datetime:
     return datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -88,6 +92,36 @@ def exits() -> None:
 @task
 def interrupts() -> None:
     raise KeyboardInterrupt
+
+
+@task
+def raises_multiline() -> None:
+    """A message whose second line looks like an exception line, and a note."""
+    error = TaskProblem("first line\nSecondLine: not an exception class")
+    error.add_note("a note")
+    raise error
+
+
+@task
+def raises_quoting_a_traceback() -> None:
+    """A message that quotes another traceback, as errors relayed from elsewhere do."""
+    raise TaskProblem(
+        'upstream failed:\nTraceback (most recent call last):\n  File "x.py", line 1\n'
+        "OtherError: remote"
+    )
+
+
+@task
+def raises_chained() -> None:
+    try:
+        {}["missing"]
+    except KeyError as exc:
+        raise TaskProblem("lookup failed") from exc
+
+
+@task
+async def raises_group() -> None:
+    raise ExceptionGroup("two failed", [ValueError("one"), TypeError("two")])
 
 
 def plain_function() -> str:
