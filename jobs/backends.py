@@ -11,7 +11,7 @@ never imports the task, so results stay readable after a task is removed.
 A task's own exceptions retry like any handler's (``Reject`` ends at once); what retrying
 cannot fix fails at once as ``rejected``: a task that cannot be imported or is not a
 ``Task``, a return value that is not JSON, a ``BaseException`` that is not an ``Exception``,
-a backend alias no longer configured.
+a backend alias no longer configured. Arguments that are not JSON are refused at enqueue.
 docs/tasks.md has the table of every case and what ``get_result()`` then reports.
 
 OPTIONS (all optional): ``DATABASE`` (alias, default ``"default"``), ``MAX_ATTEMPTS``
@@ -39,7 +39,6 @@ from django.tasks.base import TaskError
 from django.tasks.exceptions import TaskResultDoesNotExist
 from django.tasks.signals import task_enqueued, task_finished, task_started
 from django.utils import timezone
-from django.utils.json import normalize_json
 from django.utils.module_loading import import_string
 
 from jobs.conf import jobs_settings
@@ -94,8 +93,8 @@ class PostgresBackend(BaseTaskBackend):
         self.validate_task(task)
         payload = DjangoTaskV1(
             path=task.module_path,
-            args=normalize_json(list(args)),
-            kwargs=normalize_json(dict(kwargs)),
+            args=to_json(list(args), "args"),
+            kwargs=to_json(dict(kwargs), "kwargs"),
             takes_context=task.takes_context,
             backend=self.alias,
         )

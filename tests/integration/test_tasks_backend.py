@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.db import connections
+from django.db import connections, transaction
 from django.tasks import TaskResult, TaskResultStatus, default_task_backend, task_backends
 from django.tasks.exceptions import TaskResultDoesNotExist
 from django.test import override_settings
@@ -463,3 +463,47 @@ def test_a_retry_that_waits_reports_the_error_of_the_attempt_before():
     assert [(e.exception_class_path, e.traceback) for e in result.errors] == [
         ("builtins.ConnectionError", detail)
     ]
+
+
+# -- arguments: refused at enqueue unless the jobs table can store them as JSON ---------
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "message"),
+    [
+        ([timezone.now()], {}, TypeError, "args[0]: datetime.datetime is not a JSON type"),
+        ([], {"ratio": float("nan")}, ValueError, "kwargs['ratio']: nan is not a JSON number"),
+        ([{"a": [float("-inf")]}], {}, ValueError, "args[0]['a'][0]: -inf is not a JSON number"),
+        (["a\x00b"], {}, ValueError, "args[0]: a NUL character (\\x00), which PostgreSQL"),
+        (["\ud800"], {}, ValueError, "args[0]: a lone surrogate, which is not valid UTF-8"),
+        ([b"\xff"], {}, ValueError, "args[0]: bytes that are not UTF-8"),
+        ([{(1, 2): "pair"}], {}, TypeError, "args[0]: a key of type tuple (JSON keys are strings)"),
+    ],
+    ids=["datetime", "nan", "nested-infinity", "nul", "surrogate", "bytes", "tuple-key"],
+)
+def test_arguments_that_are_not_json_are_refused_at_enqueue(args, kwargs, error, message):
+    with transaction.atomic():
+        with pytest.raises(error) as refused:
+            tasks.echo.enqueue(*args, **kwargs)
+        # Refused before any statement ran: the caller's transaction is still usable.
+        assert not Job.objects.filter(name="django.task.v1").exists()
+
+    assert str(refused.value) == message or str(refused.value).startswith(message)
+
+
+def test_a_list_that_contains_itself_is_refused_at_enqueue():
+    loop: list = []
+    loop.append(loop)
+
+    with pytest.raises(ValueError, match=r"^args\[0\]\[0\]: a container that contains itself$"):
+        tasks.echo.enqueue(loop)
+
+
+def test_arguments_round_trip_as_json_does_with_non_string_keys():
+    result = tasks.echo.enqueue({1: "one", 2.5: "half", None: "none", b"raw": [b"ok", (1,)]})
+
+    expected = {"1": "one", "2.5": "half", "null": "none", "raw": ["ok", [1]]}
+    assert result.args == [expected]
+    run_worker()
+    result.refresh()
+    assert result.return_value == expected

@@ -54,6 +54,12 @@ class TaskProblem(Reject):
 
 
 @task
+def echo(*args, **kwargs) -> object:
+    """Returns what it was given, as the task received it."""
+    return args[0] if len(args) == 1 and not kwargs else {"args": list(args), "kwargs": kwargs}
+
+
+@task
 def returns_datetime() -> datetime:
     return datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
 
