@@ -60,9 +60,7 @@ def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> Out
         "tokens": [o.token for o in outcomes],
         "states": [o.state for o in outcomes],
         "codes": [None if o.code is None else text.clean(o.code)[:32] for o in outcomes],
-        "details": [
-            None if o.detail is None else text.clean(o.detail[:MAX_DETAIL]) for o in outcomes
-        ],
+        "details": [None if o.detail is None else _bounded(o.detail) for o in outcomes],
         "delays": [clamp_delay(o.delay) for o in outcomes],
         "ats": [o.at for o in outcomes],
         "deltas": [o.attempts_delta for o in outcomes],
@@ -75,6 +73,15 @@ def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> Out
         applied=tuple(o.id for o in outcomes if o.id in applied),
         fenced=tuple(o.id for o in outcomes if o.id not in applied),
     )
+
+
+def _bounded(detail: str) -> str:
+    """At most about MAX_DETAIL characters, keeping the end: a traceback's last line says most."""
+    if len(detail) > MAX_DETAIL:
+        head, tail = MAX_DETAIL // 4, MAX_DETAIL * 3 // 4
+        cut = len(detail) - head - tail
+        detail = f"{detail[:head]}\n… ({cut} characters cut) …\n{detail[-tail:]}"
+    return text.clean(detail)
 
 
 def complete(job: ClaimedJob, result: Any = None, *, using: str = DEFAULT_DB_ALIAS) -> bool:

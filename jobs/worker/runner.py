@@ -273,7 +273,8 @@ class Worker:
             _one_line(exc),
             self._errors,
             delay,
-            exc_info=self._errors == 1,
+            # A traceback helps with a bug, not with an outage: once, and not for the network.
+            exc_info=self._errors == 1 and _refused_data(exc),
             extra={"action": "loop_error", "retry": self._errors, "delay": delay},
         )
         with contextlib.suppress(Exception):

@@ -88,8 +88,8 @@ def spawn(tmp_path):
         "LOG_LEVEL": "INFO",
     }
 
-    def start(*args: str, lease: float | None = None) -> Process:
-        proc_env = dict(env)
+    def start(*args: str, lease: float | None = None, **extra_env: str) -> Process:
+        proc_env = {**env, **extra_env}
         if lease is not None:
             proc_env["TEST_JOBS_LEASE"] = str(lease)
         process = Process(list(args), tmp_path / f"process-{len(started)}.log", proc_env)

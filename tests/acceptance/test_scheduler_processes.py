@@ -3,17 +3,23 @@ slot ever fires twice. The schedule fires every second (tests/runapp/settings_sc
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import time
 import urllib.request
 from datetime import timedelta
 
+import psycopg
 import pytest
 from django.db.models.functions import Now
 
+from jobs import dbbounds
 from jobs.models import Job, ScheduleSlot
-from tests.acceptance.conftest import wait_for
+from jobs.scheduler.slots import TICK_LOCK_NAMESPACE
+from tests.acceptance.conftest import Process, database_url_for_tests, wait_for
 from tests.runapp.models import QuickRun
+from tests.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.acceptance, pytest.mark.slow]
 
@@ -160,6 +166,100 @@ def test_the_watchdog_reaps_the_run_of_a_killed_worker_and_frees_its_key(spawn):
     assert f"reaped as stale 1 rows of runapp.quickrun: ids [{run.pk}]" in scheduler.output()
     # The active-state lock is free: the next run with the same key can start.
     QuickRun.objects.create(job_id="nightly-curation", state="running", heartbeat_at=Now())
+
+
+BOUNDED = [*SCHEDULER]
+BOUNDED[BOUNDED.index("tests.runapp.settings_scheduler")] = "tests.runapp.settings_scheduler_bounds"
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """Like ``spawn``, with environment overrides (a database URL, the bounds switch)."""
+    started: list[Process] = []
+    base = {
+        **os.environ,
+        "DATABASE_URL": database_url_for_tests(),
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "PYTHONUNBUFFERED": "1",
+        "LOG_LEVEL": "INFO",
+    }
+
+    def start(*args: str, **env: str) -> Process:
+        log = tmp_path / f"launched-{len(started)}.log"
+        process = Process(list(args), log, {**base, **env})
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+def hold_tick_lock(name: str = "every-second") -> psycopg.Connection:
+    """A transaction of the test's own that holds the schedule's tick lock: ticks block."""
+    conn = psycopg.connect(**dbbounds.connect_params(bounds=dbbounds.Bounds(0, 0, 0)))
+    conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [TICK_LOCK_NAMESPACE, name])
+    return conn
+
+
+def test_a_leader_stuck_in_the_database_steps_down_and_the_standby_takes_over(launch):
+    unbounded = {"TEST_JOBS_DB_BOUNDS": "off"}  # nothing cancels the stuck call but the leader
+    leader = launch(*BOUNDED, **unbounded)
+    leader.wait_for_output(LEADS)
+    standby = launch(*BOUNDED, **unbounded)
+    standby.wait_for_output("stands by")
+    wait_for(lambda: fired_by(leader) >= 2, what="the leader fired slots")
+
+    holder = hold_tick_lock()  # the leader's next tick waits for this lock, unbounded
+    blocked = time.monotonic()
+    try:
+        standby.wait_for_output(LEADS, timeout=15)
+        took_over = time.monotonic() - blocked
+        leader.wait_for_output("lost leadership: the scheduler loop has not moved for")
+    finally:
+        holder.rollback()  # the new leader's first tick waits for it too
+        holder.close()
+    stepped_down = leader.output()
+    assert "(stuck in the cron pass)" in stepped_down
+    assert "aborted its database connection, stuck in the cron pass" in stepped_down
+    fired = fired_by(standby)
+    wait_for(lambda: fired_by(standby) >= fired + 2, what="the new leader fired slots")
+    for process in (leader, standby):
+        process.signal(signal.SIGTERM)
+        assert process.wait() == 0
+    assert 2.0 <= took_over < 5.0, f"the standby led {took_over:.1f}s after the leader stuck"
+    print(f"hung leader (stuck in the database): standby led after {took_over:.2f}s")
+    assert_each_slot_fired_once_without_gaps(leader, standby)
+
+
+def test_a_leader_cut_off_by_a_silent_network_steps_down_and_the_standby_takes_over(launch):
+    with TcpProxy() as proxy:
+        leader = launch(*BOUNDED, DATABASE_URL=proxy.database_url())
+        leader.wait_for_output(LEADS)
+        leader_port = port(leader)
+        standby = launch(*BOUNDED)  # reaches the database directly
+        standby.wait_for_output("stands by")
+        wait_for(lambda: fired_by(leader) >= 2, what="the leader fired slots")
+
+        proxy.freeze()  # no byte passes, no socket closes: every call of the leader hangs
+        cut = time.monotonic()
+        leader.wait_for_output("lost leadership", timeout=15)
+        stepped_down = time.monotonic() - cut
+        standby.wait_for_output(LEADS, timeout=15)
+        took_over = time.monotonic() - cut
+        assert metric(leader_port, "jobs_scheduler_leader") == 0.0  # it says so, too
+        fired = fired_by(standby)
+        wait_for(lambda: fired_by(standby) >= fired + 2, what="the new leader fired slots")
+        for process in (leader, standby):
+            process.signal(signal.SIGTERM)
+        assert standby.wait() == 0
+    assert stepped_down < 4.0, f"the cut-off leader stepped down after {stepped_down:.1f}s"
+    assert took_over < 5.0, f"the standby led {took_over:.1f}s after the cut"
+    print(
+        f"silent network drop: leader stepped down after {stepped_down:.2f}s, "
+        f"standby led after {took_over:.2f}s"
+    )
+    assert_each_slot_fired_once_without_gaps(leader, standby)
 
 
 def test_once_while_another_leads_exits_with_the_stood_by_status(spawn):

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import time
 import urllib.request
+from pathlib import Path
 
 import pytest
+from django.db import connection
 
 from jobs import enqueue
 from jobs.models import Job
 from tests.acceptance.conftest import read_trace, wait_for
-from tests.procapp.jobs import Trace
+from tests.procapp.jobs import RetryTrace, Trace
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.acceptance, pytest.mark.slow]
 
@@ -193,3 +197,60 @@ def _status(port: int, path: str) -> int:
         return exc.code
     except OSError:
         return 0
+
+
+def test_kill_9_during_in_process_retries_never_exceeds_max_attempts(spawn, tmp_path):
+    path = tmp_path / "trace"
+    job = enqueue(RetryTrace(path=str(path), seconds=0.5))  # max_attempts = 3
+    for _round in range(4):
+        if job_row(job).state == "failed":
+            break
+        worker = spawn("runworker", *FAST, lease=1.0)
+        wait_for(
+            lambda w=worker: len(starts(path, w.pid)) >= 2 or job_row(job).state == "failed",
+            what="two attempts in one claim, or the job failed",
+        )
+        worker.proc.kill()  # during the in-process wait after the second attempt
+        worker.wait()
+
+    assert len(starts(path)) <= 3, starts(path)
+    wait_for(lambda: job_row(job).state == "failed", what="the job failed", timeout=10)
+    assert job_row(job).attempts == 3
+
+
+def test_database_outage_backs_off_without_spinning(spawn):
+    worker = spawn("runworker", "--poll-interval", "0.1")
+    worker.wait_for_output("started")
+    name = connection.settings_dict["NAME"]
+    connection.ensure_connection()  # this test's own session outlives the outage
+    try:
+        # The database goes away under an idle worker: no new connections, old ones cut.
+        with connection._nodb_cursor() as cur:
+            cur.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+        with connection.cursor() as cur:
+            cur.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        cpu_before, started = _cpu_seconds(worker.pid), time.monotonic()
+        wait_for(lambda: _retries(worker) >= 4, what="four retries", timeout=20)
+        cpu, wall = _cpu_seconds(worker.pid) - cpu_before, time.monotonic() - started
+        queued = enqueue(Trace(path="/dev/null"))
+    finally:
+        with connection._nodb_cursor() as cur:
+            cur.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+
+    # Waits of 0.1, 0.2, 0.4 s between the four failures: no spinning, near-idle CPU.
+    assert wall >= 0.6
+    assert cpu < 0.25 * wall, (cpu, wall)
+    assert "Traceback" not in worker.output(), "one line per retry during an outage"
+    wait_for(lambda: job_row(queued).state == "succeeded", what="work after the outage")
+
+
+def _retries(process) -> int:
+    return process.output().count("database error in the run loop")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -6,7 +6,7 @@ import os
 import time
 from datetime import timedelta
 
-from jobs import JobContext, Payload, job
+from jobs import JobContext, Payload, RetryAfter, job
 from jobs.registry import Backoff
 
 
@@ -36,3 +36,17 @@ def trace(payload: Trace, ctx: JobContext) -> int:
     with open(payload.path, "a") as out:
         out.write(f"end {pid} {ctx.attempt} {'cancelled' if ctx.cancelled.is_set() else 'ok'}\n")
     return pid
+
+
+class RetryTrace(Payload, name="test.retry_trace.v1"):
+    """Append a start line to ``path``, then ask to be retried after ``seconds``."""
+
+    path: str
+    seconds: float = 0.5
+
+
+@job(RetryTrace, concurrency=2, timeout=timedelta(seconds=30), max_attempts=3)
+def retry_trace(payload: RetryTrace, ctx: JobContext) -> None:
+    with open(payload.path, "a") as out:
+        out.write(f"start {os.getpid()} {ctx.attempt}\n")
+    raise RetryAfter(payload.seconds)

@@ -62,3 +62,13 @@ def test_a_backslash_before_u0000_is_text_not_a_nul():
 )
 def test_retry_delays_are_clamped(delay, seconds):
     assert Outcome.retry(claimed(), code="handler_error", delay=delay).delay == seconds
+
+
+def test_long_details_keep_their_last_line():
+    from jobs.queue.outcomes import MAX_DETAIL, _bounded
+
+    detail = "Traceback\n" + "  frame\n" * 5000 + "ValueError: the cause"
+    bounded = _bounded(detail)
+    assert len(bounded) < MAX_DETAIL + 100
+    assert bounded.startswith("Traceback") and bounded.endswith("ValueError: the cause")
+    assert "characters cut" in bounded
