@@ -8,7 +8,8 @@ Django's, which may be closed or recycled between requests)::
                 ▲  │                                           │      │ before every duty):
                 │  └─ false or no connection:                  │ ◀────┘ our session still
                 │     retry every standby interval             │        holds the lock
-                └──────── proof failed / connection lost ──────┘
+                └──── proof failed / no answer / connection ───┘
+                      lost / the duty loop stuck for the timeout
                           (close the connection, stop acting)
     leader ──SIGTERM──▶ unlock, close ──▶ stopped      (a standby takes over at its next try)
 
@@ -19,6 +20,11 @@ Why each step:
 * A leader that stalls (SIGSTOP, a long GC pause, a network cut) stops proving. Its session
   sets ``idle_session_timeout`` to ``JOBS["SCHEDULER_LEADER_TIMEOUT"]``, so the server ends it
   and frees the lock; when the old leader wakes, its proof fails and it stands down.
+* A leader whose process is alive but whose duty loop is stuck in a call would go on proving
+  from the keeper thread for ever. The scheduler's stall guard calls :meth:`Leadership.step_down`
+  once its loop has not moved for the timeout (see :mod:`jobs.scheduler.runner`).
+* Every call on the lock session has a client-side deadline (half the timeout): on a path that
+  went silent, the proof fails instead of hanging, and the leader stands down.
 * Between a proof and the work it allows, leadership could still be lost. The cron tick
   therefore checks, inside its own transaction, that the lock session is still the lock's
   holder (:meth:`Leadership.fence`), and the slot table's unique constraint is the last word.
@@ -34,6 +40,7 @@ from datetime import timedelta
 import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections
 
+from jobs import dbbounds
 from jobs.conf import jobs_settings
 from jobs.scheduler import metrics
 
@@ -75,6 +82,8 @@ class Leadership:
         self.timeout = timeout or jobs_settings.SCHEDULER_LEADER_TIMEOUT
         # Prove several times per timeout, so a live leader's session is never idle that long.
         self.proof_interval = min(1.0, self.timeout.total_seconds() / 5)
+        # A call on the lock session with no answer this long is cut off (dbbounds.deadline).
+        self.call_deadline = max(0.5, self.timeout.total_seconds() / 2)
         self.backend_pid: int | None = None
         self._params = {"classid": key >> 32, "objid": key & 0xFFFFFFFF}
         self._mutex = threading.RLock()
@@ -133,7 +142,7 @@ class Leadership:
             if not self._leading or self._conn is None:
                 return False
             try:
-                held = bool(self._conn.execute(PROOF_SQL, self._params).fetchone()[0])
+                held = bool(self._call(PROOF_SQL, self._params)[0])
                 reason = "its session no longer holds the lock"
             except psycopg.Error as exc:
                 held, reason = False, f"the lock connection failed ({exc})".strip()
@@ -155,6 +164,14 @@ class Leadership:
             if not cur.fetchone()[0]:
                 raise LeadershipLost(f"lock session pid {pid} no longer holds the leader lock")
 
+    def step_down(self, reason: str) -> bool:
+        """Stop leading now, closing the lock session; True if this process was leading."""
+        with self._mutex:
+            if not self._leading:
+                return False
+            self._step_down(reason)
+            return True
+
     def release(self) -> None:
         """Give up leadership (at shutdown) so a standby takes over at once."""
         self._closing.set()
@@ -162,7 +179,7 @@ class Leadership:
             was_leading = self._leading
             if was_leading and self._conn is not None:
                 with contextlib.suppress(psycopg.Error):  # closing the session releases it too
-                    self._conn.execute("SELECT pg_advisory_unlock(%s)", [self.key])
+                    self._call("SELECT pg_advisory_unlock(%s)", [self.key])
             self._close()
             self._leading = False
         if was_leading:
@@ -180,8 +197,8 @@ class Leadership:
         """True: locked; False: someone else holds it; None: the database is unreachable."""
         for attempt in range(2):  # a stale standby connection gets one fresh retry
             try:
-                conn = self._connection()
-                got = conn.execute("SELECT pg_try_advisory_lock(%s)", [self.key]).fetchone()[0]
+                self._connection()
+                got = self._call("SELECT pg_try_advisory_lock(%s)", [self.key])[0]
                 self._unreachable = False
                 return bool(got)
             except psycopg.Error as exc:
@@ -214,25 +231,33 @@ class Leadership:
             if term != self._term or not self._leading or not self.prove():
                 return  # this term of leadership ended (a later one has its own keeper)
 
+    def _call(self, sql: str, params: object) -> tuple:
+        """One statement on the lock session, cut off if no answer comes within its deadline.
+
+        A silent network path would otherwise hang the keeper (and the loop, waiting for the
+        mutex) for good, still claiming to lead.
+        """
+        assert self._conn is not None
+        with dbbounds.deadline(self._conn, self.call_deadline):
+            return self._conn.execute(sql, params).fetchone()
+
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
-            params = connections[self.using].get_connection_params()
-            for key in ("cursor_factory", "context", "server_side_binding", "prepare_threshold"):
-                params.pop(key, None)
-            params.setdefault("connect_timeout", 5)
-            params["application_name"] = f"jobs-scheduler {self.identity}"[:63]
-            conn = psycopg.connect(**params, autocommit=True)
+            params = dbbounds.connect_params(
+                self.using, application_name=f"jobs-scheduler {self.identity}"
+            )
+            params["connect_timeout"] = min(params.get("connect_timeout", 5), 5)
+            self._conn = psycopg.connect(**params, autocommit=True)
             timeout_ms = int(self.timeout.total_seconds() * 1000)
             try:
-                conn.execute(
+                self._call(
                     "SELECT set_config('idle_session_timeout', %s, false)", [str(timeout_ms)]
                 )
-            except psycopg.Error:
+            except psycopg.errors.UndefinedObject:
                 logger.warning(
                     "PostgreSQL has no idle_session_timeout (before 14): a stalled leader keeps "
                     "leadership until its connection closes"
                 )
-            self._conn = conn
         return self._conn
 
     def _close(self) -> None:

@@ -1,13 +1,21 @@
 """The scheduler's loop: contend for leadership, and while leading run each duty on its interval.
 
 One thread owns the loop and Django's connection; the leadership keeper proves the lock on its
-own thread and connection::
+own thread and connection, and a stall guard watches the loop from a third::
 
     ┌─▶ standby: try the lock every standby interval; export schedule status gauges
     │   leader:  read the database clock once, then for each due duty
     │              (cron every tick, watchdog, retention): prove leadership → run_once(now)
     │            export schedule status gauges after each cron tick
     └── wait for the next duty or attempt (at most 1 s), or a stop signal
+
+    guard: the loop has not moved (no pass, no statement started or finished) for
+           SCHEDULER_LEADER_TIMEOUT ──▶ step down, abort the loop's connection (the stuck call
+           raises), stay out of the contest for one timeout so a standby takes over
+
+Every call has a bound (jobs.dbbounds): the loop's connection carries statement_timeout,
+lock_timeout and TCP keepalives/tcp_user_timeout, the lock session's calls have a deadline,
+and the guard catches what none of those can see (a path that went silent).
 
 A duty that fails is logged and counted, and runs again on its next interval; a duty that finds
 leadership lost stops the pass. Becoming leader runs every duty at once (a returning scheduler
@@ -25,7 +33,10 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.db import connection
+from django.db.backends.base.base import BaseDatabaseWrapper
 
+from jobs import dbbounds
+from jobs.dbbounds import StallGuard
 from jobs.process import install_stop_signals, restore_signals, start_http
 from jobs.registry import Registry, get_registry
 from jobs.scheduler import metrics
@@ -39,6 +50,8 @@ from jobs.scheduler.schedules import Schedule, get_schedules
 from jobs.scheduler.watchdog import Watchdog
 
 logger = logging.getLogger("jobs.scheduler")
+
+CONTENDING = "contending for leadership"
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,8 @@ class Scheduler:
         self._stop = threading.Event()
         self._next_attempt = 0.0
         self._status_failing = False
+        self._activity: str | None = None  # what the loop is doing, for a stall's report
+        self._db: BaseDatabaseWrapper | None = None  # the loop thread's (bounded) connection
 
     def run(self, *, until: Callable[[Scheduler], bool] | None = None) -> int:
         """Run until stopped (or ``until(scheduler)`` is true after a pass); returns 0."""
@@ -114,15 +129,24 @@ class Scheduler:
             extra={"action": "started"},
         )
         self.ready = True
+        guard = StallGuard(
+            self.config.leader_duration.total_seconds(), self._stalled, name="jobs-scheduler-guard"
+        )
         try:
-            while not self._stop.is_set():
-                self.alive_at = time.monotonic()
-                self._pass()
-                if until is not None and until(self):
-                    break
-                self._stop.wait(self._wait_time())
+            with dbbounds.bounded(connection) as db, db.execute_wrapper(guard):
+                self._db = db
+                guard.start()
+                while not self._stop.is_set():
+                    self.alive_at = time.monotonic()
+                    guard.moved()
+                    self._pass()
+                    if until is not None and until(self):
+                        break
+                    with guard.waiting():
+                        self._stop.wait(self._wait_time())
             return 0
         finally:
+            guard.stop()
             self.ready = False
             self.leadership.release()
             if server is not None:
@@ -144,6 +168,31 @@ class Scheduler:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def _stalled(self, seconds: float) -> None:
+        """The loop has not moved for the leader timeout: stop leading, cut the stuck call.
+
+        Runs on the guard's thread. Proving the lock from the keeper thread says nothing about
+        the duties, so a loop stuck in a call (a lock wait with no bound, a silent network
+        path) must not keep leadership; the standby takes over at its next attempt.
+        """
+        activity = self._activity or "between passes"
+        if self.leadership.step_down(
+            f"the scheduler loop has not moved for {seconds:.1f}s (stuck in {activity})"
+        ):
+            # Stand back for one timeout: a healthy standby takes over, instead of this
+            # process winning the lock again the moment its call is cut, and sticking again.
+            self._next_attempt = time.monotonic() + self.config.leader_duration.total_seconds()
+        if self._activity == CONTENDING:
+            return  # the lock connection's own calls have deadlines; Django's is idle
+        if dbbounds.abort(self._db):
+            logger.warning(
+                "scheduler %s aborted its database connection, stuck in %s for %.1fs",
+                self.config.identity,
+                activity,
+                seconds,
+                extra={"action": "stuck_call_aborted"},
+            )
+
     @property
     def healthy(self) -> bool:
         slowest = max(self.config.tick_interval, self.config.standby_interval)
@@ -152,9 +201,11 @@ class Scheduler:
     # -- the loop ----------------------------------------------------------------------------
 
     def _pass(self) -> None:
+        self._activity = None
         now = time.monotonic()
         if not self.leadership.leading and now >= self._next_attempt:
             self._next_attempt = now + self.config.standby_interval
+            self._activity = CONTENDING
             if self.leadership.try_acquire():
                 for duty in self.duties:
                     duty.next_at = 0.0
@@ -167,6 +218,7 @@ class Scheduler:
         due = [duty for duty in self.duties if time.monotonic() >= duty.next_at]
         if not due:
             return
+        self._activity = "reading the database clock"
         try:
             now = database_now()
         except Exception:
@@ -179,6 +231,7 @@ class Scheduler:
                 return
             duty.next_at = time.monotonic() + duty.interval
             self.last_pass[duty.name] = False
+            self._activity = f"the {duty.name} pass"
             try:
                 result = duty.run(now)
             except LeadershipLost as exc:
@@ -199,6 +252,7 @@ class Scheduler:
     def _export_status(self, now: datetime | None) -> None:
         if not self.schedules:
             return
+        self._activity = "reading schedule status"
         try:
             export(status(now=now, schedules=self.schedules))
         except Exception as exc:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from datetime import timedelta
 
 import pytest
 from django.db import connection, transaction
+from django.test import override_settings
 from prometheus_client import REGISTRY
 
 from jobs.models import ScheduleSlot
@@ -15,6 +18,7 @@ from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.leader import FENCE_SQL, LOCK_KEY, Leadership, LeadershipLost
 from jobs.scheduler.runner import Scheduler
 from jobs.scheduler.schedules import load_schedules
+from jobs.scheduler.slots import TICK_LOCK_NAMESPACE
 from tests.runapp.models import QuickRun
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -129,12 +133,31 @@ def every_second(**options):
 
 
 def scheduler(contenders, identity: str, **config) -> Scheduler:
+    timeout = config.get("leader_timeout")
     return Scheduler(
         SchedulerConfig(identity=identity, install_signal_handlers=False, **config),
         schedules=every_second(),
         registry=get_registry(),
-        leadership=contenders(identity),
+        leadership=contenders(identity, timeout=timeout),
     )
+
+
+@contextlib.contextmanager
+def schedule_locked(name: str = "every-second"):
+    """Hold the schedule's tick lock on the test's connection: its ticks block in the database."""
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [TICK_LOCK_NAMESPACE, name])
+        yield
+
+
+def in_thread(target) -> threading.Thread:
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+def cron_errors() -> float:
+    return REGISTRY.get_sample_value("jobs_scheduler_errors_total", {"duty": "cron"}) or 0.0
 
 
 class TestSchedulerLoop:
@@ -165,3 +188,49 @@ class TestSchedulerLoop:
         assert leader.passes == 3
         fired = REGISTRY.get_sample_value("jobs_scheduler_passes_total", {"duty": "cron"})
         assert fired is not None and fired >= 3
+
+
+class TestStuckLeader:
+    """A duty blocked in the database: its bound cancels it, or the leader steps down."""
+
+    @override_settings(JOBS={"DB_LOCK_TIMEOUT": 0.3, "DB_STATEMENT_TIMEOUT": 1})
+    def test_a_tick_blocked_on_a_lock_is_cancelled_by_its_bound_and_the_leader_goes_on(
+        self, contenders, caplog
+    ):
+        leader = scheduler(contenders, "leader", tick_interval=0.05, watchdog_interval=0.05)
+        with schedule_locked():
+            thread = in_thread(lambda: leader.run(until=lambda s: s.passes >= 4))
+            # Before the bounds, the first tick waited for the lock forever.
+            wait_for(lambda: not thread.is_alive(), what="four passes despite the held lock")
+        assert "schedule every-second: tick failed" in caplog.text
+        assert "lock timeout" in caplog.text
+        assert "lost leadership" not in caplog.text
+        assert not ScheduleSlot.objects.exists()
+
+    @override_settings(JOBS={"DB_LOCK_TIMEOUT": 0, "DB_STATEMENT_TIMEOUT": 0})
+    def test_a_leader_stuck_in_the_database_steps_down_and_a_standby_takes_over(
+        self, contenders, caplog
+    ):
+        timeout = timedelta(seconds=1)
+        leader = scheduler(contenders, "leader", tick_interval=0.05, leader_timeout=timeout)
+        standby = contenders("standby", timeout=timeout)
+        thread = in_thread(leader.run)
+        try:
+            wait_for(lambda: leader.passes >= 1, what="the leader ran a pass")
+            with schedule_locked():  # no bound: its next tick waits for this lock for good
+                blocked = time.monotonic()
+                wait_for(standby.try_acquire, what="the standby took over")
+                took_over = time.monotonic() - blocked
+                assert not leader.leadership.leading
+                assert "scheduler leader lost leadership: the scheduler loop has not moved for" in (
+                    caplog.text
+                )
+                assert "(stuck in the cron pass)" in caplog.text
+                # The stuck call was cut, not left waiting for the lock: the loop moves again.
+                wait_for(lambda: "tick failed" in caplog.text, what="the stuck tick was aborted")
+            assert 1.0 <= took_over < 3.0, took_over
+            assert lock_holders() == [standby.backend_pid]
+        finally:
+            leader.request_stop()
+            thread.join(10)
+        assert not thread.is_alive()
