@@ -8,9 +8,14 @@ payload fails decoding/validate    failed, handler never called               in
 handler raised Reject, or an       failed, no retry                           rejected
 error its policy calls permanent
 handler overran its timeout        queued for retry; failed on last attempt   deadline_exceeded
-any other error                    queued for retry; failed on last attempt   handler_error
-RetryAfter(delay)                  waited out in the worker when short, else  handler_error
-                                   queued with that delay; failed on last
+any other error (BaseException     queued for retry; failed on last attempt   handler_error
+too), or a transaction left open
+a result that is not storable      failed, no retry                           handler_error
+JSON
+RetryAfter(delay)                  waited out in the worker when short (the   handler_error
+                                   next attempt recorded first), else queued
+                                   with that delay; failed on last
+cancelled by a draining worker     handed back (attempt returned)             (kept)
 lease lost meanwhile               nothing written (fenced)                   —
 =================================  =========================================  =================
 """

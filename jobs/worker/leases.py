@@ -18,11 +18,12 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 
 from django.db import connection
 
-from jobs import queue, runs
+from jobs import dbbounds, queue, runs
 from jobs.worker import metrics
 from jobs.worker.execution import Running
 
@@ -54,13 +55,19 @@ class LeaseKeeper:
 
     def _loop(self) -> None:
         next_renewal = time.monotonic() + self._every
+        # A renewal that cannot finish within a renewal interval is as good as failed.
+        bounds = dbbounds.Bounds.from_settings()
+        bounds = replace(
+            bounds, statement_timeout=min(self._every, _secs(bounds.statement_timeout))
+        )
         try:
-            while not self._stop.wait(self._tick):
-                now = time.monotonic()
-                self._enforce_deadlines(now)
-                if now >= next_renewal:
-                    self.renew_once(now)
-                    next_renewal = now + self._every
+            with dbbounds.bounded(connection, bounds):
+                while not self._stop.wait(self._tick):
+                    now = time.monotonic()
+                    self._enforce_deadlines(now)
+                    if now >= next_renewal:
+                        self.renew_once(now)
+                        next_renewal = now + self._every
         finally:
             connection.close()
 
@@ -135,3 +142,7 @@ class LeaseKeeper:
             except Exception:
                 logger.exception("heartbeat of %s rows failed", model._meta.label)
                 connection.close()
+
+
+def _secs(value: timedelta | float) -> float:
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)

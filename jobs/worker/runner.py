@@ -26,7 +26,7 @@ from functools import partial
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 
-from jobs import queue
+from jobs import dbbounds, queue
 from jobs.process import install_stop_signals, restore_signals, start_http
 from jobs.queue import ClaimedJob, ClaimRequest, Outcome, OutcomeReport
 from jobs.registry import Registry
@@ -104,6 +104,10 @@ class Worker:
         if self.config.notify_enabled and self._names:
             listener.start()
         self._log_start()
+        # The loop's own connection gets statement, lock and network bounds (jobs.dbbounds):
+        # no call of the run loop may wait forever. Handler threads keep the plain settings.
+        bounds = contextlib.ExitStack()
+        bounds.enter_context(dbbounds.bounded(connection))
         try:
             self.ready = True
             metrics.ready.set(1)
@@ -123,6 +127,7 @@ class Worker:
             if server is not None:
                 server.shutdown()
             pool.shutdown(timeout=0 if self._force.is_set() else 1.0)
+            bounds.close()
             connection.close()
             restore_signals(previous)
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection
 import psycopg
 from django.db import connection
 
+from jobs import dbbounds
 from jobs.conf import NOTIFY_CHANNEL
 
 logger = logging.getLogger("jobs.worker")
@@ -51,11 +52,8 @@ class NotifyListener:
                 retry = min(retry * 2, 30.0)
 
     def _listen(self) -> None:
-        params = connection.get_connection_params()
-        params.pop("cursor_factory", None)
-        params.pop("context", None)
-        params.pop("server_side_binding", None)
-        params.pop("prepare_threshold", None)
+        # Keepalives make a dead network path under this idle connection show up as an error.
+        params = dbbounds.connect_params(connection, application_name="jobs-worker listener")
         with psycopg.connect(**params, autocommit=True) as conn:
             conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
             self.listening.set()

@@ -335,3 +335,26 @@ def test_pool_threads_survive_a_task_that_raises_base_exception():
     assert ran
     assert pool.alive == 2
     assert pool.shutdown(timeout=5)
+
+
+class TestBounds:
+    def test_the_loop_is_bounded_and_handlers_are_not(self):
+        seen: dict[str, str] = {}
+
+        def show() -> str:
+            with connection.cursor() as cur:
+                cur.execute("SHOW statement_timeout")
+                return cur.fetchone()[0]
+
+        def handler_probe(payload, ctx):
+            seen["handler"] = show()
+
+        done = queue.enqueue(NewJob(Echo.job_name, {"text": "x"})).id
+        reg = Registry([JobType(Echo, handler_probe, Policy())])
+
+        def until(w: Worker) -> bool:
+            seen.setdefault("loop", show())
+            return settled(done) and w.idle
+
+        run_until(reg, until)
+        assert seen == {"loop": "5s", "handler": "0"}
