@@ -20,7 +20,7 @@ This module is importable without the ``jobs`` app's models (like Django's
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import ClassVar
 
@@ -158,6 +158,7 @@ def reap_stale(
     stale_after: timedelta,
     now: datetime | None = None,
     limit: int = 100,
+    unless_active: Sequence[tuple[str, str]] = (),
     using: str = DEFAULT_DB_ALIAS,
 ) -> list[int]:
     """Fail running rows whose pulse stopped, freeing their active-state lock; returns pks.
@@ -165,6 +166,10 @@ def reap_stale(
     A row is stale when its last heartbeat (or, if it never beat, its creation) is older than
     ``stale_after``. It becomes ``failed`` with ``last_error = "stale"``. Rows locked by
     someone else are skipped, and at most ``limit`` rows are reaped per call.
+
+    ``unless_active`` lists the (job type, payload field) pairs of job types bound to this
+    table: a row that an active job of one of them names is its job's to settle, and is
+    skipped whatever its heartbeat says.
     """
     now = now or timezone.now()
     cutoff = now - stale_after
@@ -173,6 +178,11 @@ def reap_stale(
         stale = Q(heartbeat_at__lt=cutoff) | Q(heartbeat_at__isnull=True, created_at__lt=cutoff)
     else:
         stale = Q(created_at__lt=cutoff)
+    if unless_active:
+        running = running.extra(  # fixed SQL; the values are parameters
+            where=[_no_active_job(model, len(unless_active))],
+            params=[value for pair in unless_active for value in pair],
+        )
     with transaction.atomic(using=using):
         pks = list(
             running.filter(stale)
@@ -188,6 +198,20 @@ def reap_stale(
                 finished_at=now,
             )
     return pks
+
+
+def _no_active_job(model: type[RunContract], bindings: int) -> str:
+    """SQL: no active job of a bound type names this row (one name/field pair per binding)."""
+    row = f"{connection_quote(model._meta.db_table)}.{connection_quote(model._meta.pk.column)}"
+    names = " OR ".join(["(j.name = %s AND j.payload ->> %s = " + row + "::text)"] * bindings)
+    return (
+        "NOT EXISTS (SELECT 1 FROM jobs_job j "
+        f"WHERE j.state IN ('queued', 'running') AND ({names}))"
+    )
+
+
+def connection_quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
 
 
 # -- rows bound to a job type ---------------------------------------------------------------

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, transaction
 
+from jobs import binding
 from jobs.queue import _db, keys
 from jobs.queue.types import ReplayReport
 from jobs.runs import ErrorCode
@@ -60,6 +61,7 @@ def replay(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> Rep
                         replayed.update(i for (i,) in cur.fetchall())
                 except IntegrityError:
                     continue  # a concurrent enqueue took the key: reported as key_taken
+        binding.replayed(replayed, using=using)
         cur.execute(
             "SELECT id, state IN ('failed', 'cancelled') FROM jobs_job WHERE id = ANY(%s)",
             [[id_ for id_ in wanted if id_ not in replayed]],
@@ -73,11 +75,14 @@ def replay(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> Rep
 
 
 def cancel(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> list[int]:
-    """Cancel queued jobs (running ones are left alone); their job_id is released at once."""
+    """Cancel queued jobs (running ones are left alone); their job_id is released at once.
+
+    Rows of run tables bound to the jobs (``Policy(run_model=…)``) are cancelled with them.
+    """
     wanted = sorted(set(ids))
     if not wanted:
         return []
-    with _db.cursor(using) as cur:
+    with transaction.atomic(using=using), _db.cursor(using) as cur:
         cur.execute(
             """
             UPDATE jobs_job
@@ -88,7 +93,9 @@ def cancel(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> lis
             """,
             {"ids": wanted, "by": by, "code": ErrorCode.CANCELLED},
         )
-        return sorted(id_ for (id_,) in cur.fetchall())
+        done = sorted(id_ for (id_,) in cur.fetchall())
+        binding.cancelled(done, by=by, using=using)
+        return done
 
 
 def run_now(ids: Iterable[int], *, using: str = DEFAULT_DB_ALIAS) -> list[int]:

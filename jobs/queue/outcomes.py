@@ -76,11 +76,13 @@ def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> Out
 
 
 def _bounded(detail: str) -> str:
-    """At most about MAX_DETAIL characters, keeping the end: a traceback's last line says most."""
+    """At most MAX_DETAIL characters, keeping the end: a traceback's last line says most."""
     if len(detail) > MAX_DETAIL:
-        head, tail = MAX_DETAIL // 4, MAX_DETAIL * 3 // 4
-        cut = len(detail) - head - tail
-        detail = f"{detail[:head]}\n… ({cut} characters cut) …\n{detail[-tail:]}"
+        head = MAX_DETAIL // 4
+        marker = f"\n… ({len(detail) - MAX_DETAIL + 40} characters cut) …\n"
+        marker = marker.ljust(40)[:40]
+        tail = MAX_DETAIL - head - len(marker)
+        detail = f"{detail[:head]}{marker}{detail[-tail:]}"
     return text.clean(detail)
 
 

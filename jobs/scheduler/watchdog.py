@@ -7,6 +7,8 @@
 * Every other concrete run-contract table whose ``reaped_when_stale`` is true: a running row
   whose heartbeat is older than its ``stale_after`` (default ``JOBS["STALE_AFTER"]``) fails as
   ``stale`` (``jobs.runs.reap_stale``), which frees its active-state lock for the next run.
+  A row bound to a job type (``Policy(run_model=…)``) whose job is still active is skipped:
+  the job's lease decides (see :mod:`jobs.binding`).
 
 Each statement handles at most ``batch_size`` rows and skips rows others have locked; a pass
 repeats a statement at most ``max_batches`` times per table. A failing table is logged and
@@ -24,7 +26,7 @@ from datetime import datetime
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS
 
-from jobs import queue
+from jobs import binding, queue
 from jobs.conf import jobs_settings
 from jobs.queue import AllTenants
 from jobs.runs import RunContract, reap_stale, run_contract_models
@@ -91,7 +93,14 @@ class Watchdog:
 
     def _reap(self, model: type[RunContract], now: datetime, limit: int) -> list[int]:
         stale_after = model.stale_after or jobs_settings.STALE_AFTER
-        return reap_stale(model, stale_after=stale_after, now=now, limit=limit, using=self.using)
+        return reap_stale(
+            model,
+            stale_after=stale_after,
+            now=now,
+            limit=limit,
+            unless_active=binding.bindings(model),
+            using=self.using,
+        )
 
     def _table(
         self,

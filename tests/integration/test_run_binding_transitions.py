@@ -1,0 +1,154 @@
+"""Every transition of a bound job against its run row, fenced cases included.
+
+The rule under test (jobs.binding): a bound row moves only with its job, and only by the
+process whose write to the jobs table was applied.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from jobs import enqueue, queue
+from jobs.models import Job
+from jobs.queue import AllTenants, ClaimRequest, Outcome
+from jobs.registry import get_registry
+from jobs.scheduler.watchdog import Watchdog
+from jobs.testing import run_worker
+from jobs.worker.execution import Running, make_context, sync_run_rows
+from tests.runapp.jobs import DeliverV1
+from tests.runapp.models import Delivery
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def delivery(key: str) -> Delivery:
+    return Delivery.objects.create(job_id=key)
+
+
+def state(row: Delivery) -> tuple[str, str]:
+    row.refresh_from_db()
+    return row.state, row.last_error
+
+
+def claim_one() -> queue.ClaimedJob:
+    [job] = queue.claim([ClaimRequest(DeliverV1.job_name, 1)], scope=AllTenants())
+    return job
+
+
+def running_for(job: queue.ClaimedJob, row: Delivery) -> Running:
+    job_type = get_registry()[job.name]
+    held = Running(job, job_type, make_context(job, job_type))
+    held.run_pk = row.pk
+    return held
+
+
+def test_success_retry_and_failure_move_the_row():
+    ok, flaky, broken = delivery("ok"), delivery("flaky"), delivery("broken")
+    enqueue(DeliverV1(run_id=ok.pk))
+    enqueue(DeliverV1(run_id=flaky.pk, plan=("error", "ok")))
+    enqueue(DeliverV1(run_id=broken.pk, plan=("error",)))
+
+    with pytest.raises(AssertionError):  # JobFailed for the broken one
+        run_worker()
+    run_worker()
+
+    assert state(ok) == ("succeeded", "")
+    assert state(flaky) == ("succeeded", "")
+    assert state(broken) == ("failed", "handler_error")
+    broken.refresh_from_db()
+    assert broken.attempts == 3 and broken.finished_at is not None
+
+
+def test_a_fenced_release_leaves_the_new_owners_row_alone():
+    row = delivery("fenced")
+    enqueue(DeliverV1(run_id=row.pk))
+    stale = claim_one()
+    Delivery.objects.filter(pk=row.pk).update(state="running")
+    # The stale worker's lease expired; another worker took the job and runs it.
+    Job.objects.filter(pk=stale.id).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    queue.requeue_expired()
+    owner = claim_one()
+
+    report = queue.release([stale])  # the stale worker hands back what it no longer holds
+    sync_run_rows([(running_for(stale, row), Outcome.released(stale)) for _ in report.applied])
+    assert report.fenced == (stale.id,)
+    assert state(row) == ("running", "")
+
+    assert queue.complete(owner)
+    sync_run_rows([(running_for(owner, row), Outcome.succeeded(owner))])
+    assert state(row) == ("succeeded", "")
+
+
+def test_the_watchdog_leaves_a_bound_row_whose_job_is_active():
+    row = delivery("orphan")
+    done = enqueue(DeliverV1(run_id=row.pk))
+    claim_one()  # a worker claims it and dies (kill -9): heartbeats stop, the lease expires
+    long_ago = timezone.now() - timedelta(hours=1)
+    Delivery.objects.filter(pk=row.pk).update(state="running", heartbeat_at=long_ago)
+    Job.objects.filter(pk=done.id).update(lease_expires_at=long_ago)
+
+    counts = Watchdog().run_once()
+
+    assert counts["jobs.job:requeued"] == 1
+    assert "runapp.delivery:stale" not in counts
+    assert state(row) == ("running", "")
+    run_worker()
+    assert state(row) == ("succeeded", "")
+    assert Job.objects.get(pk=done.id).state == "succeeded"
+
+
+def test_the_watchdog_still_reaps_a_row_whose_job_is_finished():
+    row = delivery("finished")
+    done = enqueue(DeliverV1(run_id=row.pk))
+    run_worker()
+    Delivery.objects.filter(pk=row.pk).update(
+        state="running", heartbeat_at=timezone.now() - timedelta(hours=1)
+    )
+    assert Job.objects.get(pk=done.id).state == "succeeded"
+
+    counts = Watchdog().run_once()
+
+    assert counts["runapp.delivery:stale"] == 1
+    assert state(row) == ("failed", "stale")
+
+
+def test_replaying_the_job_replays_its_row():
+    row = delivery("replayed")
+    done = enqueue(DeliverV1(run_id=row.pk, plan=("error",)))
+    with pytest.raises(AssertionError):
+        run_worker()
+    assert state(row) == ("failed", "handler_error")
+
+    assert queue.replay([done.id], by="alice").replayed == (done.id,)
+    assert state(row) == ("queued", "")
+    # The cause was fixed (here: the payload's plan) before the replay runs.
+    Job.objects.filter(pk=done.id).update(payload={"run_id": row.pk, "plan": ["ok"]})
+    run_worker()
+
+    assert state(row) == ("succeeded", "")
+
+
+def test_cancelling_a_queued_job_cancels_its_row_and_frees_its_key():
+    row = delivery("cancelled")
+    done = enqueue(DeliverV1(run_id=row.pk), delay=timedelta(hours=1))
+    Delivery.objects.filter(pk=row.pk).update(state="queued")
+
+    assert queue.cancel([done.id], by="alice") == [done.id]
+
+    assert state(row) == ("cancelled", "cancelled")
+    Delivery.objects.create(job_id="cancelled")  # the active-state lock is free again
+
+
+def test_a_shutdown_hand_back_queues_the_row():
+    row = delivery("handed-back")
+    job = claim_one() if enqueue(DeliverV1(run_id=row.pk)) else None
+    Delivery.objects.filter(pk=row.pk).update(state="running")
+
+    report = queue.release([job])
+    sync_run_rows([(running_for(job, row), Outcome.released(job))])
+
+    assert report.applied == (job.id,)
+    assert state(row)[0] == "queued"
