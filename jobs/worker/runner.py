@@ -5,13 +5,14 @@ One control thread owns the loop and its own database connection::
     ┌─▶ flush finished outcomes ─┐  one transaction, one commit
     │   claim up to free slots  ─┘  (rotating over names, each within its concurrency)
     │   dispatch claimed jobs to the handler pool
-    │   every maintenance interval: expired leases, exhaustion, backlog gauges
+    │   every second: expired leases; every maintenance interval: exhaustion, backlog gauges
     └── wait for: a finished handler, a NOTIFY of new work, the poll interval
+        (after a database error: a backoff from the poll interval, doubling, capped)
 
-Handlers run in a thread pool; the lease keeper renews held leases on its own thread. On the
-first SIGTERM/SIGINT the loop stops claiming, reports not ready and waits up to the shutdown
-timeout for running handlers; then it cancels the rest and hands their jobs back to the queue.
-A second signal skips the wait. Outcomes already decided are always flushed before exit.
+Handlers run in a thread pool; the lease keeper renews held leases on its own thread. A
+refused outcome batch is written one by one (:mod:`jobs.worker.flush`). On SIGTERM/SIGINT
+the worker drains (:mod:`jobs.worker.drain`). Outcomes already decided are always flushed
+before exit.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable
 from functools import partial
 
-from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
+from django.db import DatabaseError, connection, transaction
 
 from jobs import dbbounds, queue
 from jobs.process import install_stop_signals, restore_signals, start_http
@@ -33,7 +34,9 @@ from jobs.registry import Registry
 from jobs.runs import ErrorCode, RunState
 from jobs.worker import metrics
 from jobs.worker.config import WorkerConfig
+from jobs.worker.drain import Draining
 from jobs.worker.execution import Running, execute, make_context, sync_run_rows
+from jobs.worker.flush import one_line, refused_data, write_one_by_one
 from jobs.worker.leases import LeaseKeeper
 from jobs.worker.maintenance import WorkerMaintenance
 from jobs.worker.pool import HandlerPool
@@ -41,14 +44,11 @@ from jobs.worker.wakeup import NotifyListener
 
 logger = logging.getLogger("jobs.worker")
 
-#: After a second stop signal, how long cancelled handlers still get to return (seconds).
-FORCED_CANCEL_TIMEOUT = 1.0
-
 #: Called with (job type name, job_id, error code, detail) when a job becomes failed.
 TerminalHook = Callable[[str, str, str, str], None]
 
 
-class Worker:
+class Worker(Draining):
     def __init__(
         self,
         registry: Registry,
@@ -179,7 +179,7 @@ class Worker:
         try:
             report, claimed = self._write_and_claim(outcomes, requests)
         except DatabaseError as exc:
-            if not _refused_data(exc) or not outcomes:
+            if not refused_data(exc) or not outcomes:
                 self._put_back(acks)
                 self._database_error(exc)
                 return
@@ -188,11 +188,11 @@ class Worker:
             logger.warning(
                 "the database refused a batch of %d outcomes (%s); writing them one by one",
                 len(outcomes),
-                _one_line(exc),
+                one_line(exc),
                 extra={"action": "outcome_fallback"},
             )
             try:
-                report, outcomes = self._write_one_by_one(outcomes)
+                report, outcomes = write_one_by_one(outcomes)
             except DatabaseError as exc:
                 self._put_back(acks)
                 self._database_error(exc)
@@ -214,56 +214,6 @@ class Worker:
             claimed = self._claim(requests) if requests else []
         return report, claimed
 
-    def _write_one_by_one(
-        self, outcomes: list[tuple[Running, Outcome]]
-    ) -> tuple[OutcomeReport, list[tuple[Running, Outcome]]]:
-        """Each outcome in its own transaction; one the database refuses becomes a failure.
-
-        Returns the report and the outcomes as written (a refused one replaced).
-        """
-        applied: list[int] = []
-        fenced: list[int] = []
-        written: list[tuple[Running, Outcome]] = []
-        for running, outcome in outcomes:
-            job = running.job
-            try:
-                ok = self._write_one(running, outcome)
-            except DatabaseError as exc:
-                if not _refused_data(exc):
-                    raise
-                logger.error(
-                    "the database refused the outcome of job %s (%s): %s; failing the job",
-                    job.job_id,
-                    job.name,
-                    _one_line(exc),
-                    extra={"job_id": job.job_id, "job_type": job.name, "action": "refused"},
-                )
-                outcome = Outcome.failed(
-                    job,
-                    code=ErrorCode.HANDLER_ERROR,
-                    detail=f"the database refused this attempt's outcome ({outcome.state}): "
-                    f"{_one_line(exc)}",
-                )
-                try:
-                    ok = self._write_one(running, outcome)
-                except DatabaseError as again:
-                    if not _refused_data(again):
-                        raise
-                    # Not even the failure could be stored: let the lease expire.
-                    logger.error("could not fail job %s either: %s", job.job_id, again)
-                    running.lost = True
-                    continue
-            (applied if ok else fenced).append(job.id)
-            written.append((running, outcome))
-        return OutcomeReport(tuple(applied), tuple(fenced)), written
-
-    def _write_one(self, running: Running, outcome: Outcome) -> bool:
-        with transaction.atomic():
-            report = queue.record([outcome])
-            if report.applied:
-                sync_run_rows([(running, outcome)])
-        return bool(report.applied)
-
     def _database_error(self, exc: DatabaseError) -> None:
         """Back off after a failed pass: poll interval, doubling, capped; one line a retry."""
         self._errors += 1
@@ -275,11 +225,11 @@ class Worker:
         metrics.loop_errors.inc()
         logger.error(
             "database error in the run loop (%s); retry %d in %.1fs",
-            _one_line(exc),
+            one_line(exc),
             self._errors,
             delay,
             # A traceback helps with a bug, not with an outage: once, and not for the network.
-            exc_info=self._errors == 1 and _refused_data(exc),
+            exc_info=self._errors == 1 and refused_data(exc),
             extra={"action": "loop_error", "retry": self._errors, "delay": delay},
         )
         with contextlib.suppress(Exception):
@@ -377,7 +327,7 @@ class Worker:
                 outcome = Outcome.retry(
                     running.job,
                     code=ErrorCode.HANDLER_ERROR,
-                    detail=f"the worker failed running the job: {_one_line(exc)}",
+                    detail=f"the worker failed running the job: {one_line(exc)}",
                     delay=running.job_type.policy.resolved_backoff().delay(running.ctx.attempt),
                 )
         finally:
@@ -489,120 +439,6 @@ class Worker:
 
     # -- drain -------------------------------------------------------------------------------
 
-    def _drain(self) -> int:
-        """Stop claiming, let handlers finish, then cancel and hand back what is left.
-
-        A job is handed back only once no handler of this worker runs it: its handler
-        returned after being cancelled, or never started. A handler that ignores its
-        cancellation past the cancel timeout keeps its lease when the process exits, so no
-        other worker runs the job until that lease expires (``lease_expired``).
-        """
-        self.ready = False
-        metrics.ready.set(0)
-        busy = self._busy()
-        if busy:
-            logger.info(
-                "draining: waiting up to %gs for %d running jobs",
-                self.config.shutdown_timeout,
-                busy,
-                extra={"action": "drain"},
-            )
-        self._flush_until(time.monotonic() + self.config.shutdown_timeout, until_forced=True)
-        self._cancel_leftovers()
-        self._flush_until(time.monotonic() + self._cancel_grace)
-        self._abandon_leftovers()
-        logger.info("worker stopped", extra={"action": "stopped"})
-        return 0
-
-    @property
-    def _cancel_grace(self) -> float:
-        """A second signal skips the shutdown wait and shortens this one to a second."""
-        if self._force.is_set():
-            return min(self.config.cancel_timeout, FORCED_CANCEL_TIMEOUT)
-        return self.config.cancel_timeout
-
-    def _busy(self) -> int:
-        with self._lock:
-            return self._in_flight
-
-    def _flush_until(self, deadline: float, *, until_forced: bool = False) -> None:
-        """Write outcomes as handlers finish, until none runs or the deadline passes.
-
-        With ``until_forced``, a second stop signal also ends the wait.
-        """
-        while not (until_forced and self._force.is_set()):
-            self._wake.clear()
-            self._pass()
-            with self._lock:
-                if self._in_flight == 0 and not self._acks:
-                    return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            self._wake.wait(min(remaining, max(self.config.ack_interval, 0.05)))
-
-    def _cancel_leftovers(self) -> None:
-        """Ask running handlers to stop; release jobs no handler thread has taken."""
-        with self._lock:
-            unstarted = []
-            for running in self._held.values():
-                if running.finished or running.lost:
-                    continue
-                if running.started:
-                    running.shutdown = True
-                    running.ctx.cancelled.set()
-                else:
-                    running.handed_back = True
-                    unstarted.append(running)
-            for running in unstarted:
-                self._held.pop(running.job.id, None)
-                self._in_flight -= 1
-                self._in_flight_by_name[running.job.name] -= 1
-                metrics.running.dec()
-        cancelled = self._busy()
-        if cancelled:
-            logger.warning(
-                "cancelled %d running handlers; waiting up to %gs for them to return",
-                cancelled,
-                self._cancel_grace,
-                extra={"action": "cancel"},
-            )
-        if unstarted:
-            self._release(unstarted)
-
-    def _release(self, handed: list[Running]) -> None:
-        try:
-            with transaction.atomic():
-                report = queue.release([r.job for r in handed])
-                applied = set(report.applied)
-                sync_run_rows([(r, Outcome.released(r.job)) for r in handed if r.job.id in applied])
-        except DatabaseError:
-            logger.exception("could not release jobs at shutdown; their leases will expire")
-            return
-        for running in handed:
-            metrics.released.labels(running.job.name).inc()
-        logger.warning(
-            "handed back %d unfinished jobs: ids %s",
-            len(report.applied),
-            list(report.applied),
-            extra={"action": "released"},
-        )
-
-    def _abandon_leftovers(self) -> None:
-        """Handlers still running at exit keep their leases: never release a running job."""
-        with self._lock:
-            stuck = [r for r in self._held.values() if not r.finished and not r.lost]
-            for running in stuck:
-                running.lost = True
-        if stuck:
-            logger.error(
-                "%d handlers did not stop after cancellation; their jobs keep their leases and "
-                "run again after those expire (lease_expired): ids %s",
-                len(stuck),
-                [r.job.id for r in stuck],
-                extra={"action": "abandoned"},
-            )
-
     # -- process plumbing --------------------------------------------------------------------
 
     @property
@@ -622,13 +458,3 @@ class Worker:
             ", ".join(self._names) or "(none)",
             extra={"action": "started"},
         )
-
-
-def _refused_data(exc: DatabaseError) -> bool:
-    """True when the database refused what was sent, rather than being unreachable."""
-    return not isinstance(exc, OperationalError | InterfaceError)
-
-
-def _one_line(exc: BaseException) -> str:
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

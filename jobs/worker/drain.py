@@ -1,0 +1,143 @@
+"""Graceful drain: stop claiming, let handlers finish, cancel, hand back only what is safe.
+
+A job is handed back only once no handler of this worker runs it: its handler returned after
+being cancelled, or never started. A handler that ignores its cancellation past the cancel
+timeout keeps its lease when the process exits, so no other worker runs the job until that
+lease expires (``lease_expired``). Mixed into :class:`jobs.worker.runner.Worker`, whose state
+(held jobs, the lock, the flags) it works on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from django.db import DatabaseError, transaction
+
+from jobs import queue
+from jobs.queue import Outcome
+from jobs.worker import metrics
+from jobs.worker.execution import Running, sync_run_rows
+
+logger = logging.getLogger("jobs.worker")
+
+#: After a second stop signal, how long cancelled handlers still get to return (seconds).
+FORCED_CANCEL_TIMEOUT = 1.0
+
+
+class Draining:
+    """The drain half of the worker (see the module docstring)."""
+
+    def _drain(self) -> int:
+        """Stop claiming, let handlers finish, then cancel and hand back what is left.
+
+        A job is handed back only once no handler of this worker runs it: its handler
+        returned after being cancelled, or never started. A handler that ignores its
+        cancellation past the cancel timeout keeps its lease when the process exits, so no
+        other worker runs the job until that lease expires (``lease_expired``).
+        """
+        self.ready = False
+        metrics.ready.set(0)
+        busy = self._busy()
+        if busy:
+            logger.info(
+                "draining: waiting up to %gs for %d running jobs",
+                self.config.shutdown_timeout,
+                busy,
+                extra={"action": "drain"},
+            )
+        self._flush_until(time.monotonic() + self.config.shutdown_timeout, until_forced=True)
+        self._cancel_leftovers()
+        self._flush_until(time.monotonic() + self._cancel_grace)
+        self._abandon_leftovers()
+        logger.info("worker stopped", extra={"action": "stopped"})
+        return 0
+
+    @property
+    def _cancel_grace(self) -> float:
+        """A second signal skips the shutdown wait and shortens this one to a second."""
+        if self._force.is_set():
+            return min(self.config.cancel_timeout, FORCED_CANCEL_TIMEOUT)
+        return self.config.cancel_timeout
+
+    def _busy(self) -> int:
+        with self._lock:
+            return self._in_flight
+
+    def _flush_until(self, deadline: float, *, until_forced: bool = False) -> None:
+        """Write outcomes as handlers finish, until none runs or the deadline passes.
+
+        With ``until_forced``, a second stop signal also ends the wait.
+        """
+        while not (until_forced and self._force.is_set()):
+            self._wake.clear()
+            self._pass()
+            with self._lock:
+                if self._in_flight == 0 and not self._acks:
+                    return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wake.wait(min(remaining, max(self.config.ack_interval, 0.05)))
+
+    def _cancel_leftovers(self) -> None:
+        """Ask running handlers to stop; release jobs no handler thread has taken."""
+        with self._lock:
+            unstarted = []
+            for running in self._held.values():
+                if running.finished or running.lost:
+                    continue
+                if running.started:
+                    running.shutdown = True
+                    running.ctx.cancelled.set()
+                else:
+                    running.handed_back = True
+                    unstarted.append(running)
+            for running in unstarted:
+                self._held.pop(running.job.id, None)
+                self._in_flight -= 1
+                self._in_flight_by_name[running.job.name] -= 1
+                metrics.running.dec()
+        cancelled = self._busy()
+        if cancelled:
+            logger.warning(
+                "cancelled %d running handlers; waiting up to %gs for them to return",
+                cancelled,
+                self._cancel_grace,
+                extra={"action": "cancel"},
+            )
+        if unstarted:
+            self._release(unstarted)
+
+    def _release(self, handed: list[Running]) -> None:
+        try:
+            with transaction.atomic():
+                report = queue.release([r.job for r in handed])
+                applied = set(report.applied)
+                sync_run_rows([(r, Outcome.released(r.job)) for r in handed if r.job.id in applied])
+        except DatabaseError:
+            logger.exception("could not release jobs at shutdown; their leases will expire")
+            return
+        for running in handed:
+            metrics.released.labels(running.job.name).inc()
+        logger.warning(
+            "handed back %d unfinished jobs: ids %s",
+            len(report.applied),
+            list(report.applied),
+            extra={"action": "released"},
+        )
+
+    def _abandon_leftovers(self) -> None:
+        """Handlers still running at exit keep their leases: never release a running job."""
+        with self._lock:
+            stuck = [r for r in self._held.values() if not r.finished and not r.lost]
+            for running in stuck:
+                running.lost = True
+        if stuck:
+            logger.error(
+                "%d handlers did not stop after cancellation; their jobs keep their leases and "
+                "run again after those expire (lease_expired): ids %s",
+                len(stuck),
+                [r.job.id for r in stuck],
+                extra={"action": "abandoned"},
+            )
