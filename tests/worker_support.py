@@ -115,6 +115,18 @@ class Unruly(BaseException):
     """A BaseException that is neither SystemExit nor KeyboardInterrupt."""
 
 
+class BrokenRetryAfter(RetryAfter):
+    """A RetryAfter whose delay cannot be read."""
+
+    @property
+    def delay(self):
+        raise RuntimeError("no delay for you")
+
+    @delay.setter
+    def delay(self, value):
+        pass
+
+
 def hostile(recorder: Recorder):
     """A handler that returns, raises or leaves behind whatever ``payload.action`` says."""
     import asyncio
@@ -161,6 +173,29 @@ def hostile(recorder: Recorder):
                 return None
             if action == "ignore-cancel":
                 time.sleep(payload.seconds)
+                return None
+            if action == "mangle-ctx":  # a nonsense value where the keeper reads the deadline
+                ctx.timeout = timedelta(seconds=120)
+                ctx.sleep(payload.seconds)
+                return None
+            if action == "zero-attempt":
+                ctx.attempt = 0
+                raise RuntimeError("and now my attempt is 0")
+            if action == "slow-first":  # a long first attempt, quick later ones
+                ctx.sleep(payload.seconds if ctx.attempt == 1 else 0.05)
+                return {"attempt": ctx.attempt}
+            if action == "huge-result":
+                return "y" * 2_000_000
+            if action == "broken-retry-after":
+                raise BrokenRetryAfter(1)
+            if action == "raw-close":
+                TenantOverride.objects.create(tenant=f"raw-close-{ctx.attempt}", component="x")
+                connection.connection.close()
+                return None
+            if action == "raw-autocommit-off":
+                connection.ensure_connection()
+                connection.connection.autocommit = False
+                TenantOverride.objects.create(tenant="raw-autocommit", component="x")
                 return None
             raise AssertionError(f"unknown action {action}")
         finally:

@@ -18,12 +18,13 @@ The worker, the scheduler, the admin and management commands call these function
 them writes the jobs table itself.
 """
 
-from jobs.queue.claim import claim, claim_sql, next_attempt, renew
+from jobs.queue.claim import claim, claim_sql, next_attempt, renew, renew_tokens
 from jobs.queue.enqueue import enqueue, enqueue_many
 from jobs.queue.maintenance import backlog, fail_exhausted, pending, prune, requeue_expired
 from jobs.queue.operations import cancel, replay, run_now
 from jobs.queue.outcomes import complete, fail, record, release, retry
 from jobs.queue.types import (
+    RESULT_MAX,
     RETRY_DELAY_MAX,
     AllTenants,
     AllTenantsExcept,
@@ -43,6 +44,7 @@ from jobs.queue.types import (
 )
 
 __all__ = [
+    "RESULT_MAX",
     "RETRY_DELAY_MAX",
     "AllTenants",
     "AllTenantsExcept",
@@ -74,6 +76,7 @@ __all__ = [
     "record",
     "release",
     "renew",
+    "renew_tokens",
     "replay",
     "requeue_expired",
     "retry",

@@ -28,3 +28,16 @@ def load_json(value: Any) -> Any:
     if isinstance(value, str):
         return json.loads(value)
     return value
+
+
+def load_json_or_text(value: Any) -> Any:
+    """:func:`load_json`, or the text itself when Python cannot read it back.
+
+    A payload another producer wrote may hold what Python's ``json`` refuses (a number over
+    ``sys.get_int_max_str_digits()``); decoding the text later fails as ``invalid_payload``
+    for that one job instead of failing the claim of every job with it.
+    """
+    try:
+        return load_json(value)
+    except ValueError:
+        return value

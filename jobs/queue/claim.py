@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
@@ -102,7 +103,7 @@ def claim(
             id=row[0],
             job_id=row[1],
             name=row[2],
-            payload=_db.load_json(row[3]),
+            payload=_db.load_json_or_text(row[3]),
             tenant=row[4],
             queue=row[5],
             priority=row[6],
@@ -124,19 +125,51 @@ def renew(
     """Extend the leases of jobs this worker still holds, in one statement.
 
     Stamps ``heartbeat_at``. Returns the ids whose lease was lost (token no longer matches or
-    the job left ``running``): their handlers must stop and write no outcome.
+    the job left ``running``): their handlers must stop and write no outcome. Rows another
+    session holds locked are skipped this time, and not reported lost.
+    """
+    lost = renew_tokens(jobs, lease=lease, using=using)
+    return {job.id for job in jobs if job.claim_token in lost}
+
+
+def renew_tokens(
+    jobs: Sequence[ClaimedJob],
+    *,
+    lease: timedelta | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> set[UUID]:
+    """Extend the leases of jobs this worker still holds; returns the lost claim tokens.
+
+    Like :func:`renew`, by token: one worker can briefly hold two claims of one job (its
+    stale attempt and a fresh one after the lease expired), and only the stale one is lost.
     """
     if not jobs:
         return set()
+    # Rows another session has locked (an operator's open transaction) are skipped, not
+    # waited for: their renewal waits for the next round, and they are not reported lost.
     with _db.cursor(using) as cur:
         cur.execute(
             """
-            UPDATE jobs_job j
-            SET lease_expires_at = statement_timestamp() + make_interval(secs => %(lease)s),
-                heartbeat_at = statement_timestamp()
-            FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS l(id, token)
-            WHERE j.id = l.id AND j.claim_token = l.token AND j.state = 'running'
-            RETURNING j.id
+            WITH held AS (
+                SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS l(id, token)
+            ),
+            free AS (
+                SELECT j.id FROM jobs_job j JOIN held ON j.id = held.id
+                WHERE j.claim_token = held.token AND j.state = 'running'
+                FOR UPDATE OF j SKIP LOCKED
+            ),
+            renewed AS (
+                UPDATE jobs_job j
+                SET lease_expires_at = statement_timestamp() + make_interval(secs => %(lease)s),
+                    heartbeat_at = statement_timestamp()
+                FROM free WHERE j.id = free.id
+                RETURNING j.id
+            )
+            SELECT held.token FROM held
+            WHERE NOT EXISTS (
+                SELECT 1 FROM jobs_job j
+                WHERE j.id = held.id AND j.claim_token = held.token AND j.state = 'running'
+            )
             """,
             {
                 "ids": [job.id for job in jobs],
@@ -144,8 +177,7 @@ def renew(
                 "lease": _db.seconds(lease or jobs_settings.LEASE),
             },
         )
-        kept = {id_ for (id_,) in cur.fetchall()}
-    return {job.id for job in jobs} - kept
+        return {token for (token,) in cur.fetchall()}
 
 
 def next_attempt(

@@ -22,27 +22,46 @@ from jobs.queue import _db, text
 from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay
 
 _RECORD = """
-UPDATE jobs_job j
-SET state = o.state,
-    attempts = j.attempts + o.attempts_delta,
-    run_after = CASE WHEN o.state = 'queued'
-                     THEN COALESCE(o.at, statement_timestamp() + make_interval(secs => o.delay))
-                     ELSE j.run_after END,
-    finished_at = CASE WHEN o.state = 'queued' THEN NULL ELSE statement_timestamp() END,
-    last_error = COALESCE(o.code, j.last_error),
-    error_detail = COALESCE(o.detail, j.error_detail),
-    result = o.result,
-    claim_token = NULL,
-    lease_expires_at = NULL,
-    -- A finished job keeps the identity of the worker that finished it.
-    claimed_by = CASE WHEN o.state = 'queued' THEN '' ELSE j.claimed_by END
-FROM unnest(
-    %(ids)s::bigint[], %(tokens)s::uuid[], %(states)s::text[], %(codes)s::text[],
-    %(details)s::text[], %(delays)s::float8[], %(ats)s::timestamptz[], %(deltas)s::int[],
-    %(results)s::jsonb[]
-) AS o(id, token, state, code, detail, delay, at, attempts_delta, result)
-WHERE j.id = o.id AND j.claim_token = o.token AND j.state = 'running'
-RETURNING j.id
+WITH o AS (
+    SELECT * FROM unnest(
+        %(ids)s::bigint[], %(tokens)s::uuid[], %(states)s::text[], %(codes)s::text[],
+        %(details)s::text[], %(delays)s::float8[], %(ats)s::timestamptz[], %(deltas)s::int[],
+        %(results)s::jsonb[]
+    ) AS o(id, token, state, code, detail, delay, at, attempts_delta, result)
+),
+-- Rows another session holds locked are skipped (reported busy), never waited for.
+free AS (
+    SELECT j.id FROM jobs_job j JOIN o ON j.id = o.id
+    WHERE j.claim_token = o.token AND j.state = 'running'
+    FOR UPDATE OF j SKIP LOCKED
+),
+written AS (
+    UPDATE jobs_job j
+    SET state = o.state,
+        attempts = j.attempts + o.attempts_delta,
+        run_after = CASE WHEN o.state = 'queued'
+                         THEN COALESCE(o.at, statement_timestamp() + make_interval(secs => o.delay))
+                         ELSE j.run_after END,
+        finished_at = CASE WHEN o.state = 'queued' THEN NULL ELSE statement_timestamp() END,
+        last_error = COALESCE(o.code, j.last_error),
+        error_detail = COALESCE(o.detail, j.error_detail),
+        result = o.result,
+        claim_token = NULL,
+        lease_expires_at = NULL,
+        -- A finished job keeps the identity of the worker that finished it.
+        claimed_by = CASE WHEN o.state = 'queued' THEN '' ELSE j.claimed_by END
+    FROM o JOIN free ON free.id = o.id
+    WHERE j.id = o.id
+    RETURNING j.id
+)
+SELECT id, TRUE FROM written
+UNION ALL
+SELECT o.id, FALSE FROM o
+WHERE o.id NOT IN (SELECT id FROM written)
+  AND EXISTS (
+      SELECT 1 FROM jobs_job j
+      WHERE j.id = o.id AND j.claim_token = o.token AND j.state = 'running'
+  )
 """
 
 # Error details are for people reading the admin; keep a runaway traceback from bloating rows.
@@ -50,7 +69,11 @@ MAX_DETAIL = 8000
 
 
 def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> OutcomeReport:
-    """Write many outcomes in one statement; report which were applied and which fenced."""
+    """Write many outcomes in one statement; report which were applied, fenced or busy.
+
+    *Busy* outcomes were not written because another session holds their row locked (an
+    operator's open transaction, say): the caller tries them again later.
+    """
     if not outcomes:
         return OutcomeReport((), ())
     # The Outcome constructors already made these storable; an Outcome built by hand is
@@ -68,10 +91,13 @@ def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> Out
     }
     with _db.cursor(using) as cur:
         cur.execute(_RECORD, params)
-        applied = {id_ for (id_,) in cur.fetchall()}
+        rows = cur.fetchall()
+    applied = {id_ for id_, written in rows if written}
+    busy = {id_ for id_, written in rows if not written}
     return OutcomeReport(
         applied=tuple(o.id for o in outcomes if o.id in applied),
-        fenced=tuple(o.id for o in outcomes if o.id not in applied),
+        fenced=tuple(o.id for o in outcomes if o.id not in applied and o.id not in busy),
+        busy=tuple(o.id for o in outcomes if o.id in busy),
     )
 
 

@@ -18,6 +18,10 @@ _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 #: A ``RetryAfter(timedelta.max)`` would otherwise overflow PostgreSQL's timestamps.
 RETRY_DELAY_MAX = timedelta(days=30)
 
+#: The largest result a job may store (characters of JSON). Results live in the jobs table,
+#: which every claim reads: large outputs belong in your own tables or object storage.
+RESULT_MAX = 1_000_000
+
 
 class InvalidResult(ValueError):
     """A handler's return value cannot be stored as the job's JSON result."""
@@ -183,6 +187,11 @@ class Outcome:
             encoded = text.dumps(result)
         except ValueError as exc:
             raise InvalidResult(f"the result cannot be stored as JSON: {exc}") from None
+        if len(encoded) > RESULT_MAX:
+            raise InvalidResult(
+                f"the result is {len(encoded):,} characters of JSON, over the {RESULT_MAX:,} "
+                "a job may store"
+            )
         return cls(job.id, job.claim_token, RunState.SUCCEEDED, result_json=encoded)
 
     @classmethod
@@ -225,10 +234,12 @@ def clamp_delay(delay: timedelta | float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class OutcomeReport:
-    """Which outcomes were written and which were fenced out (the lease was lost)."""
+    """Which outcomes were written, which were fenced out (the lease was lost), and which
+    found their row locked by another session (``busy``: not written, try again)."""
 
     applied: tuple[int, ...]
     fenced: tuple[int, ...]
+    busy: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from django.db import DatabaseError, transaction
+from django.db import transaction
 
 from jobs import queue
 from jobs.queue import Outcome
@@ -94,7 +94,7 @@ class Draining:
                     running.handed_back = True
                     unstarted.append(running)
             for running in unstarted:
-                self._held.pop(running.job.id, None)
+                self._held.pop((running.job.id, running.job.claim_token), None)
                 self._in_flight -= 1
                 self._in_flight_by_name[running.job.name] -= 1
                 metrics.running.dec()
@@ -115,7 +115,7 @@ class Draining:
                 report = queue.release([r.job for r in handed])
                 applied = set(report.applied)
                 sync_run_rows([(r, Outcome.released(r.job)) for r in handed if r.job.id in applied])
-        except DatabaseError:
+        except Exception:
             logger.exception("could not release jobs at shutdown; their leases will expire")
             return
         for running in handed:

@@ -66,6 +66,7 @@ class Running:
     handed_back: bool = False  # released by a drain before any handler thread took it
     shutdown: bool = False  # cancelled by a drain: hand the job back whatever happens
     claimed_at: float = field(default_factory=time.monotonic)
+    attempt: int = 0  # the attempt the queue recorded last (claim or next_attempt)
     run_pk: object = None  # the bound run row (policy.run_model), once the payload is decoded
 
 
@@ -110,7 +111,7 @@ def execute(
         return Outcome.failed(job, code=ErrorCode.INVALID_PAYLOAD, detail=_payload_error(exc))
     while True:
         if run_model is not None:
-            runs.mark_running(run_model, running.run_pk, attempt=ctx.attempt)
+            runs.mark_running(run_model, running.run_pk, attempt=current_attempt(running))
         error, result, duration = _call(job_type, payload, ctx)
         metrics.for_type(job.name).handler_duration.observe(duration)
         left_open = close_open_transactions()
@@ -142,7 +143,7 @@ def execute(
         if kind == "retry_after":
             delay = clamp_delay(error.delay)
             threshold = job_type.policy.in_process_limit().total_seconds()
-            if not ctx.final_attempt and delay <= threshold:
+            if current_attempt(running) < job.max_attempts and delay <= threshold:
                 interrupted = _wait_in_process(running, delay, shutting_down)
                 if running.lost:
                     return None
@@ -175,8 +176,11 @@ def _classify(job_type: JobType, error: BaseException) -> str:
     if not isinstance(error, Exception):
         return "transient"
     try:
-        return classify(job_type.policy, error)
-    except Exception:  # a broken classify() hook must not lose the outcome
+        kind = classify(job_type.policy, error)
+        if kind == "retry_after":
+            clamp_delay(error.delay)  # a RetryAfter subclass with a broken delay is transient
+        return kind
+    except BaseException:  # a broken classify() hook must not lose the outcome
         logger.exception(
             "classifying an error of %s failed; treating it as transient", job_type.name
         )
@@ -197,8 +201,18 @@ def close_open_transactions() -> list[str]:
         if raw is None:
             continue
         try:
-            status = raw.info.transaction_status
-            open_ = conn.in_atomic_block or not conn.get_autocommit() or status != IDLE
+            if raw.closed:  # closed by the handler: nothing left open, just start afresh
+                if not conn.in_atomic_block:
+                    del connections[conn.alias]
+                    continue
+                open_ = True
+            else:
+                open_ = (
+                    conn.in_atomic_block
+                    or not conn.get_autocommit()
+                    or not raw.autocommit  # turned off on the raw psycopg connection
+                    or raw.info.transaction_status != IDLE
+                )
         except Exception:  # a connection too broken to ask is not reused either
             open_ = True
         if not open_:
@@ -238,7 +252,7 @@ def _count_next_attempt(running: Running, lease: timedelta | None) -> int | None
     if attempt is None:
         running.lost = True
         return None
-    ctx.attempt = attempt
+    running.attempt = ctx.attempt = attempt
     ctx.started = time.monotonic()
     return attempt
 
@@ -256,11 +270,31 @@ def _succeeded(running: Running, result: Any) -> Outcome:
 
 
 def _retry_or_fail(running: Running, code: str, detail: str, delay: float | None = None) -> Outcome:
-    job, ctx = running.job, running.ctx
-    if ctx.final_attempt:
+    return failure_outcome(running, code, detail, delay)
+
+
+def current_attempt(running: Running) -> int:
+    """The attempt the queue has recorded for this claim (the handler cannot change it)."""
+    return max(running.job.attempts, running.attempt)
+
+
+def failure_outcome(
+    running: Running, code: str, detail: str, delay: float | None = None
+) -> Outcome:
+    """A retry after the policy's backoff (or ``delay``), or a failure on the last attempt.
+
+    Reads the attempt the worker recorded, not the handler's context, which the handler
+    may have changed.
+    """
+    job = running.job
+    attempt = current_attempt(running)
+    if attempt >= job.max_attempts:
         return Outcome.failed(job, code=code, detail=detail)
     if delay is None:
-        delay = running.job_type.policy.resolved_backoff().delay(ctx.attempt)
+        try:
+            delay = running.job_type.policy.resolved_backoff().delay(attempt)
+        except Exception:
+            delay = 1.0
     return Outcome.retry(job, code=code, detail=detail, delay=delay)
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from django.db import DatabaseError, InterfaceError, OperationalError, transaction
+from django.db import DatabaseError, transaction
+from django.db import Error as DjangoDbError
 
 from jobs import queue
 from jobs.queue import Outcome, OutcomeReport
@@ -27,13 +28,12 @@ def write_one_by_one(
 
     Returns the report and the outcomes as written (a refused one replaced).
     """
-    applied: list[int] = []
-    fenced: list[int] = []
+    results: dict[str, list[int]] = {"applied": [], "fenced": [], "busy": []}
     written: list[tuple[Running, Outcome]] = []
     for running, outcome in outcomes:
         job = running.job
         try:
-            ok = _write_one(running, outcome)
+            result = _write_one(running, outcome)
         except DatabaseError as exc:
             if not refused_data(exc):
                 raise
@@ -51,7 +51,7 @@ def write_one_by_one(
                 f"{one_line(exc)}",
             )
             try:
-                ok = _write_one(running, outcome)
+                result = _write_one(running, outcome)
             except DatabaseError as again:
                 if not refused_data(again):
                     raise
@@ -59,22 +59,39 @@ def write_one_by_one(
                 logger.error("could not fail job %s either: %s", job.job_id, again)
                 running.lost = True
                 continue
-        (applied if ok else fenced).append(job.id)
+        results[result].append(job.id)
         written.append((running, outcome))
-    return OutcomeReport(tuple(applied), tuple(fenced)), written
+    report = OutcomeReport(*(tuple(results[k]) for k in ("applied", "fenced", "busy")))
+    return report, written
 
 
-def _write_one(running: Running, outcome: Outcome) -> bool:
+def _write_one(running: Running, outcome: Outcome) -> str:
+    """``applied``, ``fenced`` or ``busy`` (the row is locked by another session)."""
     with transaction.atomic():
         report = queue.record([outcome])
         if report.applied:
             sync_run_rows([(running, outcome)])
-    return bool(report.applied)
+    return "applied" if report.applied else "busy" if report.busy else "fenced"
 
 
-def refused_data(exc: DatabaseError) -> bool:
-    """True when the database refused what was sent, rather than being unreachable."""
-    return not isinstance(exc, OperationalError | InterfaceError)
+# SQLSTATEs that mean the server or the path to it is gone, not that a statement was refused:
+# connection exceptions (class 08) and the server shutting down or crashing (57P01-57P03).
+_UNREACHABLE = ("08", "57P01", "57P02", "57P03")
+
+
+def refused_data(exc: BaseException) -> bool:
+    """True when the database refused a statement, rather than being unreachable.
+
+    Judged by SQLSTATE, not by exception class: psycopg files a lock timeout (55P03), a
+    statement timeout (57014) or a value over a limit (class 54) under OperationalError too,
+    and each of those concerns one statement, not the connection. An error without a
+    SQLSTATE (a failed connect, a broken socket) means the database is unreachable.
+    """
+    cause = exc.__cause__ if isinstance(exc, DjangoDbError) else exc
+    sqlstate = getattr(cause, "sqlstate", None)
+    if not sqlstate:
+        return False
+    return not sqlstate.startswith(_UNREACHABLE)
 
 
 def one_line(exc: BaseException) -> str:

@@ -13,6 +13,7 @@ just committed, says whether it was applied or fenced.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -64,17 +65,24 @@ class LeaseKeeper:
             with dbbounds.bounded(connection, bounds):
                 while not self._stop.wait(self._tick):
                     now = time.monotonic()
-                    self._enforce_deadlines(now)
-                    if now >= next_renewal:
-                        self.renew_once(now)
-                        next_renewal = now + self._every
+                    try:
+                        self._enforce_deadlines(now)
+                        if now >= next_renewal:
+                            next_renewal = now + self._every
+                            self.renew_once(now)
+                    except Exception:  # the keeper must outlive anything: leases depend on it
+                        logger.exception("lease keeper pass failed; carrying on")
         finally:
             connection.close()
 
     def _enforce_deadlines(self, now: float) -> None:
         for running in self._held():
             ctx = running.ctx
-            if not running.finished and not ctx.cancelled.is_set() and now > ctx.deadline:
+            try:  # a handler may have assigned nonsense to its context's fields
+                overran = not running.finished and not ctx.cancelled.is_set() and now > ctx.deadline
+            except Exception:
+                continue
+            if overran:
                 logger.warning(
                     "job %s (%s) overran its %gs timeout; asking it to stop",
                     ctx.job_id,
@@ -92,7 +100,9 @@ class LeaseKeeper:
             self._last_renewal = now
             return set()
         try:
-            lost = queue.renew([r.job for r in renewable], lease=timedelta(seconds=self._lease))
+            lost_tokens = queue.renew_tokens(
+                [r.job for r in renewable], lease=timedelta(seconds=self._lease)
+            )
         except Exception as exc:
             logger.warning(
                 "lease renewal of %d jobs failed (%s: %s)",
@@ -104,30 +114,30 @@ class LeaseKeeper:
             connection.close()
             if now - self._last_renewal >= self._lease:
                 # Past a full lease without a successful renewal, others may own the jobs.
-                lost = {r.job.id for r in renewable}
+                lost_tokens = {r.job.claim_token for r in renewable}
             else:
                 return set()
         self._last_renewal = now
-        self._beat_run_rows([r for r in renewable if r.job.id not in lost])
+        self._beat_run_rows([r for r in renewable if r.job.claim_token not in lost_tokens])
         # Read after the renewal: an outcome is written only once its handler finished, so
         # a job that is not finished now cannot have lost its lease to our own outcome.
-        lost = {r.job.id for r in renewable if r.job.id in lost and not r.finished}
-        for running in renewable:
-            if running.job.id in lost:
-                running.lost = True
+        losers = [r for r in renewable if r.job.claim_token in lost_tokens and not r.finished]
+        for running in losers:
+            running.lost = True
+            with contextlib.suppress(Exception):
                 running.ctx.cancelled.set()
-                metrics.lost_leases.labels(running.job.name).inc()
-                logger.warning(
-                    "lost the lease of job %s (%s); cancelling its handler, writing no outcome",
-                    running.job.job_id,
-                    running.job.name,
-                    extra={
-                        "job_id": running.job.job_id,
-                        "job_type": running.job.name,
-                        "action": "lease_lost",
-                    },
-                )
-        return lost
+            metrics.lost_leases.labels(running.job.name).inc()
+            logger.warning(
+                "lost the lease of job %s (%s); cancelling its handler, writing no outcome",
+                running.job.job_id,
+                running.job.name,
+                extra={
+                    "job_id": running.job.job_id,
+                    "job_type": running.job.name,
+                    "action": "lease_lost",
+                },
+            )
+        return {r.job.id for r in losers}
 
     def _beat_run_rows(self, kept: list[Running]) -> None:
         """Bound run rows (policy.run_model) share their job's heartbeat."""

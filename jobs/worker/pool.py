@@ -100,7 +100,7 @@ class HandlerPool:
             if since is None or since[0] != id(raw):
                 since = opened[conn.alias] = (id(raw), now)
             broken = conn.errors_occurred and not conn.is_usable()
-            dirty = conn.in_atomic_block or not conn.get_autocommit()
+            dirty = conn.in_atomic_block or not conn.get_autocommit() or not raw.autocommit
             if broken or dirty or now - since[1] >= self._max_age:
                 conn.close()
                 opened.pop(conn.alias, None)

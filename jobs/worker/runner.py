@@ -24,8 +24,10 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from functools import partial
+from uuid import UUID
 
-from django.db import DatabaseError, connection, transaction
+from django.db import Error as DbError
+from django.db import connection, transaction
 
 from jobs import dbbounds, queue
 from jobs.process import install_stop_signals, restore_signals, start_http
@@ -35,7 +37,13 @@ from jobs.runs import ErrorCode, RunState
 from jobs.worker import metrics
 from jobs.worker.config import WorkerConfig
 from jobs.worker.drain import Draining
-from jobs.worker.execution import Running, execute, make_context, sync_run_rows
+from jobs.worker.execution import (
+    Running,
+    execute,
+    failure_outcome,
+    make_context,
+    sync_run_rows,
+)
 from jobs.worker.flush import one_line, refused_data, write_one_by_one
 from jobs.worker.leases import LeaseKeeper
 from jobs.worker.maintenance import WorkerMaintenance
@@ -61,10 +69,15 @@ class Worker(Draining):
         self._on_terminal = on_terminal_failure
         self._names = list(registry.names())
         self._lock = threading.Lock()
-        self._held: dict[int, Running] = {}
+        # Keyed by (id, claim token): after a stall the worker may hold a stale attempt and a
+        # fresh claim of the same job at once, and each must be settled on its own.
+        self._held: dict[tuple[int, UUID], Running] = {}
         self._in_flight = 0
         self._in_flight_by_name: Counter[str] = Counter()
         self._acks: list[tuple[Running, Outcome | None]] = []
+        # Outcomes whose row was locked by another session, retried from _deferred_at on.
+        self._deferred: list[tuple[Running, Outcome | None]] = []
+        self._deferred_at = 0.0
         self._first_ack_at: float | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -167,8 +180,8 @@ class Worker(Draining):
             if now >= self._next_maintenance:
                 self._next_maintenance = now + self.config.maintenance_interval
                 self._maintain()
-        except DatabaseError as exc:
-            self._database_error(exc)
+        except Exception as exc:
+            self._loop_error(exc)
             return
         acks = self._take_acks(now)
         requests = self._claim_requests(now)
@@ -178,10 +191,10 @@ class Worker(Draining):
         outcomes = [(r, o) for r, o in acks if o is not None and not r.lost]
         try:
             report, claimed = self._write_and_claim(outcomes, requests)
-        except DatabaseError as exc:
+        except Exception as exc:  # a refused statement, an outage, or a bug: never fatal
             if not refused_data(exc) or not outcomes:
                 self._put_back(acks)
-                self._database_error(exc)
+                self._loop_error(exc)
                 return
             # One outcome the database refused must not hold back the others: write them
             # one by one, and fail the one that still cannot be written.
@@ -193,14 +206,32 @@ class Worker(Draining):
             )
             try:
                 report, outcomes = write_one_by_one(outcomes)
-            except DatabaseError as exc:
+            except Exception as exc:
                 self._put_back(acks)
-                self._database_error(exc)
+                self._loop_error(exc)
                 return
             claimed = []
         self._errors = 0
+        if report is not None and report.busy:
+            acks, outcomes = self._defer_busy(acks, outcomes, set(report.busy))
         self._settle(acks, outcomes, report)
         self._dispatch(claimed)
+
+    def _defer_busy(self, acks, outcomes, busy: set[int]):
+        """Outcomes whose row another session holds locked wait a poll interval, then retry."""
+        waiting = [(r, o) for r, o in acks if r.job.id in busy and o is not None]
+        for running, _ in waiting:
+            logger.warning(
+                "outcome of job %s (%s) waits: another session holds its row locked",
+                running.job.job_id,
+                running.job.name,
+                extra={"job_id": running.job.job_id, "action": "outcome_busy"},
+            )
+        with self._lock:
+            self._deferred.extend(waiting)
+            self._deferred_at = time.monotonic() + self.config.poll_interval
+        keep = [(r, o) for r, o in acks if (r, o) not in waiting]
+        return keep, [(r, o) for r, o in outcomes if r.job.id not in busy]
 
     def _write_and_claim(
         self, outcomes: list[tuple[Running, Outcome]], requests: list[ClaimRequest]
@@ -214,7 +245,7 @@ class Worker(Draining):
             claimed = self._claim(requests) if requests else []
         return report, claimed
 
-    def _database_error(self, exc: DatabaseError) -> None:
+    def _loop_error(self, exc: Exception) -> None:
         """Back off after a failed pass: poll interval, doubling, capped; one line a retry."""
         self._errors += 1
         delay = min(
@@ -224,12 +255,13 @@ class Worker(Draining):
         self._retry_at = time.monotonic() + delay
         metrics.loop_errors.inc()
         logger.error(
-            "database error in the run loop (%s); retry %d in %.1fs",
+            "%s in the run loop (%s); retry %d in %.1fs",
+            "database error" if isinstance(exc, DbError) else "error",
             one_line(exc),
             self._errors,
             delay,
             # A traceback helps with a bug, not with an outage: once, and not for the network.
-            exc_info=self._errors == 1 and refused_data(exc),
+            exc_info=self._errors == 1 and (refused_data(exc) or not isinstance(exc, DbError)),
             extra={"action": "loop_error", "retry": self._errors, "delay": delay},
         )
         with contextlib.suppress(Exception):
@@ -237,6 +269,10 @@ class Worker(Draining):
 
     def _take_acks(self, now: float) -> list[tuple[Running, Outcome | None]]:
         with self._lock:
+            if self._deferred and now >= self._deferred_at:
+                self._acks.extend(self._deferred)
+                self._deferred = []
+                self._first_ack_at = self._first_ack_at or now
             if not self._acks:
                 return []
             free = self.config.concurrency - self._in_flight
@@ -301,7 +337,7 @@ class Worker(Draining):
             job_type = self.registry[job.name]
             running = Running(job, job_type, make_context(job, job_type))
             with self._lock:
-                self._held[job.id] = running
+                self._held[job.id, job.claim_token] = running
                 self._in_flight += 1
                 self._in_flight_by_name[job.name] += 1
             type_metrics = metrics.for_type(job.name)
@@ -324,11 +360,8 @@ class Worker(Draining):
         except BaseException as exc:  # a bug of ours must not leak the slot
             logger.exception("worker error running job %s", running.job.job_id)
             if not running.lost:
-                outcome = Outcome.retry(
-                    running.job,
-                    code=ErrorCode.HANDLER_ERROR,
-                    detail=f"the worker failed running the job: {one_line(exc)}",
-                    delay=running.job_type.policy.resolved_backoff().delay(running.ctx.attempt),
+                outcome = failure_outcome(
+                    running, ErrorCode.HANDLER_ERROR, f"the worker failed running the job: {exc!r}"
                 )
         finally:
             self._finished(running, outcome)
@@ -348,7 +381,7 @@ class Worker(Draining):
         fenced = set(report.fenced) if report else set()
         with self._lock:
             for running, _ in acks:
-                self._held.pop(running.job.id, None)
+                self._held.pop((running.job.id, running.job.claim_token), None)
         for running, outcome in outcomes:
             job = running.job
             if job.id in fenced:
@@ -415,6 +448,8 @@ class Worker(Draining):
             return self._retry_at - now
         waits = [self._next_poll - now, self._next_maintenance - now, self._next_recovery - now]
         with self._lock:
+            if self._deferred:
+                waits.append(self._deferred_at - now)
             if self._first_ack_at is not None:
                 waits.append(self._first_ack_at + self.config.ack_interval - now)
         return max(0.0, min(waits))

@@ -64,10 +64,10 @@ def run_until(registry, done, *, timeout=15.0, **config) -> Worker:
 
 def settled(*ids: int) -> bool:
     """Every one of these jobs has left the active states (or waits for a far retry)."""
-    rows = Job.objects.filter(pk__in=ids)
+    rows = Job.objects.filter(pk__in=ids).values_list("state", "run_after")
     return all(
-        j.state not in ACTIVE or (j.state == "queued" and j.run_after > timezone.now())
-        for j in rows
+        state not in ACTIVE or (state == "queued" and run_after > timezone.now())
+        for state, run_after in rows
     )
 
 
@@ -358,3 +358,179 @@ class TestBounds:
 
         run_until(reg, until)
         assert seen == {"loop": "5s", "handler": "0"}
+
+
+class TestSecondPass:
+    """Defects a hostile review found after the first round of fixes."""
+
+    def test_a_handler_mangling_its_context_cannot_kill_the_lease_keeper(self, recorder):
+        mangler = queue.enqueue(NewJob(Hostile.job_name, {"action": "mangle-ctx", "seconds": 0.2}))
+        innocent = queue.enqueue(NewJob(Hostile.job_name, {"action": "slow-first", "seconds": 2}))
+
+        run_until(
+            hostile_registry(recorder),
+            lambda w: settled(mangler.id, innocent.id) and w.idle,
+            lease=timedelta(seconds=0.6),
+        )
+
+        assert (job(innocent.id).state, job(innocent.id).attempts) == ("succeeded", 1)
+        assert job(mangler.id).state in ("succeeded", "failed")  # it broke its own context
+
+    def test_a_reclaimed_job_does_not_lose_its_live_attempt(self, recorder):
+        # What a stall past the lease does: the job is requeued while this worker runs it.
+        held = queue.enqueue(
+            NewJob(Hostile.job_name, {"action": "slow-first", "seconds": 1.5}, max_attempts=5)
+        )
+        moved = []
+
+        def done(w: Worker) -> bool:
+            if not moved and job(held.id).state == "running":
+                moved.append(
+                    Job.objects.filter(pk=held.id, state="running").update(
+                        state="queued",
+                        run_after=timezone.now(),
+                        claim_token=None,
+                        lease_expires_at=None,
+                        claimed_by="",
+                    )
+                )
+            return bool(moved) and settled(held.id) and w.idle
+
+        run_until(hostile_registry(recorder), done, lease=timedelta(seconds=0.6))
+
+        final = job(held.id)
+        assert (final.state, final.attempts, final.result) == ("succeeded", 2, {"attempt": 2})
+        first_ctx = recorder.calls[0][1]
+        assert first_ctx.cancelled.is_set(), "the stale attempt was told to stop"
+
+    def test_a_row_locked_by_another_session_holds_back_only_its_own_outcome(self, recorder):
+        import threading
+
+        locked = queue.enqueue(NewJob(Hostile.job_name, {"action": "ok"}))
+        release = threading.Event()
+        holding = threading.Event()
+
+        def hold_lock():
+            from django.db import connection as conn
+            from django.db import transaction
+
+            with transaction.atomic():
+                list(Job.objects.select_for_update().filter(pk=locked.id))
+                holding.set()
+                release.wait(20)
+            conn.close()
+
+        holder = threading.Thread(target=hold_lock)
+        later: list[int] = []
+        timing: dict[str, float] = {}
+
+        def done(w: Worker) -> bool:
+            if not later and w._deferred:  # the locked job's outcome is waiting
+                timing["start"] = time.monotonic()
+                later.extend(echoes(3))
+            if later and "others" not in timing and settled(*later):
+                timing["others"] = time.monotonic() - timing["start"]
+                release.set()
+            return "others" in timing and settled(locked.id) and w.idle
+
+        holder_started = False
+        try:
+
+            def start_holder(w):
+                nonlocal holder_started
+                if not holder_started and job(locked.id).state == "running":
+                    holder_started = True
+                    holder.start()
+                    holding.wait(5)
+                return done(w)
+
+            run_until(hostile_registry(recorder), start_holder, timeout=25)
+        finally:
+            release.set()
+            if holder_started:
+                holder.join(10)
+
+        assert timing["others"] < 1.5, "unrelated outcomes and claims went on"
+        assert job(locked.id).state == "succeeded"
+
+    @pytest.mark.parametrize("errcode", ["program_limit_exceeded", "lock_not_available"])
+    def test_a_refusal_filed_as_operational_error_is_still_isolated(self, recorder, errcode):
+        with connection.cursor() as cur:
+            cur.execute(
+                f"""
+                CREATE FUNCTION refuse_me() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN
+                    IF NEW.result::text LIKE '%%refuse-me%%' THEN
+                        RAISE EXCEPTION 'refused' USING ERRCODE = '{errcode}';
+                    END IF;
+                    RETURN NEW;
+                END $$;
+                CREATE TRIGGER refuse_me BEFORE UPDATE ON jobs_job
+                    FOR EACH ROW EXECUTE FUNCTION refuse_me();
+                """
+            )
+        try:
+            poison = queue.enqueue(NewJob(Hostile.job_name, {"action": "refuse-me"})).id
+            others = echoes(3)
+            run_until(hostile_registry(recorder), lambda w: settled(poison, *others) and w.idle)
+        finally:
+            with connection.cursor() as cur:
+                cur.execute("DROP TRIGGER refuse_me ON jobs_job; DROP FUNCTION refuse_me()")
+        assert job(poison).state == "failed"
+        assert {job(pk).state for pk in others} == {"succeeded"}
+
+    def test_a_huge_result_fails_the_attempt(self, recorder):
+        big = queue.enqueue(NewJob(Hostile.job_name, {"action": "huge-result"})).id
+        run_until(hostile_registry(recorder), lambda w: settled(big) and w.idle)
+        assert (job(big).state, job(big).last_error) == ("failed", "handler_error")
+        assert "over the 1,000,000 a job may store" in job(big).error_detail
+
+    def test_a_payload_python_cannot_read_fails_alone(self, recorder):
+        with connection.cursor() as cur:  # another producer wrote a number Python refuses
+            cur.execute(
+                "INSERT INTO jobs_job (job_id, name, payload, tenant, queue, priority, "
+                "max_attempts, run_after, state, attempts, last_error, error_detail, "
+                "claimed_by, key_held, replayed_by, created_at) VALUES ('big', %s, "
+                "jsonb_build_object('action', 'ok', 'n', 1e5000::numeric), 'default', "
+                "'default', 0, 3, now(), 'queued', 0, '', '', '', true, '', now()) RETURNING id",
+                [Hostile.job_name],
+            )
+            poison = cur.fetchone()[0]
+        others = echoes(3)
+        run_until(hostile_registry(recorder), lambda w: settled(poison, *others) and w.idle)
+        poisoned = Job.objects.filter(pk=poison).values_list("state", "last_error", "error_detail")
+        [(state, code, detail)] = poisoned
+        assert (state, code) == ("failed", "invalid_payload")
+        assert "Exceeds the limit" in detail
+        assert {job(pk).state for pk in others} == {"succeeded"}
+
+    def test_closing_the_raw_connection_after_committing_is_not_an_open_transaction(self, recorder):
+        done = queue.enqueue(NewJob(Hostile.job_name, {"action": "raw-close"})).id
+        run_until(hostile_registry(recorder), lambda w: settled(done) and w.idle, concurrency=1)
+        assert job(done).state == "succeeded"
+        assert TenantOverride.objects.filter(tenant__startswith="raw-close").count() == 1
+
+    def test_raw_autocommit_off_fails_that_job_not_the_next(self, recorder):
+        bad = queue.enqueue(
+            NewJob(Hostile.job_name, {"action": "raw-autocommit-off"}, max_attempts=1)
+        ).id
+        after = echoes(2)
+        run_until(
+            hostile_registry(recorder),
+            lambda w: settled(bad, *after) and w.idle,
+            concurrency=1,
+        )
+        assert "left a transaction open" in job(bad).error_detail
+        assert {job(pk).state for pk in after} == {"succeeded"}
+
+    @pytest.mark.parametrize("action", ["broken-retry-after", "zero-attempt"])
+    def test_worker_side_surprises_on_the_last_attempt_fail_at_once(self, recorder, action):
+        bad = queue.enqueue(NewJob(Hostile.job_name, {"action": action}, max_attempts=1)).id
+        started = time.monotonic()
+        run_until(
+            hostile_registry(recorder),
+            lambda w: settled(bad) and w.idle,
+            maintenance_interval=15,
+        )
+        assert (job(bad).state, job(bad).last_error) == ("failed", "handler_error")
+        assert time.monotonic() - started < 5, "not left for the exhaustion pass"
