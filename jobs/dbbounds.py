@@ -41,7 +41,7 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils.connection import ConnectionProxy
 
@@ -305,3 +305,22 @@ def _seconds(value: timedelta | float) -> float:
 
 def _ms(value: timedelta | float) -> int:
     return math.ceil(_seconds(value) * 1000)
+
+
+@contextlib.contextmanager
+def local(using: str = DEFAULT_DB_ALIAS, bounds: Bounds | None = None) -> Iterator[None]:
+    """A transaction whose statements have the statement and lock bounds (``SET LOCAL``).
+
+    For the worker's own writes on a handler thread's connection, which keeps the project's
+    plain settings: the bounds end with the transaction, so nothing is left on the session
+    (or on a pooled server connection) for the handler's next job.
+    """
+    bounds = bounds or Bounds.from_settings()
+    with transaction.atomic(using=using), connections[using].cursor() as cur:
+        for name, value in (
+            ("statement_timeout", bounds.statement_timeout),
+            ("lock_timeout", bounds.lock_timeout),
+        ):
+            if _ms(value):
+                cur.execute(f"SET LOCAL {name} = {_ms(value)}")
+        yield

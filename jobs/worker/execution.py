@@ -35,7 +35,7 @@ from typing import Any
 from django.db import connections
 from psycopg.pq import TransactionStatus
 
-from jobs import queue, runs
+from jobs import dbbounds, queue, runs
 from jobs.conf import as_timedelta
 from jobs.context import JobContext
 from jobs.payloads import InvalidPayload
@@ -111,7 +111,8 @@ def execute(
         return Outcome.failed(job, code=ErrorCode.INVALID_PAYLOAD, detail=_payload_error(exc))
     while True:
         if run_model is not None:
-            runs.mark_running(run_model, running.run_pk, attempt=current_attempt(running))
+            with dbbounds.local():  # the worker's write on the handler's connection
+                runs.mark_running(run_model, running.run_pk, attempt=current_attempt(running))
         error, result, duration = _call(job_type, payload, ctx)
         metrics.for_type(job.name).handler_duration.observe(duration)
         left_open = close_open_transactions()
@@ -241,7 +242,8 @@ def _count_next_attempt(running: Running, lease: timedelta | None) -> int | None
     """Record the next attempt before running it; None if fenced, 0 if it could not be saved."""
     ctx = running.ctx
     try:
-        attempt = queue.next_attempt(running.job, lease=lease)
+        with dbbounds.local():
+            attempt = queue.next_attempt(running.job, lease=lease)
     except Exception:
         logger.warning(
             "could not record the next attempt of job %s; retrying it through the queue",

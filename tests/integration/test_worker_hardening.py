@@ -534,3 +534,15 @@ class TestSecondPass:
         )
         assert (job(bad).state, job(bad).last_error) == ("failed", "handler_error")
         assert time.monotonic() - started < 5, "not left for the exhaustion pass"
+
+    def test_the_workers_writes_on_handler_connections_are_bounded_locally(self):
+        from jobs import dbbounds
+
+        def show() -> str:
+            with connection.cursor() as cur:
+                cur.execute("SHOW lock_timeout")
+                return cur.fetchone()[0]
+
+        with dbbounds.local():
+            inside = show()
+        assert (inside, show()) == ("2s", "0"), "SET LOCAL ends with its transaction"
