@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from django.db import DatabaseError, transaction
 from django.db import Error as DjangoDbError
+from django.db import transaction
 
 from jobs import queue
 from jobs.queue import Outcome, OutcomeReport
@@ -34,8 +34,8 @@ def write_one_by_one(
         job = running.job
         try:
             result = _write_one(running, outcome)
-        except DatabaseError as exc:
-            if not refused_data(exc):
+        except Exception as exc:  # refused by the database, or a bug in a run-row update
+            if unreachable(exc):
                 raise
             logger.error(
                 "the database refused the outcome of job %s (%s): %s; failing the job",
@@ -52,8 +52,8 @@ def write_one_by_one(
             )
             try:
                 result = _write_one(running, outcome)
-            except DatabaseError as again:
-                if not refused_data(again):
+            except Exception as again:
+                if unreachable(again):
                     raise
                 # Not even the failure could be stored: let the lease expire.
                 logger.error("could not fail job %s either: %s", job.job_id, again)
@@ -92,6 +92,11 @@ def refused_data(exc: BaseException) -> bool:
     if not sqlstate:
         return False
     return not sqlstate.startswith(_UNREACHABLE)
+
+
+def unreachable(exc: BaseException) -> bool:
+    """A database error that says the database cannot be reached (retry the whole pass)."""
+    return isinstance(exc, DjangoDbError) and not refused_data(exc)
 
 
 def one_line(exc: BaseException) -> str:

@@ -44,7 +44,7 @@ from jobs.worker.execution import (
     make_context,
     sync_run_rows,
 )
-from jobs.worker.flush import one_line, refused_data, write_one_by_one
+from jobs.worker.flush import one_line, refused_data, unreachable, write_one_by_one
 from jobs.worker.leases import LeaseKeeper
 from jobs.worker.maintenance import WorkerMaintenance
 from jobs.worker.pool import HandlerPool
@@ -192,7 +192,7 @@ class Worker(Draining):
         try:
             report, claimed = self._write_and_claim(outcomes, requests)
         except Exception as exc:  # a refused statement, an outage, or a bug: never fatal
-            if not refused_data(exc) or not outcomes:
+            if unreachable(exc) or not outcomes:
                 self._put_back(acks)
                 self._loop_error(exc)
                 return
