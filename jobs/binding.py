@@ -23,13 +23,13 @@ register a type does not move its rows.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Iterable
 
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
 from django.db.models.functions import Now
 
+from jobs.queue import _db
 from jobs.runs import ACTIVE_STATES, TERMINAL_STATES, ErrorCode, RunContract, RunState
 from jobs.runs import _has as has_field
 
@@ -66,8 +66,7 @@ def rows_of_jobs(ids: Iterable[int], using: str) -> dict[type[RunContract], list
         )
         for name, payload in cur.fetchall():
             policy = bound[name]
-            if isinstance(payload, str):
-                payload = json.loads(payload)
+            payload = _db.load_json_or_text(payload)
             pk = payload.get(policy.run_field) if isinstance(payload, dict) else None
             if pk is not None:
                 found[policy.run_model].append(pk)

@@ -5,7 +5,7 @@ strings that are not valid UTF-8, which in Python means lone surrogates (``"\\ud
 ``surrogateescape`` decoding produces). A refused value fails its whole statement, so
 everything a caller or a handler hands to the queue passes through here first:
 
-* :func:`problem` and :func:`check_json` find such values so enqueue can refuse them
+* :func:`problem` and :func:`check_json_text` find such values so enqueue can refuse them
   (``InvalidJob``) before any statement runs in the caller's transaction;
 * :func:`clean` makes any text storable (error details, tracebacks) by escaping what the
   database would refuse, so an outcome is never lost to the text it carries;
@@ -29,7 +29,7 @@ def problem(value: str) -> str | None:
     """Why PostgreSQL would refuse this string, or None when it is storable."""
     if "\x00" in value:
         return "contains a NUL character (\\x00)"
-    if _SURROGATE.search(value):
+    if not value.isascii() and _SURROGATE.search(value):
         return "contains a lone surrogate (not valid UTF-8)"
     return None
 
@@ -38,7 +38,7 @@ def clean(value: str) -> str:
     """The string with NUL characters and lone surrogates escaped as visible text."""
     if "\x00" in value:
         value = value.replace("\x00", "\\x00")
-    if _SURROGATE.search(value):
+    if not value.isascii() and _SURROGATE.search(value):
         value = value.encode("utf-8", "backslashreplace").decode("utf-8")
     return value
 
@@ -59,7 +59,7 @@ def check_json_text(text: str) -> str | None:
     """Why ``jsonb`` would refuse this ``json.dumps(ensure_ascii=False)`` output, or None."""
     if "\\u0000" in text and _NUL_ESCAPE.search(text):
         return "a string contains a NUL character (\\u0000)"
-    if _SURROGATE.search(text):
+    if not text.isascii() and _SURROGATE.search(text):
         return "a string contains a lone surrogate (not valid UTF-8)"
     return None
 

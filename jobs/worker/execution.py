@@ -127,12 +127,12 @@ def execute(
             )
             if error is not None:
                 detail += "\n\n" + _describe(error)
-            return _retry_or_fail(running, ErrorCode.HANDLER_ERROR, detail)
+            return failure_outcome(running, ErrorCode.HANDLER_ERROR, detail)
         overran = time.monotonic() > ctx.deadline
         if error is None and not overran:
             return _succeeded(running, result)
         if overran:
-            return _retry_or_fail(
+            return failure_outcome(
                 running,
                 ErrorCode.DEADLINE_EXCEEDED,
                 f"handler ran {duration:.3f}s, over its {ctx.timeout:g}s timeout",
@@ -154,8 +154,8 @@ def execute(
                         return None
                     if attempt:
                         continue
-            return _retry_or_fail(running, ErrorCode.HANDLER_ERROR, detail, delay=delay)
-        return _retry_or_fail(running, ErrorCode.HANDLER_ERROR, detail)
+            return failure_outcome(running, ErrorCode.HANDLER_ERROR, detail, delay=delay)
+        return failure_outcome(running, ErrorCode.HANDLER_ERROR, detail)
 
 
 def _call(
@@ -269,10 +269,6 @@ def _succeeded(running: Running, result: Any) -> Outcome:
             code=ErrorCode.HANDLER_ERROR,
             detail=f"the handler returned {type(result).__name__}, and {exc}",
         )
-
-
-def _retry_or_fail(running: Running, code: str, detail: str, delay: float | None = None) -> Outcome:
-    return failure_outcome(running, code, detail, delay)
 
 
 def current_attempt(running: Running) -> int:

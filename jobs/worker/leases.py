@@ -25,6 +25,7 @@ from datetime import timedelta
 from django.db import connection
 
 from jobs import dbbounds, queue, runs
+from jobs.conf import as_timedelta
 from jobs.worker import metrics
 from jobs.worker.execution import Running
 
@@ -59,7 +60,10 @@ class LeaseKeeper:
         # A renewal that cannot finish within a renewal interval is as good as failed.
         bounds = dbbounds.Bounds.from_settings()
         bounds = replace(
-            bounds, statement_timeout=min(self._every, _secs(bounds.statement_timeout))
+            bounds,
+            statement_timeout=min(
+                self._every, as_timedelta(bounds.statement_timeout).total_seconds()
+            ),
         )
         try:
             with dbbounds.bounded(connection, bounds):
@@ -152,7 +156,3 @@ class LeaseKeeper:
             except Exception:
                 logger.exception("heartbeat of %s rows failed", model._meta.label)
                 connection.close()
-
-
-def _secs(value: timedelta | float) -> float:
-    return value.total_seconds() if isinstance(value, timedelta) else float(value)

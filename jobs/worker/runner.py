@@ -230,7 +230,7 @@ class Worker(Draining):
         with self._lock:
             self._deferred.extend(waiting)
             self._deferred_at = time.monotonic() + self.config.poll_interval
-        keep = [(r, o) for r, o in acks if (r, o) not in waiting]
+        keep = [(r, o) for r, o in acks if r.job.id not in busy or o is None]
         return keep, [(r, o) for r, o in outcomes if r.job.id not in busy]
 
     def _write_and_claim(

@@ -202,10 +202,10 @@ class TestStallGuard:
                 guard.moved()
                 time.sleep(0.02)
             with guard.waiting():  # waiting on purpose is not being stuck
-                time.sleep(0.6)
+                time.sleep(0.6)  # the wait is the scenario  # noqa: fixed-sleep
             assert stalls == []
             wait_for(lambda: stalls, what="the stall was reported")
-            time.sleep(0.5)
+            time.sleep(0.5)  # no second report  # noqa: fixed-sleep
             assert len(stalls) == 1 and stalls[0] >= 0.3  # once per stall
             guard.moved()
             wait_for(lambda: len(stalls) == 2, what="a second stall")

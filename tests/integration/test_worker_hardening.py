@@ -7,6 +7,7 @@ ends in a valid state with a readable cause while every other job, and the worke
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from datetime import timedelta
@@ -71,6 +72,30 @@ def settled(*ids: int) -> bool:
     )
 
 
+@contextlib.contextmanager
+def refusing_trigger(message: str, errcode: str):
+    """A user's trigger on the jobs table that refuses results saying 'refuse-me'."""
+    with connection.cursor() as cur:
+        cur.execute(
+            f"""
+            CREATE FUNCTION refuse_me() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF NEW.result::text LIKE '%%refuse-me%%' THEN
+                    RAISE EXCEPTION '{message}' USING ERRCODE = '{errcode}';
+                END IF;
+                RETURN NEW;
+            END $$;
+            CREATE TRIGGER refuse_me BEFORE UPDATE ON jobs_job
+                FOR EACH ROW EXECUTE FUNCTION refuse_me();
+            """
+        )
+    try:
+        yield
+    finally:
+        with connection.cursor() as cur:
+            cur.execute("DROP TRIGGER refuse_me ON jobs_job; DROP FUNCTION refuse_me()")
+
+
 def echoes(count: int) -> list[int]:
     return [enqueue(Echo(text=f"e{i}")).id for i in range(count)]
 
@@ -122,22 +147,7 @@ class TestPoisonOutcomes:
 
     def test_an_outcome_the_database_refuses_is_written_alone_as_a_failure(self, recorder, caplog):
         # A user's trigger (or constraint) may refuse a value the worker cannot foresee.
-        with connection.cursor() as cur:
-            cur.execute(
-                """
-                CREATE FUNCTION refuse_me() RETURNS trigger LANGUAGE plpgsql AS $$
-                BEGIN
-                    IF NEW.result::text LIKE '%%refuse-me%%' THEN
-                        RAISE EXCEPTION 'results saying refuse-me are refused'
-                            USING ERRCODE = 'check_violation';
-                    END IF;
-                    RETURN NEW;
-                END $$;
-                CREATE TRIGGER refuse_me BEFORE UPDATE ON jobs_job
-                    FOR EACH ROW EXECUTE FUNCTION refuse_me();
-                """
-            )
-        try:
+        with refusing_trigger("results saying refuse-me are refused", "check_violation"):
             before = echoes(4)
             poison = queue.enqueue(NewJob(Hostile.job_name, {"action": "refuse-me"})).id
             after = echoes(4)
@@ -147,9 +157,6 @@ class TestPoisonOutcomes:
                     lambda w: settled(*before, poison, *after) and w.idle,
                     concurrency=8,
                 )
-        finally:
-            with connection.cursor() as cur:
-                cur.execute("DROP TRIGGER refuse_me ON jobs_job; DROP FUNCTION refuse_me()")
 
         assert {job(pk).state for pk in before + after} == {"succeeded"}
         bad = job(poison)
@@ -455,27 +462,10 @@ class TestSecondPass:
 
     @pytest.mark.parametrize("errcode", ["program_limit_exceeded", "lock_not_available"])
     def test_a_refusal_filed_as_operational_error_is_still_isolated(self, recorder, errcode):
-        with connection.cursor() as cur:
-            cur.execute(
-                f"""
-                CREATE FUNCTION refuse_me() RETURNS trigger LANGUAGE plpgsql AS $$
-                BEGIN
-                    IF NEW.result::text LIKE '%%refuse-me%%' THEN
-                        RAISE EXCEPTION 'refused' USING ERRCODE = '{errcode}';
-                    END IF;
-                    RETURN NEW;
-                END $$;
-                CREATE TRIGGER refuse_me BEFORE UPDATE ON jobs_job
-                    FOR EACH ROW EXECUTE FUNCTION refuse_me();
-                """
-            )
-        try:
+        with refusing_trigger("refused", errcode):
             poison = queue.enqueue(NewJob(Hostile.job_name, {"action": "refuse-me"})).id
             others = echoes(3)
             run_until(hostile_registry(recorder), lambda w: settled(poison, *others) and w.idle)
-        finally:
-            with connection.cursor() as cur:
-                cur.execute("DROP TRIGGER refuse_me ON jobs_job; DROP FUNCTION refuse_me()")
         assert job(poison).state == "failed"
         assert {job(pk).state for pk in others} == {"succeeded"}
 
