@@ -1,8 +1,10 @@
 """Settings for the demo and development project (12-factor, read with django-environ)."""
 
+from importlib.util import find_spec
 from pathlib import Path
 from urllib.parse import unquote
 
+import django
 import environ
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -27,7 +29,6 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
-    "django_prometheus",
     "jobs",
     # Example consumers of the run contract (see docs/admin.md) and the demo's sample data.
     "project.mail",
@@ -37,7 +38,6 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
-    "django_prometheus.middleware.PrometheusBeforeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -45,8 +45,19 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "django_prometheus.middleware.PrometheusAfterMiddleware",
 ]
+
+# The web process's request and database metrics come from django-prometheus, the optional
+# web-metrics extra (it supports Django < 6.1): used where it is installed. The worker's and the
+# scheduler's metrics need only prometheus-client.
+WEB_METRICS = find_spec("django_prometheus") is not None
+if WEB_METRICS:
+    INSTALLED_APPS.insert(INSTALLED_APPS.index("jobs"), "django_prometheus")
+    MIDDLEWARE = [
+        "django_prometheus.middleware.PrometheusBeforeMiddleware",
+        *MIDDLEWARE,
+        "django_prometheus.middleware.PrometheusAfterMiddleware",
+    ]
 
 ROOT_URLCONF = "project.urls"
 WSGI_APPLICATION = "project.wsgi.application"
@@ -82,9 +93,17 @@ TIME_ZONE = env("TIME_ZONE")
 USE_I18N = True
 USE_TZ = True
 
-# The mail example writes each message it sends to a file under var/mail.
-EMAIL_BACKEND = env("EMAIL_BACKEND", default="django.core.mail.backends.filebased.EmailBackend")
-EMAIL_FILE_PATH = BASE_DIR / "var" / "mail"
+# The mail example writes each message it sends to a file under var/mail. Django 6.1 replaces
+# EMAIL_BACKEND and EMAIL_FILE_PATH with MAILERS; Django 6.0 knows only the former.
+_EMAIL_BACKEND = env("EMAIL_BACKEND", default="django.core.mail.backends.filebased.EmailBackend")
+_EMAIL_FILE_PATH = BASE_DIR / "var" / "mail"
+if django.VERSION >= (6, 1):
+    MAILERS = {
+        "default": {"BACKEND": _EMAIL_BACKEND, "OPTIONS": {"file_path": str(_EMAIL_FILE_PATH)}}
+    }
+else:
+    EMAIL_BACKEND = _EMAIL_BACKEND
+    EMAIL_FILE_PATH = _EMAIL_FILE_PATH
 DEFAULT_FROM_EMAIL = env("DEFAULT_FROM_EMAIL", default="jobs-demo@localhost")
 
 STATIC_URL = "static/"

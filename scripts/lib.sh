@@ -85,25 +85,31 @@ EOF
     exit 1
 }
 
-# ensure_venv REQUIREMENTS: install these pins and this project (editable) into .venv, then put
-# it first on PATH. Installs only when the inputs changed since the last install, so reruns are fast.
+# ensure_venv REQUIREMENTS [VENV [VERSION]]: install these pins and this project (editable) into
+# VENV (default .venv), then put it first on PATH. VERSION (e.g. 3.12) is the interpreter to
+# prefer for a new VENV; any supported one is used where it is missing. Installs only when the
+# inputs changed since the last install, so reruns are fast.
 ensure_venv() {
-    local requirements=$1 venv=$ROOT/.venv base stamp digest
+    local requirements=$1 venv=${2:-$ROOT/.venv} prefer=${3:-} base stamp digest
     [[ -f $requirements ]] || die "no such requirements file: $requirements"
-    # Start over if .venv is missing, too old, broken (its base interpreter was removed), or
+    # Start over if the venv is missing, too old, broken (its base interpreter was removed), or
     # made by another interpreter than the one $PYTHON asks for.
     if ! python_ok "$venv/bin/python" || { [[ -n ${PYTHON:-} ]] && ! same_python "$PYTHON" "$venv/bin/python"; }; then
-        base=$(find_python)
-        step "creating .venv with $("$base" -V 2>&1) ($base)"
+        if [[ -n $prefer && -z ${PYTHON:-} ]]; then
+            base=$( (find_python "$prefer") 2>/dev/null) || base=$(find_python)
+        else
+            base=$(find_python)
+        fi
+        step "creating ${venv#"$ROOT"/} with $("$base" -V 2>&1) ($base)"
         rm -rf "$venv"
         "$base" -m venv "$venv" ||
-            die "could not create .venv (Debian/Ubuntu: sudo apt-get install python3-venv)"
+            die "could not create $venv (Debian/Ubuntu: sudo apt-get install python3-venv)"
     fi
     # One stamp per requirements file, so switching between demo and test stays fast.
     stamp=$venv/.installed-$(basename "$requirements")
     digest=$("$venv/bin/python" -c "$HASH_FILES" "$ROOT"/requirements/*.txt "$ROOT/pyproject.toml")
     if [[ ! -f $stamp || $(cat "$stamp") != "$digest" ]]; then
-        step "installing $requirements into .venv"
+        step "installing $requirements into ${venv#"$ROOT"/}"
         "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$requirements"
         "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e "$ROOT"
         echo "$digest" >"$stamp"
