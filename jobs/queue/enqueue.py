@@ -49,9 +49,7 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str = DEFAULT_DB_ALIAS) -> li
     for row in rows:
         firsts.setdefault((row["tenant"], row["job_id"]), row)
     with transaction.atomic(using=using, savepoint=False), _db.cursor(using) as cur:
-        # Insert in key order: concurrent batches that share keys then wait on each other
-        # in the same order instead of deadlocking.
-        done = _insert_or_find(cur, [firsts[key] for key in sorted(firsts)])
+        done = _insert_or_find(cur, list(firsts.values()))
     results = []
     for row in rows:
         key = (row["tenant"], row["job_id"])
@@ -143,9 +141,17 @@ def _row(job: NewJob, index: int) -> dict[str, Any]:
 def _insert_or_find(cur, rows: list[dict[str, Any]]) -> dict[tuple[str, str], Enqueued]:
     done: dict[tuple[str, str], Enqueued] = {}
     pending = rows
+    # Later rounds reuse the first round's clock, so a row inserted late is as due as the rest.
+    base: datetime | None = None
     for _round in range(_MAX_ROUNDS):
-        for id_, tenant, job_id, name in _insert(cur, pending):
-            done[(tenant, job_id)] = Enqueued(id_, job_id, tenant, name, "queued", True)
+        inserts = _insert(cur, pending, base)
+        base = inserts[0][2]
+        for row, (id_, inserted, _at) in zip(pending, inserts, strict=True):
+            # A skipped row keeps the id it was given, so a later round inserts it in its place.
+            row["id"] = id_
+            if inserted:
+                key = (row["tenant"], row["job_id"])
+                done[key] = Enqueued(id_, row["job_id"], row["tenant"], row["name"], "queued", True)
         skipped = [row for row in pending if (row["tenant"], row["job_id"]) not in done]
         if not skipped:
             return done
@@ -176,8 +182,19 @@ def _insert_or_find(cur, rows: list[dict[str, Any]]) -> dict[tuple[str, str], En
     )
 
 
-def _insert(cur, rows: list[dict[str, Any]]) -> list[tuple[int, str, str, str]]:
-    columns = {key: [row[key] for row in rows] for key in rows[0]}
+def _insert(
+    cur, rows: list[dict[str, Any]], base: datetime | None
+) -> list[tuple[int, bool, datetime]]:
+    """Insert what no live row holds the key of; ``(id, inserted, base)`` per row, in order.
+
+    Ids are drawn in the order the rows are given, so a batch is claimed in that order (the
+    claim breaks priority and due-time ties by id). Rows are inserted in key order, so
+    concurrent batches that share keys wait on each other in one order instead of deadlocking.
+    ``base`` is the instant due times and ``created_at`` count from (default: this statement's
+    start, which is returned).
+    """
+    params: dict[str, Any] = {key: [row.get(key) for row in rows] for key in _COLUMNS}
+    params["base"] = base
     notify = (
         f""",
         notified AS (
@@ -186,32 +203,63 @@ def _insert(cur, rows: list[dict[str, Any]]) -> list[tuple[int, str, str, str]]:
                 SELECT DISTINCT name FROM inserted WHERE run_after <= statement_timestamp()
             ) AS due
         )
-        SELECT inserted.id, inserted.tenant, inserted.job_id, inserted.name
-        FROM inserted, notified"""
+        SELECT given.id, inserted.id IS NOT NULL, given.base
+        FROM given LEFT JOIN inserted ON inserted.id = given.id, notified
+        ORDER BY given.ord"""
         if jobs_settings.NOTIFY
         else """
-        SELECT id, tenant, job_id, name FROM inserted"""
+        SELECT given.id, inserted.id IS NOT NULL, given.base
+        FROM given LEFT JOIN inserted ON inserted.id = given.id
+        ORDER BY given.ord"""
     )
     cur.execute(
         """
-        WITH inserted AS (
+        WITH given AS MATERIALIZED (
+            -- nextval() in a sorted query runs after the sort: ids follow the given order.
+            SELECT COALESCE(r.id, nextval((SELECT pg_get_serial_sequence('jobs_job', 'id'))))
+                       AS id,
+                   r.job_id, r.name, r.payload, r.tenant, r.queue, r.priority, r.max_attempts,
+                   r.run_after, r.delay, r.ord,
+                   COALESCE(%(base)s::timestamptz, statement_timestamp()) AS base
+            FROM unnest(
+                %(id)s::bigint[], %(job_id)s::text[], %(name)s::text[], %(payload)s::jsonb[],
+                %(tenant)s::text[], %(queue)s::text[], %(priority)s::smallint[],
+                %(max_attempts)s::int[], %(run_after)s::timestamptz[], %(delay)s::float8[]
+            ) WITH ORDINALITY
+                AS r(id, job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
+                     delay, ord)
+            ORDER BY r.ord
+        ),
+        inserted AS (
             INSERT INTO jobs_job (
-                job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
+                id, job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
                 state, attempts, last_error, error_detail, claimed_by, key_held,
                 replayed_by, created_at
             )
-            SELECT r.job_id, r.name, r.payload, r.tenant, r.queue, r.priority, r.max_attempts,
-                   COALESCE(r.run_after, statement_timestamp() + make_interval(secs => r.delay)),
-                   'queued', 0, '', '', '', TRUE, '', statement_timestamp()
-            FROM unnest(
-                %(job_id)s::text[], %(name)s::text[], %(payload)s::jsonb[], %(tenant)s::text[],
-                %(queue)s::text[], %(priority)s::smallint[], %(max_attempts)s::int[],
-                %(run_after)s::timestamptz[], %(delay)s::float8[]
-            ) AS r(job_id, name, payload, tenant, queue, priority, max_attempts, run_after, delay)
+            SELECT g.id, g.job_id, g.name, g.payload, g.tenant, g.queue, g.priority,
+                   g.max_attempts,
+                   COALESCE(g.run_after, g.base + make_interval(secs => g.delay)),
+                   'queued', 0, '', '', '', TRUE, '', g.base
+            FROM given g
+            ORDER BY g.tenant, g.job_id
             ON CONFLICT (tenant, job_id) WHERE key_held DO NOTHING
-            RETURNING id, tenant, job_id, name, run_after
+            RETURNING id, name, run_after
         )"""
         + notify,
-        columns,
+        params,
     )
     return cur.fetchall()
+
+
+_COLUMNS = (
+    "id",
+    "job_id",
+    "name",
+    "payload",
+    "tenant",
+    "queue",
+    "priority",
+    "max_attempts",
+    "run_after",
+    "delay",
+)

@@ -65,6 +65,37 @@ def test_duplicates_inside_one_batch_return_the_first():
     assert Job.objects.count() == 2
 
 
+# Job ids whose sorted order (the order rows are inserted in) is not the order they are given.
+GIVEN = ["step-7", "step-2", "step-9", "step-0", "step-5", "step-1", "step-8", "step-3"]
+
+
+def claim_one_by_one(name: str, count: int) -> list[str]:
+    claimed = []
+    for _ in range(count):
+        claimed += [job.job_id for job in queue.claim([ClaimRequest(name, 1)], scope=AllTenants())]
+    return claimed
+
+
+def test_a_batch_is_claimed_in_the_order_it_was_given():
+    queue.enqueue_many([NewJob("a.v1", {"n": n}, job_id=key) for n, key in enumerate(GIVEN)])
+
+    assert claim_one_by_one("a.v1", len(GIVEN)) == GIVEN
+
+
+def test_batch_order_holds_for_jobs_inserted_after_releasing_an_expired_key():
+    """A job whose key an expired row held is inserted in a later round, in its given place."""
+    JobFactory(
+        name="a.v1",
+        job_id="step-0",
+        succeeded=True,
+        finished_at=timezone.now() - timedelta(days=2),
+    )
+    results = queue.enqueue_many([NewJob("a.v1", job_id=key) for key in GIVEN])
+
+    assert all(result.created for result in results)
+    assert claim_one_by_one("a.v1", len(GIVEN)) == GIVEN
+
+
 def test_empty_batch_inserts_nothing():
     assert queue.enqueue_many([]) == []
 
@@ -175,6 +206,20 @@ class TestTransactions:
         assert Job.objects.filter(job_id="race").count() == 1
         assert len({r.id for r in results}) == 1
         assert sum(r.created for r in results) == 1
+
+    def test_batches_sharing_keys_in_opposite_orders_never_deadlock(self, threads):
+        """Rows are inserted in key order whatever order a batch gives them in."""
+        keys = [f"k{n:02}" for n in range(40)]
+
+        def enqueue_batch(i):
+            given = keys if i % 2 else keys[::-1]
+            return queue.enqueue_many([NewJob("a.v1", job_id=k) for k in given])
+
+        for _round in range(3):
+            Job.objects.all().delete()
+            results = threads(6, enqueue_batch)
+            assert Job.objects.count() == len(keys)
+            assert sum(r.created for batch in results for r in batch) == len(keys)
 
     def test_concurrent_batches_sharing_keys_never_duplicate(self, threads):
         def enqueue_batch(i):
