@@ -16,7 +16,7 @@ docs/tasks.md has the table of every case and what ``get_result()`` then reports
 
 OPTIONS (all optional): ``DATABASE`` (alias, default ``"default"``), ``MAX_ATTEMPTS``
 (default ``JOBS["DEFAULT_MAX_ATTEMPTS"]``), ``CONCURRENCY`` (tasks run at once per worker,
-default 10) and ``TIMEOUT`` (seconds, default 300).
+default: as many as the worker's ``--concurrency``) and ``TIMEOUT`` (seconds, default 300).
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def task_policy() -> Policy | None:
         if config.get("BACKEND") == BACKEND_PATH:
             options = config.get("OPTIONS", {})
             return Policy(
-                concurrency=options.get("CONCURRENCY", 10),
+                concurrency=options.get("CONCURRENCY"),
                 timeout=timedelta(seconds=options.get("TIMEOUT", 300)),
                 max_attempts=options.get("MAX_ATTEMPTS", jobs_settings.DEFAULT_MAX_ATTEMPTS),
             )

@@ -79,7 +79,9 @@ class Policy:
     ``None`` for no opinion).
     """
 
-    concurrency: int = 1
+    # At most this many jobs of the type at once per worker process; None: as many as the
+    # worker has slots (``runworker --concurrency``).
+    concurrency: int | None = None
     timeout: timedelta = timedelta(seconds=60)
     max_attempts: int = 5
     backoff: Backoff | None = None
@@ -110,7 +112,7 @@ class Policy:
         from jobs.queue.types import validate_key
 
         problems = []
-        if not _whole(self.concurrency, 1, CONCURRENCY_MAX):
+        if self.concurrency is not None and not _whole(self.concurrency, 1, CONCURRENCY_MAX):
             problems.append(_range("concurrency", 1, CONCURRENCY_MAX, self.concurrency))
         if not isinstance(self.timeout, timedelta) or self.timeout <= timedelta(0):
             problems.append(f"timeout must be a positive duration, got {self.timeout!r}")

@@ -310,7 +310,9 @@ class Worker(Draining):
             if name in self._exhausted:
                 continue
             policy = self.registry[name].policy
-            room = min(free, policy.concurrency - running.get(name, 0))
+            room = free
+            if policy.concurrency is not None:
+                room = min(free, policy.concurrency - running.get(name, 0))
             if room > 0:
                 requests.append(ClaimRequest(name, room, policy.max_attempts))
         return requests
@@ -485,11 +487,17 @@ class Worker(Draining):
             return list(self._held.values())
 
     def _log_start(self) -> None:
+        # A type's own limit below the slot count is said, so a slow drain is not a mystery.
+        types = []
+        for name in self._names:
+            limit = self.registry[name].policy.concurrency
+            capped = limit is not None and limit < self.config.concurrency
+            types.append(f"{name} (at most {limit} at once)" if capped else name)
         logger.info(
             "worker %s started: %d slots, scope %s, types %s",
             self.config.identity,
             self.config.concurrency,
             self.config.scope,
-            ", ".join(self._names) or "(none)",
+            ", ".join(types) or "(none)",
             extra={"action": "started"},
         )

@@ -13,6 +13,7 @@ from django.utils import timezone
 from jobs import enqueue, queue
 from jobs.models import Job
 from jobs.queue import NewJob
+from jobs.registry import JobType, Policy, Registry
 from jobs.testing import JobFailed, WorkerTimeout, run_worker
 from jobs.worker import metrics
 from jobs.worker.config import WorkerConfig
@@ -161,14 +162,37 @@ class TestRetryAfter:
         assert 3500 < wait <= 3600
 
 
-def test_type_concurrency_is_never_exceeded(recorder):
+def test_type_concurrency_is_never_exceeded_and_is_said_at_start(recorder, caplog):
     for _ in range(12):
         enqueue(Step(plan=("sleep",), seconds=0.05))
 
-    run_worker(registry=registry(recorder, concurrency=2), concurrency=8)
+    with caplog.at_level(logging.INFO, logger="jobs.worker"):
+        run_worker(registry=registry(recorder, concurrency=2), concurrency=8)
 
     assert recorder.peak[Step.job_name] == 2
     assert Job.objects.filter(state="succeeded").count() == 12
+    [started] = [r.getMessage() for r in caplog.records if " started: " in r.getMessage()]
+    assert f"{Step.job_name} (at most 2 at once)" in started
+
+
+def test_a_type_without_a_concurrency_of_its_own_uses_every_slot_of_the_worker(recorder):
+    """``@job(Payload)`` plus ``runworker --concurrency 4`` runs four of that type at once."""
+    together = threading.Barrier(4)
+
+    def meet(payload: Echo, ctx):
+        recorder.enter(payload, ctx)
+        try:
+            together.wait(timeout=5)  # broken (and the job failed) unless all four run at once
+        finally:
+            recorder.leave(ctx)
+
+    for n in range(4):
+        enqueue(Echo(text=f"t{n}"))
+
+    run_worker(registry=Registry([JobType(Echo, meet, Policy())]), concurrency=4)
+
+    assert recorder.peak[Echo.job_name] == 4
+    assert Job.objects.filter(state="succeeded").count() == 4
 
 
 def test_unsupported_names_stay_queued_and_are_reported(recorder, caplog):

@@ -107,7 +107,7 @@ class TestPolicy:
         policy = Policy()
         assert policy.validate() == []
         assert (policy.concurrency, policy.timeout, policy.max_attempts) == (
-            1,
+            None,  # as many as the worker's --concurrency
             timedelta(seconds=60),
             5,
         )
