@@ -4,6 +4,10 @@ The public API for defining and enqueueing job types. Importing this package mus
 and must not touch models: it is imported before Django's app registry is ready.
 """
 
+# A plain literal: setuptools reads it at build time without importing the package, and it is
+# right in a checkout that was never installed. The one place the version is written.
+__version__ = "0.1.0"
+
 from jobs.context import JobContext
 from jobs.errors import Cancelled, Reject, RetryAfter
 from jobs.payloads import InvalidPayload, Payload
