@@ -9,6 +9,10 @@ In settings, by name::
             "payload": {"kind": "daily"},     # decoded and validated by the type's payload class
             "misfire": "once",                # skip (default) | once | all
             "timezone": "Europe/Berlin",      # default: settings.TIME_ZONE
+            # optional: a new schedule's first tick treats slots from here on as due (the
+            # misfire policy decides about those already missed); without it, only the
+            # current slot fires
+            "catch_up_from": "2026-01-01T00:00",
         },
     }}
 
@@ -42,7 +46,17 @@ from jobs.scheduler.timing import Decision, Misfire
 
 MAX_CATCH_UP_LIMIT = 1000
 OPTIONS = frozenset(
-    {"cron", "job", "payload", "misfire", "timezone", "max_catch_up", "tenant", "grace"}
+    {
+        "cron",
+        "job",
+        "payload",
+        "misfire",
+        "timezone",
+        "max_catch_up",
+        "tenant",
+        "grace",
+        "catch_up_from",
+    }
 )
 
 
@@ -59,6 +73,9 @@ class Schedule:
     max_catch_up: int = 10  # misfire "all": at most this many missed slots fire
     tenant: str | None = None
     grace: timedelta | None = None  # None: JOBS["MISFIRE_GRACE"]
+    # A new schedule's first tick fires only its current slot; with this, every slot from
+    # here on counts, so the misfire policy decides about the ones already past.
+    catch_up_from: datetime | None = None
 
     @property
     def job(self) -> str:
@@ -85,6 +102,7 @@ class Schedule:
             grace=self.misfire_grace,
             misfire=self.misfire,
             max_catch_up=self.max_catch_up,
+            start=self.catch_up_from,
         )
 
 
@@ -103,11 +121,14 @@ def schedule(
     max_catch_up: int = 10,
     tenant: str | None = None,
     grace: timedelta | float | None = None,
+    catch_up_from: datetime | str | None = None,
 ) -> None:
     """Declare a schedule in code, next to its job type; validated with the others at start-up."""
     where = sys._getframe(1).f_globals.get("__name__", "?")
     options = {"cron": cron, "payload": payload, "misfire": misfire, "max_catch_up": max_catch_up}
-    options.update({"timezone": timezone, "tenant": tenant, "grace": grace})
+    options.update(
+        {"timezone": timezone, "tenant": tenant, "grace": grace, "catch_up_from": catch_up_from}
+    )
     _declared.append((where, name, {k: v for k, v in options.items() if v is not None}))
 
 
@@ -212,9 +233,15 @@ def _build(name: object, spec: object, registry: Registry) -> tuple[Schedule | N
     grace, problem = _grace(spec.get("grace"))
     if problem:
         problems.append(problem)
+    start, problem = _instant(spec.get("catch_up_from"), zone)
+    if problem:
+        problems.append(problem)
     if problems:
         return None, problems
-    return Schedule(str(name), cron, payload, zone, misfire, max_catch_up, tenant, grace), []
+    return (
+        Schedule(str(name), cron, payload, zone, misfire, max_catch_up, tenant, grace, start),
+        [],
+    )
 
 
 def _zone(value: object) -> tuple[ZoneInfo, str | None]:
@@ -252,6 +279,27 @@ def _grace(value: object) -> tuple[timedelta | None, str | None]:
     if grace is None or grace <= timedelta(0):
         return None, f"grace must be a positive duration, got {value!r}"
     return grace, None
+
+
+def _instant(value: object, zone: ZoneInfo) -> tuple[datetime | None, str | None]:
+    """``catch_up_from``: an aware datetime, or an ISO 8601 string; naive means the schedule's
+    own time zone, as its cron expression does."""
+    if value is None:
+        return None, None
+    instant = value
+    if isinstance(value, str):
+        try:
+            instant = datetime.fromisoformat(value)
+        except ValueError:
+            instant = None
+    if not isinstance(instant, datetime):
+        return None, (
+            f"catch_up_from must be a datetime or an ISO 8601 date and time, "
+            f"e.g. '2026-01-01T00:00:00+00:00', got {value!r}"
+        )
+    if instant.tzinfo is None or instant.utcoffset() is None:
+        instant = instant.replace(tzinfo=zone)
+    return instant, None
 
 
 def _reset(*, setting: str, **kwargs: Any) -> None:

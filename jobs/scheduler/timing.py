@@ -21,7 +21,11 @@ plan for one tick turns the slots between the last recorded slot and ``now`` int
     slot ≤ now - grace, misfire "all"         the latest max_catch_up fire as catch_up, oldest
                                               first; older ones are recorded as one skipped row
 
-A schedule that has never recorded a slot has no history to catch up on: only on-time slots.
+A schedule that has never recorded a slot has no history to catch up on: its first tick fires
+only its current slot (the latest within the grace), not every slot the grace still covers (an
+every-second schedule would start with 60 jobs). Given ``start`` (the schedule's
+``catch_up_from``), a new schedule plans as if it had recorded everything before ``start``:
+every slot from there is on time or missed as above.
 """
 
 from __future__ import annotations
@@ -149,12 +153,15 @@ def plan(
     grace: timedelta,
     misfire: str,
     max_catch_up: int,
+    start: datetime | None = None,
 ) -> list[Decision]:
     """The slots to record at ``now``, given the last slot recorded; earliest first.
 
     Walks back from ``now`` and stops at ``last`` or once the policy has what it needs, so a
     long downtime costs no more than ``max_catch_up`` steps.
     """
+    if last is None and start is not None:
+        last = start - timedelta(microseconds=1)  # a slot at ``start`` itself is due
     wanted = max_catch_up + 1 if misfire == Misfire.ALL else 1
     on_time: list[datetime] = []
     missed: list[datetime] = []
@@ -163,9 +170,11 @@ def plan(
             break
         if slot > now - grace:
             on_time.append(slot)
+            if last is None:
+                break  # never recorded: only the current slot, no history to catch up on
             continue
         if last is None:
-            break  # never recorded: no history to catch up on
+            break
         missed.append(slot)
         if len(missed) >= wanted:
             break

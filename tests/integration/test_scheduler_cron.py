@@ -78,6 +78,27 @@ class TestFiring:
             "cron:hourly:2030-05-01T11:00:00Z",
         ]
 
+    def test_a_new_every_second_schedule_starts_with_one_job_not_a_grace_full(self):
+        service = CronService([make("fast", cron="* * * * * *")], identity="test")
+        counts = service.run_once(at(seconds=59.5))
+        assert (counts.on_time, counts.catch_up, counts.skipped) == (1, 0, 0)
+        assert list(Job.objects.values_list("job_id", flat=True)) == [
+            "cron:fast:2030-05-01T10:00:59Z"
+        ]
+        service.run_once(at(seconds=61.2))  # and from then on, every slot
+        assert Job.objects.count() == 3
+
+    def test_catch_up_from_fires_what_a_new_schedule_missed_as_its_policy_says(self):
+        schedule = make(misfire="all", catch_up_from=at(hours=-3))
+        counts = CronService([schedule], identity="test").run_once(at(seconds=5))
+        assert (counts.on_time, counts.catch_up, counts.skipped) == (1, 3, 0)
+        assert rows() == [
+            (at(-3), "catch_up", None),
+            (at(-2), "catch_up", None),
+            (at(-1), "catch_up", None),
+            (at(0), "on_time", None),
+        ]
+
     def test_a_new_schedule_does_not_fire_slots_older_than_the_grace(self):
         CronService([make()], identity="test").run_once(at(seconds=61))
         assert rows() == []

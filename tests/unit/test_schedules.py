@@ -255,3 +255,83 @@ class TestMisfirePlans:
     def test_a_clock_that_jumps_back_fires_nothing_until_it_passes_the_last_slot(self):
         assert hourly_plan(utc(2024, 5, 1, 9, 0, 5), self.last, "all") == []
         assert hourly_plan(utc(2024, 5, 1, 10, 0, 5), self.last, "all") == []
+
+
+EVERY_SECOND = "* * * * * *"
+
+
+class TestFirstTick:
+    """A schedule that has recorded nothing yet: what its first tick fires."""
+
+    now = utc(2024, 5, 1, 10, 0, 59, 500000)
+
+    def first_plan(self, misfire="skip", start=None, expression=EVERY_SECOND):
+        return plan(
+            expression,
+            ZoneInfo("UTC"),
+            now=self.now,
+            last=None,
+            grace=GRACE,
+            misfire=misfire,
+            max_catch_up=10,
+            start=start,
+        )
+
+    @pytest.mark.parametrize("misfire", ["skip", "once", "all"])
+    def test_only_the_current_slot_fires_whatever_the_grace_still_covers(self, misfire):
+        assert self.first_plan(misfire) == [Decision(utc(2024, 5, 1, 10, 0, 59), SlotKind.ON_TIME)]
+
+    def test_a_current_slot_past_the_grace_does_not_fire(self):
+        # 10:00 is 59.5 s old at 10:00:59.5: inside the grace, it fires; at 10:01:01 it is not.
+        assert self.first_plan(expression=HOURLY) == [
+            Decision(utc(2024, 5, 1, 10), SlotKind.ON_TIME)
+        ]
+        late = utc(2024, 5, 1, 10, 1, 1)
+        assert (
+            plan(
+                HOURLY,
+                ZoneInfo("UTC"),
+                now=late,
+                last=None,
+                grace=GRACE,
+                misfire="all",
+                max_catch_up=10,
+            )
+            == []
+        )
+
+    def test_catch_up_from_makes_every_slot_since_then_due(self):
+        start = utc(2024, 5, 1, 10, 0, 55)
+        assert self.first_plan(start=start) == [
+            Decision(utc(2024, 5, 1, 10, 0, second), SlotKind.ON_TIME) for second in range(55, 60)
+        ]
+
+    def test_catch_up_from_hands_the_missed_slots_to_the_misfire_policy(self):
+        start = utc(2024, 5, 1, 7)
+        now = utc(2024, 5, 1, 10, 0, 5)
+
+        def first(misfire):
+            return plan(
+                HOURLY,
+                ZoneInfo("UTC"),
+                now=now,
+                last=None,
+                grace=GRACE,
+                misfire=misfire,
+                max_catch_up=10,
+                start=start,
+            )
+
+        assert first("once") == [
+            Decision(utc(2024, 5, 1, 9), SlotKind.CATCH_UP, utc(2024, 5, 1, 7)),
+            Decision(utc(2024, 5, 1, 10), SlotKind.ON_TIME),
+        ]
+        assert first("all") == [
+            Decision(utc(2024, 5, 1, 7), SlotKind.CATCH_UP),
+            Decision(utc(2024, 5, 1, 8), SlotKind.CATCH_UP),
+            Decision(utc(2024, 5, 1, 9), SlotKind.CATCH_UP),
+            Decision(utc(2024, 5, 1, 10), SlotKind.ON_TIME),
+        ]
+
+    def test_catch_up_from_in_the_future_fires_nothing_before_it(self):
+        assert self.first_plan(start=utc(2024, 5, 1, 11)) == []

@@ -50,6 +50,7 @@ class TestDefinitions:
         assert nightly.timezone == ZoneInfo("UTC")  # settings.TIME_ZONE
         assert (nightly.misfire, nightly.max_catch_up, nightly.tenant) == ("skip", 10, None)
         assert nightly.misfire_grace == timedelta(seconds=60)
+        assert nightly.catch_up_from is None  # the first tick fires only the current slot
 
     def test_every_option(self):
         spec = {
@@ -59,9 +60,12 @@ class TestDefinitions:
             "max_catch_up": 24,
             "tenant": "acme",
             "grace": 300,
+            "catch_up_from": "2026-01-01T00:00",
         }
         (nightly,) = load_schedules({"nightly": spec}, [], REGISTRY)
         assert nightly.timezone == ZoneInfo("Europe/Berlin")
+        # Naive means the schedule's own time zone, as for its cron expression.
+        assert nightly.catch_up_from == datetime(2026, 1, 1, tzinfo=ZoneInfo("Europe/Berlin"))
         assert (nightly.misfire, nightly.max_catch_up, nightly.tenant) == ("all", 24, "acme")
         assert nightly.misfire_grace == timedelta(minutes=5)
 
@@ -83,6 +87,7 @@ class TestDefinitions:
             "bad-policy": {**NIGHTLY, "misfire": "later", "max_catch_up": 0},
             "typo": {**NIGHTLY, "timezon": "UTC"},
             "bad tenant": {**NIGHTLY, "tenant": "a b"},
+            "bad-start": {**NIGHTLY, "catch_up_from": "yesterday"},
         }
         assert problems(configured) == [
             "JOBS['SCHEDULES']['bad-cron']: cron '61 * * * *' is not a valid cron expression",
@@ -96,13 +101,15 @@ class TestDefinitions:
             "JOBS['SCHEDULES']['bad-policy']: misfire must be one of skip, once, all, got 'later'",
             "JOBS['SCHEDULES']['bad-policy']: max_catch_up must be a whole number from 1 to "
             "1000, got 0",
-            "JOBS['SCHEDULES']['typo']: unknown option 'timezon' (options: cron, grace, job, "
-            "max_catch_up, misfire, payload, tenant, timezone)",
+            "JOBS['SCHEDULES']['typo']: unknown option 'timezon' (options: catch_up_from, cron, "
+            "grace, job, max_catch_up, misfire, payload, tenant, timezone)",
             "JOBS['SCHEDULES']['bad tenant']: the schedule name must be 1-64 characters of "
             "letters, digits, '_', '.', ':' or '-' starting with a letter or digit, "
             "got 'bad tenant'",
             "JOBS['SCHEDULES']['bad tenant']: tenant must be 1-64 characters of letters, digits, "
             "'_', '.', ':' or '-' starting with a letter or digit, got 'a b'",
+            "JOBS['SCHEDULES']['bad-start']: catch_up_from must be a datetime or an ISO 8601 "
+            "date and time, e.g. '2026-01-01T00:00:00+00:00', got 'yesterday'",
         ]
 
     def test_load_refuses_to_start_listing_the_problems(self):
