@@ -14,7 +14,7 @@ JOBS = {
             "job": "jobapp.ping.v1",
             "payload": {"message": "tick"},
             "misfire": "all",
-            "grace": 5,  # a fresh schedule fires the last few seconds, not the last minute
+            "grace": 5,  # a leader back within five seconds fires what it missed on time
         },
     },
     # A stalled leader loses its session (and leadership) after two seconds.
