@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from jobs.registry import JobType, Policy, Registry
 from jobs.testing import JobFailed, WorkerTimeout, run_worker
 from jobs.worker import metrics
 from jobs.worker.config import WorkerConfig
+from jobs.worker.leases import LeaseKeeper
 from jobs.worker.runner import Worker
 from tests.factories import JobFactory, TenantOverrideFactory
 from tests.worker_support import Echo, Recorder, Step, registry
@@ -258,6 +260,24 @@ class TestTestHelper:
 
 
 class TestLeasesAndDrain:
+    def test_leases_are_renewed_every_third_of_their_length(self):
+        class Recording(LeaseKeeper):
+            def renew_once(self, now=None):
+                renewals.append(time.monotonic())
+                return set()
+
+        renewals: list[float] = []
+        keeper = Recording(list, lease_seconds=0.6, tick=0.01)
+        keeper.start()
+        try:
+            wait_for(lambda: len(renewals) >= 5, timeout=5)
+        finally:
+            keeper.stop()
+        gaps = [b - a for a, b in itertools.pairwise(renewals)]
+        # Every 0.2 s, never sooner; a late tick on a busy machine may stretch one gap a little.
+        assert min(gaps) >= 0.19, gaps
+        assert sum(gaps) / len(gaps) <= 0.3, gaps
+
     def test_lost_lease_cancels_the_handler_and_writes_nothing(self, recorder):
         job = enqueue(Step(plan=("slow",), seconds=10))
         config = WorkerConfig(lease=timedelta(seconds=0.3), install_signal_handlers=False)

@@ -196,6 +196,15 @@ class TestAnyException:
         assert {job(pk).state for pk in after} == {"succeeded"}
         assert threads == [1], "the handler thread is alive (or was replaced)"
 
+    def test_a_base_exception_is_retried_like_any_other_error(self, recorder):
+        poison = queue.enqueue(NewJob(Hostile.job_name, {"action": "unruly"}, max_attempts=2)).id
+
+        run_until(hostile_registry(recorder), lambda w: job(poison).state == "failed" and w.idle)
+
+        bad = job(poison)
+        assert (bad.state, bad.attempts, bad.last_error) == ("failed", 2, "handler_error")
+        assert len(recorder.calls) == 2, "the second attempt ran the handler again"
+
     def test_any_exception_while_decoding_is_invalid_payload(self):
         class PickyV1(Payload, name="test.picky.v1"):
             key: str
