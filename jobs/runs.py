@@ -202,7 +202,9 @@ def reap_stale(
 
 def _no_active_job(model: type[RunContract], bindings: int) -> str:
     """SQL: no active job of a bound type names this row (one name/field pair per binding)."""
-    row = f"{connection_quote(model._meta.db_table)}.{connection_quote(model._meta.pk.column)}"
+    column = model._meta.pk.column
+    assert column is not None  # only fields without a column (many-to-many) have None
+    row = f"{connection_quote(model._meta.db_table)}.{connection_quote(column)}"
     names = " OR ".join(["(j.name = %s AND j.payload ->> %s = " + row + "::text)"] * bindings)
     return (
         "NOT EXISTS (SELECT 1 FROM jobs_job j "
