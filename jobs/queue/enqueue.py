@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
 from jobs.conf import NOTIFY_CHANNEL, jobs_settings
@@ -140,7 +141,9 @@ def _row(job: NewJob, index: int) -> dict[str, Any]:
     }
 
 
-def _insert_or_find(cur, rows: list[dict[str, Any]]) -> dict[tuple[str, str], Enqueued]:
+def _insert_or_find(
+    cur: CursorWrapper, rows: list[dict[str, Any]]
+) -> dict[tuple[str, str], Enqueued]:
     done: dict[tuple[str, str], Enqueued] = {}
     pending = rows
     for _round in range(_MAX_ROUNDS):
@@ -176,7 +179,7 @@ def _insert_or_find(cur, rows: list[dict[str, Any]]) -> dict[tuple[str, str], En
     )
 
 
-def _insert(cur, rows: list[dict[str, Any]]) -> list[tuple[int, str, str, str]]:
+def _insert(cur: CursorWrapper, rows: list[dict[str, Any]]) -> list[tuple[int, str, str, str]]:
     columns = {key: [row[key] for row in rows] for key in rows[0]}
     notify = (
         f""",
@@ -214,4 +217,5 @@ def _insert(cur, rows: list[dict[str, Any]]) -> list[tuple[int, str, str, str]]:
         + notify,
         columns,
     )
-    return cur.fetchall()
+    inserted: list[tuple[int, str, str, str]] = cur.fetchall()
+    return inserted
