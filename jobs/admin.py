@@ -29,6 +29,7 @@ from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
+from django.utils.functional import Promise
 from django.utils.html import format_html
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
@@ -58,11 +59,11 @@ class JobTypeFilter(admin.SimpleListFilter):
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
         names = set(get_registry().names())
-        if self.value():
-            names.add(self.value())
+        if value := self.value():
+            names.add(value)
         return [(name, name) for name in sorted(names)]
 
-    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         return queryset.filter(name=self.value()) if self.value() else queryset
 
 
@@ -135,7 +136,7 @@ class JobAdmin(RunTableAdmin):
         return request.user.has_perm("jobs.change_job")
 
     @admin.action(permissions=["cancel"], description=_("Cancel selected queued jobs…"))
-    def cancel_selected(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:
+    def cancel_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
         return self._queue_action(
             request,
             queryset.filter(state=RunState.QUEUED),
@@ -147,7 +148,9 @@ class JobAdmin(RunTableAdmin):
         )
 
     @admin.action(permissions=["cancel"], description=_("Retry selected delayed jobs now…"))
-    def run_now_selected(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:
+    def run_now_selected(
+        self, request: HttpRequest, queryset: QuerySet[Job]
+    ) -> HttpResponse | None:
         return self._queue_action(
             request,
             # PostgreSQL's clock, as queue.run_now() judges it: not the web host's.
@@ -164,11 +167,11 @@ class JobAdmin(RunTableAdmin):
     def _queue_action(
         self,
         request: HttpRequest,
-        eligible: QuerySet,
+        eligible: QuerySet[Job],
         *,
         action: str,
         logged: str,
-        title: str,
+        title: str | Promise,
         call: Callable[[list[int], str], list[int]],
         done: Callable[[int], str],
     ) -> HttpResponse | None:
@@ -181,7 +184,8 @@ class JobAdmin(RunTableAdmin):
         taken = list(eligible.order_by("-pk").values_list("pk", flat=True)[:ACTION_LIMIT])
         across = request.POST.get("select_across") == "1"
         if request.POST.get("post") == "yes" and not across:
-            return self._act(request, taken, logged=logged, call=call, done=done)
+            self._act(request, taken, logged=logged, call=call, done=done)
+            return None
         matching = len(taken)
         if matching >= ACTION_LIMIT:  # there may be more: count them, up to the list's cap
             matching = eligible.order_by().values("pk")[:MAX_ROWS].count()
@@ -217,6 +221,7 @@ class JobAdmin(RunTableAdmin):
         with transaction.atomic():
             changed = call(ids, request.user.get_username()) if ids else []
             if changed:
+                assert request.user.pk is not None  # the admin lets in only logged-in staff
                 LogEntry.objects.log_actions(
                     request.user.pk,
                     Job.objects.filter(pk__in=changed).order_by("pk"),
@@ -249,7 +254,7 @@ class JobAdmin(RunTableAdmin):
 
 
 @admin.register(TenantOverride)
-class TenantOverrideAdmin(admin.ModelAdmin):
+class TenantOverrideAdmin(admin.ModelAdmin):  # type: ignore[type-arg]  # generic in the stubs only
     """Overrides are configuration: add and delete them; a row's tenant and component stay."""
 
     list_display = ("tenant", "component", "note", "created_at")

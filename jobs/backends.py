@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from traceback import format_exception
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus
@@ -87,7 +87,9 @@ class PostgresBackend(BaseTaskBackend):
         self.database = self.options.get("DATABASE", "default")
         self.max_attempts = self.options.get("MAX_ATTEMPTS")
 
-    def enqueue(self, task: Task, args: Any, kwargs: Any) -> TaskResult:
+    def enqueue[**P, R](
+        self, task: Task[P, R], args: list[Any], kwargs: dict[str, Any]
+    ) -> TaskResult[P, R]:
         from jobs.producer import enqueue
 
         self.validate_task(task)
@@ -106,11 +108,12 @@ class PostgresBackend(BaseTaskBackend):
             max_attempts=self.max_attempts,
             using=self.database,
         )
-        result = self.get_result(str(enqueued.id))
+        # Read back from the row just written: the result of this very task.
+        result = cast("TaskResult[P, R]", self.get_result(str(enqueued.id)))
         task_enqueued.send(type(self), task_result=result)
         return result
 
-    def get_result(self, result_id: str) -> TaskResult:
+    def get_result(self, result_id: str) -> TaskResult[..., Any]:
         from jobs.models import Job
 
         try:
@@ -121,7 +124,7 @@ class PostgresBackend(BaseTaskBackend):
             raise TaskResultDoesNotExist(result_id) from None
         return self._result(job)
 
-    def _result(self, job: Any) -> TaskResult:
+    def _result(self, job: Any) -> TaskResult[..., Any]:
         payload = _stored_payload(job.payload)
         task = _stored_task(
             payload.path,
@@ -132,7 +135,7 @@ class PostgresBackend(BaseTaskBackend):
             takes_context=payload.takes_context,
         )
         status = _STATUS[job.state]
-        result = TaskResult(
+        result: TaskResult[..., Any] = TaskResult(
             task=task,
             id=str(job.pk),
             status=status,
@@ -198,7 +201,7 @@ def run_task(payload: DjangoTaskV1, ctx: JobContext) -> Any:
     return value
 
 
-def _finished(backend: PostgresBackend, result: TaskResult, exc: BaseException) -> None:
+def _finished(backend: PostgresBackend, result: TaskResult[..., Any], exc: BaseException) -> None:
     """Send ``task_finished`` for a failed attempt; call it inside the ``except`` block.
 
     Django's own receivers log ``sys.exc_info()``, so the exception must be the one handled.
@@ -226,7 +229,7 @@ def _backend(alias: str) -> PostgresBackend:
     return backend
 
 
-def _import_task(path: str) -> Task:
+def _import_task(path: str) -> Task[..., Any]:
     """Import the task a payload names; Reject when it is gone or is not a ``Task``."""
     try:
         task = import_string(path)
@@ -353,7 +356,7 @@ def _stored_payload(data: Any) -> DjangoTaskV1:
     )
 
 
-def _stored_task(path: str, **fields: Any) -> Task:
+def _stored_task(path: str, **fields: Any) -> Task[..., Any]:
     """The ``Task`` a stored job names, found without importing anything.
 
     The function is the real one when its module is already loaded (as it is wherever the

@@ -50,11 +50,11 @@ def rows_of_jobs(ids: Iterable[int], using: str) -> dict[type[RunContract], list
     from jobs.registry import get_registry
 
     registry = get_registry()
-    bound = {
-        name: registry[name].policy
-        for name in registry.names()
-        if registry[name].policy.run_model is not None
-    }
+    bound: dict[str, tuple[type[RunContract], str]] = {}  # name -> (run model, payload field)
+    for name in registry.names():
+        policy = registry[name].policy
+        if policy.run_model is not None:
+            bound[name] = (policy.run_model, policy.run_field)
     found: dict[type[RunContract], list[object]] = defaultdict(list)
     ids = list(ids)
     if not bound or not ids:
@@ -65,11 +65,11 @@ def rows_of_jobs(ids: Iterable[int], using: str) -> dict[type[RunContract], list
             [ids, list(bound)],
         )
         for name, payload in cur.fetchall():
-            policy = bound[name]
+            model, run_field = bound[name]
             payload = _db.load_json_or_text(payload)
-            pk = payload.get(policy.run_field) if isinstance(payload, dict) else None
+            pk = payload.get(run_field) if isinstance(payload, dict) else None
             if pk is not None:
-                found[policy.run_model].append(pk)
+                found[model].append(pk)
     return found
 
 
@@ -80,7 +80,9 @@ def replayed(ids: Iterable[int], *, using: str = DEFAULT_DB_ALIAS) -> None:
     """
     values = {"state": RunState.QUEUED, "last_error": "", "error_detail": ""}
     for model, pks in rows_of_jobs(ids, using).items():
-        extra = {f: None for f in ("finished_at", "next_retry_at") if has_field(model, f)}
+        extra: dict[str, object] = {
+            f: None for f in ("finished_at", "next_retry_at") if has_field(model, f)
+        }
         if has_field(model, "attempts"):
             extra["attempts"] = 0
         for pk in pks:

@@ -72,7 +72,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         duration, error = _duration(key, values[key])
         if error:
             errors.append(error)
-        else:
+        elif duration is not None:  # always, without an error; the type checker needs telling
             durations[key] = duration
     errors.extend(_ints(values))
     errors.extend(_keys(values))

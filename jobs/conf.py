@@ -91,7 +91,36 @@ def as_timedelta(value: timedelta | float | int) -> timedelta:
 
 
 class JobsSettings:
-    """Attribute access to ``settings.JOBS`` merged over :data:`DEFAULTS`."""
+    """Attribute access to ``settings.JOBS`` merged over :data:`DEFAULTS`.
+
+    The annotations below give each setting its type for the type checker (values the system
+    checks accept; durations already read as timedelta). They create no class attributes, so
+    every read still goes through ``__getattr__``; a unit test keeps them in step with DEFAULTS.
+    """
+
+    DEFAULT_TENANT: str
+    DEFAULT_QUEUE: str
+    DEFAULT_MAX_ATTEMPTS: int
+    LEASE: timedelta
+    SUCCESS_WINDOW: timedelta
+    FAILURE_WINDOW: timedelta
+    SUCCEEDED_RETENTION: timedelta
+    FAILED_RETENTION: timedelta
+    CANCELLED_RETENTION: timedelta
+    PRUNE_BATCH_SIZE: int
+    NOTIFY: bool
+    STALE_AFTER: timedelta
+    BACKOFF_BASE: timedelta
+    BACKOFF_CAP: timedelta
+    RETRY_IN_PROCESS_UP_TO: timedelta
+    HANDLER_CONN_MAX_AGE: timedelta
+    SCHEDULES: dict[str, Any]
+    MISFIRE_GRACE: timedelta
+    SCHEDULER_LEADER_TIMEOUT: timedelta
+    DB_STATEMENT_TIMEOUT: timedelta
+    DB_LOCK_TIMEOUT: timedelta
+    DB_NETWORK_TIMEOUT: timedelta
+    SLOT_RETENTION: timedelta
 
     def __init__(self) -> None:
         self._cache: dict[str, Any] = {}

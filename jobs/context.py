@@ -27,7 +27,7 @@ class JobContext:
     attempt: int
     max_attempts: int
     timeout: float
-    logger: logging.LoggerAdapter
+    logger: logging.LoggerAdapter[logging.Logger]
     cancelled: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.monotonic)
 

@@ -51,7 +51,7 @@ from jobs.conf import jobs_settings
 DJANGO_ONLY_PARAMS = ("cursor_factory", "context", "server_side_binding", "prepare_threshold")
 _PLAIN = "_jobs_unbounded_settings"  # where bound() keeps a connection's own settings dict
 
-ConnectionRef = BaseDatabaseWrapper | ConnectionProxy | str
+type ConnectionRef = BaseDatabaseWrapper | ConnectionProxy[BaseDatabaseWrapper] | str
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,9 @@ class Bounds:
         return params
 
 
-def bound(connection: ConnectionRef = DEFAULT_DB_ALIAS, bounds: Bounds | None = None):
+def bound(
+    connection: ConnectionRef = DEFAULT_DB_ALIAS, bounds: Bounds | None = None
+) -> BaseDatabaseWrapper:
     """Give the calling thread's Django connection the bounds, from its next connect on.
 
     Only this thread's connection object changes (Django keeps one per thread); an open
@@ -130,7 +132,9 @@ def unbound(connection: ConnectionRef = DEFAULT_DB_ALIAS) -> None:
 
 
 @contextlib.contextmanager
-def bounded(connection: ConnectionRef = DEFAULT_DB_ALIAS, bounds: Bounds | None = None):
+def bounded(
+    connection: ConnectionRef = DEFAULT_DB_ALIAS, bounds: Bounds | None = None
+) -> Iterator[BaseDatabaseWrapper]:
     """:func:`bound` for the duration of a block (a loop's lifetime); yields the connection."""
     wrapper = bound(connection, bounds)
     try:
@@ -174,12 +178,15 @@ def abort(connection: psycopg.Connection | ConnectionRef | None) -> bool:
     connection is broken afterwards: its owner closes it and reconnects. Returns False when
     there was no open connection to abort.
     """
-    if not isinstance(connection, psycopg.Connection | None):
-        connection = _wrapper(connection).connection
-    if connection is None or connection.closed:
+    raw: psycopg.Connection[Any] | None
+    if isinstance(connection, psycopg.Connection) or connection is None:
+        raw = connection
+    else:
+        raw = _wrapper(connection).connection
+    if raw is None or raw.closed:
         return False
     try:
-        fd = connection.pgconn.socket
+        fd = raw.pgconn.socket
         with socket.socket(fileno=os.dup(fd)) as sock:  # shutdown acts on the shared socket
             sock.shutdown(socket.SHUT_RDWR)
     except (psycopg.Error, OSError):
@@ -264,7 +271,14 @@ class StallGuard:
             self._waits -= 1
             self.moved()
 
-    def __call__(self, execute, sql, params, many, context):
+    def __call__(
+        self,
+        execute: Callable[[str, Any, bool, dict[str, Any]], Any],
+        sql: str,
+        params: Any,
+        many: bool,
+        context: dict[str, Any],
+    ) -> Any:
         """As ``connection.execute_wrapper(guard)``: each statement moves the loop."""
         self.moved()
         try:

@@ -129,8 +129,10 @@ class Job(RunContract):
     def __str__(self) -> str:
         return f"{self.name} {self.job_id} ({self.state})"
 
+    # Django lets a subclass replace an abstract parent's field with a plain attribute; the
+    # stubs see a writeable field overridden by a read-only property.
     @property
-    def next_retry_at(self) -> datetime | None:
+    def next_retry_at(self) -> datetime | None:  # type: ignore[override]
         """When a retry is scheduled: the due time of a queued job that already ran.
 
         The jobs table keeps the retry time in ``run_after`` (the claim path orders by it), so

@@ -29,10 +29,13 @@ from collections.abc import Callable
 from datetime import date, datetime
 from decimal import Decimal, InvalidOperation
 from functools import cache
-from typing import Any, ClassVar, Literal, Self, Union, dataclass_transform
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, Union, dataclass_transform
 from uuid import UUID
 
 from django.core.exceptions import ValidationError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 #: Lowercase dotted segments ending in a version: ``email.send.v1``.
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*\.v[1-9][0-9]*$")
@@ -70,6 +73,9 @@ class Payload:
     """Base class of typed payloads; subclasses become frozen, keyword-only dataclasses."""
 
     job_name: ClassVar[str]
+    if TYPE_CHECKING:
+        # Every subclass is a dataclass (__init_subclass__), so dataclasses.fields() takes it.
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -98,7 +104,8 @@ class Payload:
 
     def to_json(self) -> dict[str, Any]:
         """The payload as a JSON-compatible dict (what the jobs table stores)."""
-        return _encode(self, "")
+        encoded: dict[str, Any] = _encode(self, "")
+        return encoded
 
     @classmethod
     def from_json(cls, data: object) -> Self:
@@ -173,7 +180,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _decode_dataclass[T](cls: type[T], data: object, path: str) -> T:
+def _decode_dataclass[T: DataclassInstance](cls: type[T], data: object, path: str) -> T:
     if not isinstance(data, dict):
         raise InvalidPayload(f"expected a JSON object, got {_kind(data)}", path)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}

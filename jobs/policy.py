@@ -12,10 +12,13 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
 
 from jobs.conf import as_timedelta, jobs_settings
 from jobs.errors import Reject, RetryAfter
+
+if TYPE_CHECKING:
+    from jobs.runs import RunContract
 
 logger = logging.getLogger("jobs.registry")
 
@@ -44,6 +47,10 @@ class Backoff:
     base: timedelta
     cap: timedelta
 
+    if TYPE_CHECKING:
+        # __post_init__ turns seconds into a timedelta, so the constructor takes either.
+        def __init__(self, base: timedelta | float, cap: timedelta | float) -> None: ...
+
     def __post_init__(self) -> None:
         for name in ("base", "cap"):
             value = _seconds(getattr(self, name))
@@ -58,7 +65,7 @@ class Backoff:
         if attempt < 1:
             raise ValueError(f"attempt numbers start at 1, got {attempt}")
         # Past 2**62 the cap has long won; bounding the exponent avoids float overflow.
-        ceiling = min(
+        ceiling: float = min(
             self.cap.total_seconds(), self.base.total_seconds() * 2 ** min(attempt - 1, 62)
         )
         return rand() * ceiling
@@ -92,8 +99,13 @@ class Policy:
     classify: Callable[[BaseException], str | None] | None = None
     # A run table this type drives: the payload field ``run_field`` holds the row's primary
     # key, and the worker keeps that row in step with the job (see jobs.runs.bound).
-    run_model: type | None = None
+    run_model: type[RunContract] | None = None
     run_field: str = "run_id"
+
+    if TYPE_CHECKING:
+        # __post_init__ normalizes durations and exception classes, so the constructor takes
+        # the wider types that PolicyOptions spells out.
+        def __init__(self, **options: Unpack[PolicyOptions]) -> None: ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout", _seconds(self.timeout))
@@ -159,6 +171,35 @@ class Policy:
         if self.retry_in_process_up_to is None:
             return jobs_settings.RETRY_IN_PROCESS_UP_TO
         return self.retry_in_process_up_to
+
+
+type ExceptionClasses = (
+    type[BaseException]
+    | tuple[type[BaseException], ...]
+    | list[type[BaseException]]
+    | set[type[BaseException]]
+    | frozenset[type[BaseException]]
+)
+
+
+class PolicyOptions(TypedDict, total=False):
+    """The keywords of :class:`Policy`, which :func:`jobs.job` and :func:`jobs.register` take.
+
+    Durations may be seconds; ``permanent_errors`` may be one class or a collection of them.
+    tests/unit/test_typing.py keeps the keys in step with Policy's fields.
+    """
+
+    concurrency: int
+    timeout: timedelta | float
+    max_attempts: int
+    backoff: Backoff | None
+    queue: str | None
+    priority: int
+    retry_in_process_up_to: timedelta | float | None
+    permanent_errors: ExceptionClasses
+    classify: Callable[[BaseException], str | None] | None
+    run_model: type[RunContract] | None
+    run_field: str
 
 
 def classify(policy: Policy, exc: BaseException) -> Classification:

@@ -134,13 +134,16 @@ def _new_job(item: object, index: int, shared: dict[str, Any]) -> NewJob:
             delay = as_timedelta(delay)
         except (TypeError, ValueError, OverflowError) as exc:
             raise InvalidJob(f"delay: {exc}", index=index) from None
+    priority = _first(spec.priority, shared["priority"])
+    if priority is None:
+        priority = policy.priority if policy else 0
     return NewJob(
         name=name,
         payload=data,
         job_id=spec.job_id,
         tenant=_first(spec.tenant, shared["tenant"]),
         queue=_first(spec.queue, shared["queue"], policy.queue if policy else None),
-        priority=_first(spec.priority, shared["priority"], policy.priority if policy else 0),
+        priority=priority,
         run_after=run_after,
         delay=delay,
         max_attempts=_first(

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Unpack
 
 from django.core.exceptions import AppRegistryNotReady, ImproperlyConfigured
 
@@ -33,6 +33,7 @@ from jobs.policy import MAX_ATTEMPTS_MAX as MAX_ATTEMPTS_MAX
 from jobs.policy import Backoff as Backoff
 from jobs.policy import Classification as Classification
 from jobs.policy import Policy as Policy
+from jobs.policy import PolicyOptions as PolicyOptions
 from jobs.policy import classify as classify
 from jobs.policy import default_backoff as default_backoff
 
@@ -192,7 +193,11 @@ catalogue = Catalogue()
 
 
 def register[P: Payload](
-    payload_type: type[P], handler: Handler[P], *, policy: Policy | None = None, **options: Any
+    payload_type: type[P],
+    handler: Handler[P],
+    *,
+    policy: Policy | None = None,
+    **options: Unpack[PolicyOptions],
 ) -> JobType:
     """Register ``handler`` for ``payload_type`` with a policy (or the policy's options)."""
     if policy is not None and options:
@@ -203,7 +208,7 @@ def register[P: Payload](
 
 
 def job[P: Payload](
-    payload_type: type[P], *, policy: Policy | None = None, **options: Any
+    payload_type: type[P], *, policy: Policy | None = None, **options: Unpack[PolicyOptions]
 ) -> Callable[[Handler[P]], Handler[P]]:
     """Decorator form of :func:`register`; returns the handler unchanged."""
 

@@ -29,6 +29,7 @@ from django.db import DEFAULT_DB_ALIAS, models, transaction
 from django.db.models import DateTimeField, ExpressionWrapper, Q
 from django.db.models.functions import Now
 from django.utils import timezone
+from django.utils.functional import Promise
 from django.utils.translation import gettext_lazy as _
 
 
@@ -103,8 +104,8 @@ class RunContract(models.Model):
     # The field holding each row's tenant.
     monitor_tenant_field: ClassVar[str | None] = "tenant"
     # What replay means here, shown on the replay confirmation page; "" means the first line
-    # of the replay() docstring.
-    replay_description: ClassVar[str] = ""
+    # of the replay() docstring. A lazy translation (gettext_lazy) is fine.
+    replay_description: ClassVar[str | Promise] = ""
 
     class Meta:
         abstract = True
@@ -202,7 +203,9 @@ def reap_stale(
 
 def _no_active_job(model: type[RunContract], bindings: int) -> str:
     """SQL: no active job of a bound type names this row (one name/field pair per binding)."""
-    row = f"{connection_quote(model._meta.db_table)}.{connection_quote(model._meta.pk.column)}"
+    column = model._meta.pk.column
+    assert column is not None  # only fields without a column (many-to-many) have None
+    row = f"{connection_quote(model._meta.db_table)}.{connection_quote(column)}"
     names = " OR ".join(["(j.name = %s AND j.payload ->> %s = " + row + "::text)"] * bindings)
     return (
         "NOT EXISTS (SELECT 1 FROM jobs_job j "

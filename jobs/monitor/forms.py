@@ -40,7 +40,9 @@ class FilterForm(forms.Form):
 
     def __init__(self, data: QueryDict, tables: Sequence[RunTable]) -> None:
         super().__init__(data)
-        self.fields["module"].choices = [("", _("All"))] + [(t.label, t.label) for t in tables]
+        module = self.fields["module"]
+        assert isinstance(module, forms.ChoiceField)  # declared above
+        module.choices = [("", _("All"))] + [(t.label, t.label) for t in tables]
 
     def filters(self) -> Filters:
         """The filters to apply: the valid values, defaults for the rest (state: failed)."""
@@ -62,8 +64,8 @@ def filter_query(data: QueryDict) -> QueryDict:
     """Only the filter parameters of a query string (no page number, no replay fields)."""
     query = QueryDict(mutable=True)
     for key in FILTER_KEYS:
-        if data.get(key):
-            query[key] = data[key]
+        if value := data.get(key):
+            query[key] = value
     return query
 
 
@@ -82,7 +84,7 @@ def link_filters(
     data: QueryDict, tables: Sequence[RunTable], job_types: Sequence[str]
 ) -> list[dict[str, Any]]:
     """The sidebar: per filter, its choices as links, the selected one marked."""
-    groups = [
+    groups: list[tuple[str, Any, list[tuple[str, Any]]]] = [
         ("module", _("module"), [("", _("All"))] + [(t.label, t.label) for t in tables]),
         ("state", _("state"), _states()),
         ("error", _("error"), [("", _("Any")), *ErrorCode.choices]),

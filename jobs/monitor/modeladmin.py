@@ -8,7 +8,7 @@ same confirmation page, permission and record as the failure monitor.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from django.contrib import admin
 from django.contrib.admin.views.main import PAGE_VAR, ChangeList
@@ -31,8 +31,12 @@ from jobs.runs import RunContract
 CONTRACT_FIELDS = frozenset(f.name for f in RunContract._meta.local_fields)
 
 
-class CappedPaginator(Paginator):
+# django-stubs declare Paginator and ModelAdmin generic; Django's own classes take no type
+# arguments at run time, so the subclasses below leave them out.
+class CappedPaginator(Paginator):  # type: ignore[type-arg]
     """Counts at most ``MAX_ROWS`` rows, so a list over a huge table never counts all of it."""
+
+    object_list: QuerySet[Any]  # the admin paginates its changelist's queryset
 
     @cached_property
     def count(self) -> int:
@@ -43,6 +47,7 @@ class InputFilter(admin.SimpleListFilter):
     """A free-text filter (``tenant``, ``queue``): no ``SELECT DISTINCT`` over the table."""
 
     template = "admin/jobs/input_filter.html"
+    parameter_name: str  # set by each subclass, as SimpleListFilter requires
     field_name = ""
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
@@ -51,7 +56,7 @@ class InputFilter(admin.SimpleListFilter):
     def has_output(self) -> bool:
         return True
 
-    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = (self.value() or "").strip()
         return queryset.filter(**{self.field_name: value}) if value else queryset
 
@@ -71,11 +76,19 @@ class InputFilter(admin.SimpleListFilter):
         }
 
 
-class RunTableAdmin(admin.ModelAdmin):
+class RunTableAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     """Read-only list and detail of a run table; replay for users with its permission."""
 
-    list_display = ("__str__", "job_id", "state", "attempts", "last_error", "created_at")
-    list_filter = ("state", "last_error")
+    # Declared as wide as ModelAdmin's, so that subclasses may list other columns and filters.
+    list_display: list[Any] | tuple[Any, ...] = (
+        "__str__",
+        "job_id",
+        "state",
+        "attempts",
+        "last_error",
+        "created_at",
+    )
+    list_filter: ClassVar[list[Any] | tuple[Any, ...]] = ("state", "last_error")
     search_fields = ("job_id",)
     ordering = ("-pk",)
     actions = ["replay_selected"]
@@ -116,7 +129,7 @@ class RunTableAdmin(admin.ModelAdmin):
         return self.run_table.can_replay(request.user)
 
     @admin.action(permissions=["replay"], description=_("Replay selected failed rows…"))
-    def replay_selected(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse:
+    def replay_selected(self, request: HttpRequest, queryset: QuerySet[Any]) -> HttpResponse:
         """Show the monitor's replay confirmation for the selected rows (at most 500).
 
         Over "select all" that is the newest 500 eligible rows of the filtered list, and the

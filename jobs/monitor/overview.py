@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -46,7 +47,8 @@ def overview_data(now: datetime | None = None) -> dict[str, Any]:
         for row in Job.objects.order_by().values("state").annotate(n=Count("pk"))
     }
     active = (RunState.QUEUED, RunState.RUNNING, RunState.FAILED)
-    per_type = {
+    # The plugin's row type knows only "name", not the per-state counts annotated by name.
+    per_type: dict[str, Mapping[str, Any]] = {
         row["name"]: row
         for row in Job.objects.filter(state__in=active)
         .order_by()

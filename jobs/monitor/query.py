@@ -13,9 +13,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db.models import Count, F, Max, Min, Q, Value
 from django.db.models.functions import Now
@@ -138,7 +139,8 @@ def failure_groups(
             name: Count("pk", filter=Q(**{f"{time}__gte": clock - window}))
             for name, window in WINDOWS
         }
-        rows = (
+        # The plugin's row type knows the g_ keys, not the per-window counts annotated by name.
+        rows: Iterable[Mapping[str, Any]] = (
             table.model._default_manager.filter(
                 state=RunState.FAILED, **{f"{time}__gte": clock - longest}
             )

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.contrib.admin.models import CHANGE, LogEntry
-from django.contrib.auth.base_user import AbstractBaseUser
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
-from jobs.monitor.tables import RunTable
+from jobs.monitor.tables import Operator, RunTable
 
 REPLAY_ALL_LIMIT = 500  # rows one "replay all matching" may replay; narrow the filter for more
 
@@ -60,14 +59,14 @@ def parse_tokens(tokens: Iterable[str], tables: Sequence[RunTable]) -> Targets:
     return {table: pks for table, pks in targets.items() if pks}
 
 
-def check_permission(user: AbstractBaseUser, tables: Iterable[RunTable]) -> None:
+def check_permission(user: Operator, tables: Iterable[RunTable]) -> None:
     """Refuse the whole request if the user may not replay, or not view, any one table."""
     for table in tables:
         if not table.can_replay(user):
             raise PermissionDenied(denial(user, table))
 
 
-def denial(user: AbstractBaseUser, table: RunTable) -> str:
+def denial(user: Operator, table: RunTable) -> str:
     """Why ``user`` may not replay ``table``: the permission it lacks."""
     if table.supports_replay and user.has_perm(table.replay_permission):
         missing = table.view_permission  # replay shows the rows, so viewing comes with it
@@ -80,14 +79,14 @@ def denial(user: AbstractBaseUser, table: RunTable) -> str:
 
 
 def replay(
-    user: AbstractBaseUser, targets: Mapping[RunTable, Sequence[Any]], *, via: str
+    user: Operator, targets: Mapping[RunTable, Sequence[Any]], *, via: str
 ) -> list[Replayed]:
     """Replay the eligible rows among ``targets`` as ``user``; ``via`` names the tool in the log."""
     check_permission(user, targets)
     return [_replay_table(user, table, list(pks), via) for table, pks in targets.items()]
 
 
-def _replay_table(user: AbstractBaseUser, table: RunTable, pks: list[Any], via: str) -> Replayed:
+def _replay_table(user: Operator, table: RunTable, pks: list[Any], via: str) -> Replayed:
     with transaction.atomic():
         eligible = table.eligible_pks(pks)
         replayed: list[Any] = []

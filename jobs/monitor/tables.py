@@ -11,15 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
-from django.contrib.auth.base_user import AbstractBaseUser
 from django.db.models import (
     BooleanField,
     DateTimeField,
     ExpressionWrapper,
     F,
     IntegerField,
+    Model,
     QuerySet,
     Value,
 )
@@ -29,6 +29,17 @@ from django.urls import NoReverseMatch, reverse
 from jobs.runs import TERMINAL_STATES, RunContract, run_contract_models
 
 SUMMARY_CHARS = 240  # error detail is cut in SQL, so a long traceback is never loaded
+
+
+class Operator(Protocol):
+    """Who views and replays: ``request.user``, of any user model, or AnonymousUser."""
+
+    @property
+    def pk(self) -> Any: ...
+
+    def get_username(self) -> str: ...
+
+    def has_perm(self, perm: str, obj: Model | None = None) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -71,7 +82,7 @@ class Row:
     def admin_url(self) -> str | None:
         return self.table.change_url(self.pk)
 
-    def sort_key(self) -> tuple:
+    def sort_key(self) -> tuple[Any, ...]:
         """Newest first, the order each table's query returns (NULL times sort first)."""
         return (self.at is None, self.at or datetime.min, self.table.label, self.pk)
 
@@ -101,7 +112,8 @@ class RunTable:
     @cached_property
     def supports_replay(self) -> bool:
         """False while the model still has the contract's NotImplementedError replay()."""
-        return self.model.replay.__func__ is not RunContract.replay.__func__
+        # mypy sees a classmethod read from its class as a plain callable, without __func__.
+        return self.model.replay.__func__ is not RunContract.replay.__func__  # type: ignore[attr-defined]
 
     @property
     def replay_permission(self) -> str:
@@ -114,12 +126,12 @@ class RunTable:
         doc = (self.model.replay.__doc__ or "").strip()
         return doc.splitlines()[0] if doc else ""
 
-    def can_view(self, user: AbstractBaseUser) -> bool:
+    def can_view(self, user: Operator) -> bool:
         """What the admin lets see the table's list: its view or its change permission."""
         app, name = self.opts.app_label, self.opts.model_name
         return user.has_perm(self.view_permission) or user.has_perm(f"{app}.change_{name}")
 
-    def can_replay(self, user: AbstractBaseUser) -> bool:
+    def can_replay(self, user: Operator) -> bool:
         """Replay shows the rows it acts on, so it needs the view permission as well."""
         return (
             self.supports_replay and user.has_perm(self.replay_permission) and self.can_view(user)
@@ -144,7 +156,7 @@ class RunTable:
 
     def filtered(
         self, filters: Filters, *, now: datetime | None = None, eligible: bool = False
-    ) -> QuerySet | None:
+    ) -> QuerySet[RunContract] | None:
         """This table's rows matching ``filters``; None when a filter cannot apply here."""
         if filters.module and filters.module != self.label:
             return None
@@ -175,11 +187,11 @@ class RunTable:
             qs = qs.filter(self.model.replay_eligible())
         return qs
 
-    def count(self, qs: QuerySet, cap: int) -> int:
+    def count(self, qs: QuerySet[RunContract], cap: int) -> int:
         """``COUNT(*)`` over at most ``cap`` rows: a huge table costs no more than ``cap``."""
         return qs.order_by().values("pk")[:cap].count()
 
-    def rows(self, qs: QuerySet, filters: Filters, limit: int) -> list[Row]:
+    def rows(self, qs: QuerySet[RunContract], filters: Filters, limit: int) -> list[Row]:
         """The newest ``limit`` rows of ``qs``, projected to the common columns in one query."""
         time = self.time_field(filters)
         has_detail = "error_detail" in self.fields
@@ -241,7 +253,7 @@ def run_tables() -> list[RunTable]:
     return sorted((RunTable(m) for m in run_contract_models()), key=lambda t: t.label)
 
 
-def visible_tables(user: AbstractBaseUser) -> list[RunTable]:
+def visible_tables(user: Operator) -> list[RunTable]:
     """The run tables this user may read in the admin."""
     return [table for table in run_tables() if table.can_view(user)]
 

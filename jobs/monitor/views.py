@@ -183,7 +183,9 @@ def _confirm_all(request: HttpRequest, site: AdminSite, back: str) -> HttpRespon
         raise PermissionDenied(_("You may not replay any run table."))
     form = FilterForm(request.GET, visible)
     if not form.is_valid():
-        problems = "; ".join(f"{name}: {' '.join(errs)}" for name, errs in form.errors.items())
+        problems = "; ".join(
+            f"{name}: {' '.join(str(e) for e in errs)}" for name, errs in form.errors.items()
+        )
         messages.warning(
             request,
             _("Nothing to replay: the filter is not valid (%(problems)s).")

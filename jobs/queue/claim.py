@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
@@ -57,7 +58,7 @@ RETURNING j.id, j.job_id, j.name, j.payload, j.tenant, j.queue, j.priority, j.at
 """
 
 
-def claim_sql(scope: Scope) -> tuple[str, dict]:
+def claim_sql(scope: Scope) -> tuple[str, dict[str, Any]]:
     """The claim statement for a scope and the scope's parameters (also used for EXPLAIN)."""
     scope_sql, scope_params = scope.sql("j")
     return _CLAIM.format(scope=scope_sql), scope_params

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
 from jobs.conf import NOTIFY_CHANNEL, jobs_settings
@@ -138,7 +139,9 @@ def _row(job: NewJob, index: int) -> dict[str, Any]:
     }
 
 
-def _insert_or_find(cur, rows: list[dict[str, Any]]) -> dict[tuple[str, str], Enqueued]:
+def _insert_or_find(
+    cur: CursorWrapper, rows: list[dict[str, Any]]
+) -> dict[tuple[str, str], Enqueued]:
     done: dict[tuple[str, str], Enqueued] = {}
     pending = rows
     # Later rounds reuse the first round's clock, so a row inserted late is as due as the rest.
@@ -183,7 +186,7 @@ def _insert_or_find(cur, rows: list[dict[str, Any]]) -> dict[tuple[str, str], En
 
 
 def _insert(
-    cur, rows: list[dict[str, Any]], base: datetime | None
+    cur: CursorWrapper, rows: list[dict[str, Any]], base: datetime | None
 ) -> list[tuple[int, bool, datetime]]:
     """Insert what no live row holds the key of; ``(id, inserted, base)`` per row, in order.
 
@@ -248,7 +251,8 @@ def _insert(
         + notify,
         params,
     )
-    return cur.fetchall()
+    inserted: list[tuple[int, bool, datetime]] = cur.fetchall()
+    return inserted
 
 
 _COLUMNS = (

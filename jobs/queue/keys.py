@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.db.backends.utils import CursorWrapper
+
 from jobs.conf import jobs_settings
 from jobs.queue import _db
 
@@ -28,7 +30,9 @@ def window_params() -> dict[str, float]:
     }
 
 
-def holders(cur, keys: list[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
+def holders(
+    cur: CursorWrapper, keys: list[tuple[str, str]]
+) -> dict[tuple[str, str], dict[str, Any]]:
     """The rows holding these keys, and whether each one's window has passed."""
     cur.execute(
         f"""
@@ -50,7 +54,7 @@ def holders(cur, keys: list[tuple[str, str]]) -> dict[tuple[str, str], dict[str,
     }
 
 
-def release(cur, ids: list[int]) -> set[int]:
+def release(cur: CursorWrapper, ids: list[int]) -> set[int]:
     """Let these rows give up their keys if their window has passed; returns those released."""
     if not ids:
         return set()
@@ -65,7 +69,7 @@ def release(cur, ids: list[int]) -> set[int]:
     return {id_ for (id_,) in cur.fetchall()}
 
 
-def release_for(cur, ids: list[int]) -> None:
+def release_for(cur: CursorWrapper, ids: list[int]) -> None:
     """Release expired keys held by *other* rows with the same keys as these rows (replay)."""
     cur.execute(
         f"""

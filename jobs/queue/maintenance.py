@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS
 
@@ -209,7 +210,7 @@ def pending(
         return dict(cur.fetchall())
 
 
-def _sweep(sql: str, params: dict, using: str) -> list[SweepRow]:
+def _sweep(sql: str, params: dict[str, Any], using: str) -> list[SweepRow]:
     with _db.cursor(using) as cur:
         cur.execute(sql, params)
         return [SweepRow(*row) for row in cur.fetchall()]

@@ -78,7 +78,7 @@ def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> Out
         return OutcomeReport((), ())
     # The Outcome constructors already made these storable; an Outcome built by hand is
     # made so here, since one refused value would fail the whole batch.
-    params = {
+    params: dict[str, list[Any]] = {
         "ids": [o.id for o in outcomes],
         "tokens": [o.token for o in outcomes],
         "states": [o.state for o in outcomes],

@@ -11,4 +11,5 @@ def database_now(using: str = DEFAULT_DB_ALIAS) -> datetime:
     """The database server's current time (``statement_timestamp()``), timezone-aware."""
     with connections[using].cursor() as cur:
         cur.execute("SELECT statement_timestamp()")
-        return cur.fetchone()[0]
+        now: datetime = cur.fetchone()[0]
+        return now

@@ -35,7 +35,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from typing import Any
 
 import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections
@@ -231,7 +233,7 @@ class Leadership:
             if term != self._term or not self._leading or not self.prove():
                 return  # this term of leadership ended (a later one has its own keeper)
 
-    def _call(self, sql: str, params: object) -> tuple:
+    def _call(self, sql: str, params: Sequence[Any] | Mapping[str, Any]) -> tuple[Any, ...]:
         """One statement on the lock session, cut off if no answer comes within its deadline.
 
         A silent network path would otherwise hang the keeper (and the loop, waiting for the
@@ -239,7 +241,9 @@ class Leadership:
         """
         assert self._conn is not None
         with dbbounds.deadline(self._conn, self.call_deadline):
-            return self._conn.execute(sql, params).fetchone()
+            row = self._conn.execute(sql, params).fetchone()
+        assert row is not None  # each statement here SELECTs one function call: one row
+        return row
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:

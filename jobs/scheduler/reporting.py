@@ -71,7 +71,7 @@ def export(statuses: Sequence[ScheduleStatus]) -> None:
         metrics.overdue.labels(item.name).set(item.overdue_seconds)
 
 
-def _status(schedule: Schedule, summary: slots.SlotSummary | None, now: datetime):
+def _status(schedule: Schedule, summary: slots.SlotSummary | None, now: datetime) -> ScheduleStatus:
     summary = summary or slots.SlotSummary()
     grace = schedule.misfire_grace
     # With nothing recorded yet there is no expectation to miss: the next slot is the first

@@ -163,7 +163,11 @@ def schedule_problems(
     return _build_all(configured, declared, registry)[1]
 
 
-def _build_all(configured, declared, registry) -> tuple[tuple[Schedule, ...], list[str]]:
+def _build_all(
+    configured: Mapping[str, Any] | None,
+    declared: Iterable[tuple[str, str, Mapping[str, Any]]] | None,
+    registry: Registry | None,
+) -> tuple[tuple[Schedule, ...], list[str]]:
     configured = jobs_settings.SCHEDULES if configured is None else configured
     declared = list(_declared if declared is None else declared)
     registry = get_registry() if registry is None else registry
@@ -239,17 +243,19 @@ def _build(name: object, spec: object, registry: Registry) -> tuple[Schedule | N
     if problems:
         return None, problems
     return (
-        Schedule(str(name), cron, payload, zone, misfire, max_catch_up, tenant, grace, start),
+        Schedule(str(name), str(cron), payload, zone, misfire, max_catch_up, tenant, grace, start),
         [],
     )
 
 
 def _zone(value: object) -> tuple[ZoneInfo, str | None]:
     name = value if value is not None else (settings.TIME_ZONE or "UTC")
-    try:
-        return ZoneInfo(name), None
-    except (ZoneInfoNotFoundError, ValueError, TypeError):
-        return ZoneInfo("UTC"), f"timezone {name!r} is not a known IANA time zone"
+    if isinstance(name, str):  # ZoneInfo raises TypeError for anything else
+        try:
+            return ZoneInfo(name), None
+        except (ZoneInfoNotFoundError, ValueError, TypeError):
+            pass
+    return ZoneInfo("UTC"), f"timezone {name!r} is not a known IANA time zone"
 
 
 def _payload(job: object, data: object, registry: Registry) -> tuple[Any, str | None]:

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+from django.db.backends.utils import CursorWrapper
+
 from jobs.scheduler.timing import Decision, SlotKind
 
 # The first key of pg_advisory_xact_lock(int, int) for per-schedule tick locks ("jobs").
@@ -29,7 +31,7 @@ class SlotSummary:
     last_skipped_slot: datetime | None = None
 
 
-def lock_schedule(cur, name: str) -> None:
+def lock_schedule(cur: CursorWrapper, name: str) -> None:
     """Serialize ticks of one schedule until the transaction ends.
 
     Uniqueness alone already keeps a slot from firing twice; the lock makes a second scheduler
@@ -38,13 +40,16 @@ def lock_schedule(cur, name: str) -> None:
     cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [TICK_LOCK_NAMESPACE, name])
 
 
-def last_recorded(cur, name: str) -> datetime | None:
+def last_recorded(cur: CursorWrapper, name: str) -> datetime | None:
     """The latest slot recorded for this schedule, fired or skipped."""
     cur.execute("SELECT max(slot) FROM jobs_scheduleslot WHERE schedule = %s", [name])
-    return cur.fetchone()[0]
+    latest: datetime | None = cur.fetchone()[0]
+    return latest
 
 
-def record(cur, name: str, decision: Decision, *, job_id: str, by: str) -> int | None:
+def record(
+    cur: CursorWrapper, name: str, decision: Decision, *, job_id: str, by: str
+) -> int | None:
     """Insert the slot unless it is recorded already; the new row's id, or None."""
     cur.execute(
         """
@@ -55,16 +60,16 @@ def record(cur, name: str, decision: Decision, *, job_id: str, by: str) -> int |
         """,
         [name, decision.slot, decision.kind, decision.missed_from, job_id, by[:200]],
     )
-    row = cur.fetchone()
+    row: tuple[int] | None = cur.fetchone()
     return None if row is None else row[0]
 
 
-def attach_job(cur, row_id: int, job_pk: int) -> None:
+def attach_job(cur: CursorWrapper, row_id: int, job_pk: int) -> None:
     """Remember which jobs row a fired slot enqueued (or found holding its job_id)."""
     cur.execute("UPDATE jobs_scheduleslot SET job_pk = %s WHERE id = %s", [job_pk, row_id])
 
 
-def summaries(cur, names: Sequence[str]) -> dict[str, SlotSummary]:
+def summaries(cur: CursorWrapper, names: Sequence[str]) -> dict[str, SlotSummary]:
     """The latest recorded, fired and skipped slot of each schedule, in one statement."""
     cur.execute(
         """
@@ -93,7 +98,7 @@ def summaries(cur, names: Sequence[str]) -> dict[str, SlotSummary]:
     }
 
 
-def prune(cur, *, before: datetime, batch_size: int) -> int:
+def prune(cur: CursorWrapper, *, before: datetime, batch_size: int) -> int:
     """Delete one batch of slots older than ``before``, never a schedule's latest slot.
 
     The latest slot is where the next tick starts counting missed slots, so it must stay.
@@ -112,4 +117,5 @@ def prune(cur, *, before: datetime, batch_size: int) -> int:
         """,
         {"before": before, "batch": batch_size},
     )
-    return cur.rowcount
+    deleted: int = cur.rowcount
+    return deleted

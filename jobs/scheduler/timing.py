@@ -69,7 +69,7 @@ class Decision:
         return self.kind != SlotKind.SKIPPED
 
 
-def check_expression(expression: str) -> str | None:
+def check_expression(expression: object) -> str | None:
     """Why ``expression`` is not a usable cron expression, or None when it is."""
     if not isinstance(expression, str) or not expression.strip():
         return f"cron must be a non-empty string, got {expression!r}"
@@ -129,7 +129,9 @@ def slots_until(expression: str, tz: ZoneInfo, until: datetime) -> Iterator[date
     wall = local.replace(tzinfo=None, microsecond=0)
     # In the second pass of a repeated hour, the wall times just after this one still resolve
     # to their first pass, before ``until``: start the walk back from the end of that hour.
-    shift = resolve(wall, tz).astimezone(tz).utcoffset() - local.utcoffset()
+    resolved_offset, offset = resolve(wall, tz).astimezone(tz).utcoffset(), local.utcoffset()
+    assert resolved_offset is not None and offset is not None  # aware, in a ZoneInfo
+    shift = resolved_offset - offset
     walk = croniter(expression, wall + max(shift, timedelta(0)) + timedelta(seconds=1))
     previous: datetime | None = None
     while True:

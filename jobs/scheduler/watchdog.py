@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS
@@ -74,7 +75,7 @@ class Watchdog:
         for model in run_contract_models():
             if model.reaped_when_stale:
                 label = model._meta.label_lower
-                self._table(counts, label, "stale", lambda n, m=model: self._reap(m, now, n))
+                self._table(counts, label, "stale", partial(self._reap, model, now))
         return counts
 
     def _requeue(self, now: datetime, limit: int) -> list[int]:

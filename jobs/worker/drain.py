@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from django.db import transaction
 
@@ -18,6 +19,13 @@ from jobs import queue
 from jobs.queue import Outcome
 from jobs.worker import metrics
 from jobs.worker.execution import Running, sync_run_rows
+
+if TYPE_CHECKING:
+    import threading
+    from collections import Counter
+    from uuid import UUID
+
+    from jobs.worker.config import WorkerConfig
 
 logger = logging.getLogger("jobs.worker")
 
@@ -27,6 +35,20 @@ FORCED_CANCEL_TIMEOUT = 1.0
 
 class Draining:
     """The drain half of the worker (see the module docstring)."""
+
+    if TYPE_CHECKING:
+        # The Worker's state and loop pass that draining works on (jobs.worker.runner).
+        config: WorkerConfig
+        ready: bool
+        _lock: threading.Lock
+        _held: dict[tuple[int, UUID], Running]
+        _in_flight: int
+        _in_flight_by_name: Counter[str]
+        _acks: list[tuple[Running, Outcome | None]]
+        _wake: threading.Event
+        _force: threading.Event
+
+        def _pass(self) -> None: ...
 
     def _drain(self) -> int:
         """Stop claiming, let handlers finish, then cancel and hand back what is left.

@@ -38,6 +38,7 @@ from psycopg.pq import TransactionStatus
 from jobs import dbbounds, queue, runs
 from jobs.conf import as_timedelta
 from jobs.context import JobContext
+from jobs.errors import RetryAfter
 from jobs.payloads import InvalidPayload
 from jobs.queue import ClaimedJob, InvalidResult, Outcome
 from jobs.queue.types import clamp_delay
@@ -128,20 +129,19 @@ def execute(
             if error is not None:
                 detail += "\n\n" + _describe(error)
             return failure_outcome(running, ErrorCode.HANDLER_ERROR, detail)
-        overran = time.monotonic() > ctx.deadline
-        if error is None and not overran:
-            return _succeeded(running, result)
-        if overran:
+        if time.monotonic() > ctx.deadline:
             return failure_outcome(
                 running,
                 ErrorCode.DEADLINE_EXCEEDED,
                 f"handler ran {duration:.3f}s, over its {ctx.timeout:g}s timeout",
             )
+        if error is None:
+            return _succeeded(running, result)
         kind = _classify(job_type, error)
         detail = _describe(error)
         if kind in ("reject", "permanent"):
             return Outcome.failed(job, code=ErrorCode.REJECTED, detail=detail)
-        if kind == "retry_after":
+        if kind == "retry_after" and isinstance(error, RetryAfter):  # always both
             delay = clamp_delay(error.delay)
             threshold = job_type.policy.in_process_limit().total_seconds()
             if current_attempt(running) < job.max_attempts and delay <= threshold:
@@ -178,7 +178,7 @@ def _classify(job_type: JobType, error: BaseException) -> str:
         return "transient"
     try:
         kind = classify(job_type.policy, error)
-        if kind == "retry_after":
+        if kind == "retry_after" and isinstance(error, RetryAfter):  # always both
             clamp_delay(error.delay)  # a RetryAfter subclass with a broken delay is transient
         return kind
     except BaseException:  # a broken classify() hook must not lose the outcome

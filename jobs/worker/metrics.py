@@ -74,7 +74,8 @@ class TypeMetrics:
     failed: Counter
 
     def outcome(self, kind: str) -> Counter:
-        return getattr(self, kind)
+        counter: Counter = getattr(self, kind)
+        return counter
 
 
 @cache

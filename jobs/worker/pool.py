@@ -21,14 +21,15 @@ from jobs.conf import jobs_settings
 
 logger = logging.getLogger("jobs.worker")
 
-_STOP = object()
-
 
 class HandlerPool:
     """``size`` threads taking tasks in order. A thread that dies is replaced at once."""
 
     def __init__(self, size: int, name: str = "jobs-handler") -> None:
-        self._tasks: stdlib_queue.SimpleQueue = stdlib_queue.SimpleQueue()
+        # None tells a thread to exit (one per thread, from shutdown()).
+        self._tasks: stdlib_queue.SimpleQueue[Callable[[], None] | None] = (
+            stdlib_queue.SimpleQueue()
+        )
         self._max_age = jobs_settings.HANDLER_CONN_MAX_AGE.total_seconds()
         self._name = name
         self._lock = threading.Lock()
@@ -56,7 +57,7 @@ class HandlerPool:
             self._stopping = True
             threads = list(self._threads)
         for _ in threads:
-            self._tasks.put(_STOP)
+            self._tasks.put(None)
         deadline = time.monotonic() + timeout
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -66,7 +67,7 @@ class HandlerPool:
         opened: dict[str, tuple[int, float]] = {}
         stopped = False
         try:
-            while (task := self._tasks.get()) is not _STOP:
+            while (task := self._tasks.get()) is not None:
                 try:
                     task()
                 except BaseException:  # the task handles its own errors; this is a last guard

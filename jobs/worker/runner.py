@@ -217,7 +217,12 @@ class Worker(Draining):
         self._settle(acks, outcomes, report)
         self._dispatch(claimed)
 
-    def _defer_busy(self, acks, outcomes, busy: set[int]):
+    def _defer_busy(
+        self,
+        acks: list[tuple[Running, Outcome | None]],
+        outcomes: list[tuple[Running, Outcome]],
+        busy: set[int],
+    ) -> tuple[list[tuple[Running, Outcome | None]], list[tuple[Running, Outcome]]]:
         """Outcomes whose row another session holds locked wait a poll interval, then retry."""
         waiting = [(r, o) for r, o in acks if r.job.id in busy and o is not None]
         for running, _ in waiting:
@@ -379,7 +384,12 @@ class Worker(Draining):
         metrics.running.dec()
         self._wake.set()
 
-    def _settle(self, acks, outcomes, report) -> None:
+    def _settle(
+        self,
+        acks: list[tuple[Running, Outcome | None]],
+        outcomes: list[tuple[Running, Outcome]],
+        report: OutcomeReport | None,
+    ) -> None:
         fenced = set(report.fenced) if report else set()
         with self._lock:
             for running, _ in acks:
@@ -408,9 +418,8 @@ class Worker(Draining):
                 extra={"job_id": job.job_id, "job_type": job.name, "action": "released"},
             )
             return
-        kind = {RunState.SUCCEEDED: "succeeded", RunState.FAILED: "failed"}.get(
-            outcome.state, "retried"
-        )
+        kinds: dict[str, str] = {RunState.SUCCEEDED: "succeeded", RunState.FAILED: "failed"}
+        kind = kinds.get(outcome.state, "retried")
         metrics.for_type(job.name).outcome(kind).inc()
         if kind == "succeeded" and not logger.isEnabledFor(logging.DEBUG):
             return

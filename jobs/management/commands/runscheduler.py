@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from jobs.registry import get_registry
 from jobs.scheduler.config import SchedulerConfig
@@ -33,7 +34,7 @@ class Command(BaseCommand):
         "SIGTERM/SIGINT and hands leadership over."
     )
 
-    def add_arguments(self, parser) -> None:
+    def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
             "--once",
             action="store_true",
@@ -79,7 +80,7 @@ class Command(BaseCommand):
             help="Interface for the HTTP listener (default 127.0.0.1).",
         )
 
-    def handle(self, *args, **options) -> None:
+    def handle(self, *args: Any, **options: Any) -> None:
         try:
             config = SchedulerConfig(
                 tick_interval=options["tick_interval"],

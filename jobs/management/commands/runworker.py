@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from jobs.registry import get_registry
 from jobs.worker.config import WorkerConfig, env_scope, scope_from
 from jobs.worker.runner import Worker
 
 
-def _env_number(name: str, kind: type, default):
+def _env_number[T](name: str, kind: Callable[[str], T], default: T) -> T:
     raw = os.environ.get(name)
-    if raw in (None, ""):
+    if not raw:  # unset or empty
         return default
     try:
         return kind(raw)
@@ -28,7 +30,7 @@ class Command(BaseCommand):
         "scope; drains gracefully on SIGTERM/SIGINT (a second signal stops at once)."
     )
 
-    def add_arguments(self, parser) -> None:
+    def add_arguments(self, parser: CommandParser) -> None:
         branch, component = env_scope()
         parser.add_argument(
             "--tenant",
@@ -91,7 +93,7 @@ class Command(BaseCommand):
             help="Do not LISTEN for new work (behind transaction-mode poolers); poll only.",
         )
 
-    def handle(self, *args, **options) -> None:
+    def handle(self, *args: Any, **options: Any) -> None:
         if options["tenant"] and options["component"]:
             raise CommandError("give either --tenant (branch worker) or --component, not both")
         try:
