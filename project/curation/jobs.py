@@ -13,15 +13,15 @@ from project.curation.models import Document
 
 
 class CuratePassV1(Payload, name="curation.pass.v1"):
-    run_id: int
+    run_id: int  # the run it was enqueued for; a replayed job works on a newer one (passes.begin)
 
 
 @job(CuratePassV1, concurrency=2, timeout=timedelta(seconds=60), max_attempts=1)
 def curate(payload: CuratePassV1, ctx: JobContext) -> None:
     """Curate every document of the collection; a document without a body fails the pass."""
-    run = passes.begin(payload.run_id)
+    run = passes.begin(payload.run_id, job=ctx.id)
     if run is None:
-        return  # not queued any more: a repeat delivery of the job is a no-op
+        return  # nothing to run: a repeat delivery of a finished pass is a no-op
     stats = {"checked": 0, "curated": 0}
     try:
         for document in Document.objects.filter(collection=run.collection).order_by("pk"):

@@ -32,7 +32,8 @@ class CurationRun(RunContract):
 
     ``job_id`` is ``curation-<collection>``, so the active-state lock allows one running
     pass per collection. Replaying a failed run starts a new run (``replay_of`` points back
-    at it); the failed run stays as it was, as the record of that pass.
+    at it) that its failed pass job, replayed, works on (``job_pk``); the failed run stays as
+    it was, as the record of that pass. Replaying that job from the jobs table does the same.
     """
 
     collection = models.CharField(_("collection"), max_length=100)
@@ -46,6 +47,9 @@ class CurationRun(RunContract):
     )
     requested_by = models.CharField(_("requested by"), max_length=150, blank=True, default="")
     stats = models.JSONField(_("step stats"), default=dict, blank=True)
+    job_pk = models.BigIntegerField(
+        _("job"), null=True, blank=True, help_text=_("The pass job working on this run.")
+    )
     attempts = None  # a run is one pass: no attempt counter
     next_retry_at = None  # and no retry schedule
 

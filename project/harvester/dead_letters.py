@@ -3,9 +3,16 @@
 ::
 
     harvest fails for good ──dead_letter──▶ failed ──repick (replay)──▶ queued
-                                              ▲                          │ start
-                                              └──── dead_letter ◀──── running ──▶ succeeded
+                                             │  ▲                          │
+                              start (its job │  └───── dead_letter ──┐     │ start
+                        replayed, or another │                       │     │
+                           harvest of it)    └─────────────────▶ running ◀─┘
+                                                                    │ harvested
+                                                                    ▼
+                                                                succeeded
 
+A harvest of the item, by whichever job (a re-pick, or the failed job replayed from the jobs
+table), works on the item's open dead letter and resolves it once the item is harvested.
 Each is one conditional statement; times come from PostgreSQL's clock.
 """
 
@@ -21,6 +28,9 @@ import jobs
 from jobs.runs import ACTIVE_STATES, RunState
 from project.harvester.models import DeadLetter, Item
 from project.harvester.sources import Page
+from project.redo import redo
+
+OPEN_STATES = (*ACTIVE_STATES, RunState.FAILED)  # a dead letter not yet resolved
 
 
 def key(item_id: int) -> str:
@@ -29,36 +39,41 @@ def key(item_id: int) -> str:
 
 
 def harvested(item_id: int, page: Page) -> None:
-    """Store the fetched page and resolve the item's open dead letter, if any."""
+    """Store the fetched page and resolve the item's open dead letter, if any.
+
+    Whatever job harvested the item, the failure its dead letter records is solved.
+    """
     with transaction.atomic():
         Item.objects.filter(pk=item_id).update(
             title=page.title, content=page.content, harvested_at=Now()
         )
-        DeadLetter.objects.filter(item_id=item_id, state=RunState.RUNNING).update(
+        DeadLetter.objects.filter(item_id=item_id, state__in=OPEN_STATES).update(
             state=RunState.SUCCEEDED, finished_at=Now(), heartbeat_at=Now()
         )
 
 
-def start(dead_letter_id: int) -> bool:
-    """A re-pick begins: its dead letter is running, with a first heartbeat."""
+def start(item_id: int) -> bool:
+    """A harvest of the item begins: its open dead letter, if any, is running, with a heartbeat.
+
+    Queued after a re-pick, or still failed when its job was replayed from the jobs table.
+    """
     return bool(
-        DeadLetter.objects.filter(pk=dead_letter_id, state=RunState.QUEUED).update(
-            state=RunState.RUNNING, heartbeat_at=Now()
+        DeadLetter.objects.filter(item_id=item_id, state__in=OPEN_STATES).update(
+            state=RunState.RUNNING, heartbeat_at=Now(), finished_at=None
         )
     )
 
 
-def dead_letter(item_id: int, *, code: str, detail: str) -> None:
-    """The item failed to harvest for good: fail its open dead letter, or open one."""
+def dead_letter(item_id: int, *, code: str, detail: str, job: int) -> None:
+    """The item failed to harvest for good in ``job``: fail its open dead letter, or open one."""
     with transaction.atomic():
-        changed = DeadLetter.objects.filter(
-            item_id=item_id, state__in=[*ACTIVE_STATES, RunState.FAILED]
-        ).update(
+        changed = DeadLetter.objects.filter(item_id=item_id, state__in=OPEN_STATES).update(
             state=RunState.FAILED,
             attempts=F("attempts") + 1,
             last_error=code,
             error_detail=detail,
             finished_at=Now(),
+            job_pk=job,
         )
         if not changed:
             DeadLetter.objects.create(
@@ -69,6 +84,7 @@ def dead_letter(item_id: int, *, code: str, detail: str) -> None:
                 last_error=code,
                 error_detail=detail,
                 finished_at=Now(),
+                job_pk=job,
             )
 
 
@@ -86,16 +102,18 @@ WITH target AS (
 UPDATE harvester_deadletter d
 SET state = 'queued', finished_at = NULL, heartbeat_at = NULL
 FROM target WHERE d.id = target.id
-RETURNING d.id, d.item_id, d.attempts
+RETURNING d.id, d.item_id, d.attempts, d.job_pk
 """
 
 
 def repick(pks: Iterable[int], *, by: str) -> list[int]:
-    """Re-pick dead-lettered items: each row goes back to queued with a new harvest job.
+    """Re-pick dead-lettered items: each row goes back to queued, its failed job replayed.
 
-    The item is read afresh when the job runs, so a fixed URL is picked up. The conditional
-    statement makes a second re-pick of the same row (double click, two operators) a no-op;
-    rows are locked in id order, so overlapping bulk re-picks cannot deadlock.
+    Replaying the job that failed (see :mod:`project.redo`) leaves no failed job behind once
+    the item is harvested; a dead letter whose job is gone gets a new harvest job. The item is
+    read afresh when the job runs, so a fixed URL is picked up. The conditional statement
+    makes a second re-pick of the same row (double click, two operators) a no-op; rows are
+    locked in id order, so overlapping bulk re-picks cannot deadlock.
     """
     from project.harvester.jobs import HarvestItemV1
 
@@ -104,12 +122,14 @@ def repick(pks: Iterable[int], *, by: str) -> list[int]:
         return []
     with transaction.atomic(), connection.cursor() as cur:
         cur.execute(_REPICK, {"ids": wanted})
-        rows = sorted(cur.fetchall())
-        jobs.enqueue_many(
-            jobs.JobSpec(
+        rows = {pk: (item_id, attempts, job) for pk, item_id, attempts, job in cur.fetchall()}
+
+        def new_job(pk: int) -> jobs.JobSpec:
+            item_id, attempts, _job = rows[pk]
+            return jobs.JobSpec(
                 payload=HarvestItemV1(item_id=item_id, dead_letter_id=pk),
                 job_id=f"{key(item_id)}-repick-{pk}-{attempts}",
             )
-            for pk, item_id, attempts in rows
-        )
-    return [pk for pk, _item, _attempts in rows]
+
+        redo(DeadLetter, {pk: job for pk, (_i, _a, job) in rows.items()}, new_job, by=by)
+    return sorted(rows)

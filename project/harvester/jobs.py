@@ -12,7 +12,9 @@ from project.harvester.models import Item
 
 class HarvestItemV1(Payload, name="harvester.harvest.v1"):
     item_id: int
-    dead_letter_id: int | None = None  # set when an operator re-picks a dead letter
+    # Set on the new job of a re-picked dead letter whose failed job was gone. For the record
+    # only: a harvest works on its item's open dead letter, whichever job it is.
+    dead_letter_id: int | None = None
 
 
 @job(
@@ -23,19 +25,20 @@ class HarvestItemV1(Payload, name="harvester.harvest.v1"):
     backoff=Backoff(timedelta(seconds=1), timedelta(seconds=4)),
 )
 def harvest(payload: HarvestItemV1, ctx: JobContext) -> None:
-    if payload.dead_letter_id is not None:
-        dead_letters.start(payload.dead_letter_id)
     item = Item.objects.filter(pk=payload.item_id).first()
     if item is None:
         raise Reject(f"item {payload.item_id} does not exist")
+    dead_letters.start(item.pk)
     try:
         page = sources.fetch(item.url)
     except sources.SourceError as exc:
-        dead_letters.dead_letter(item.pk, code=ErrorCode.REJECTED, detail=str(exc))
+        dead_letters.dead_letter(item.pk, code=ErrorCode.REJECTED, detail=str(exc), job=ctx.id)
         raise Reject(str(exc)) from exc
     except Exception as exc:
         if ctx.final_attempt:
             detail = f"{type(exc).__name__}: {exc}"
-            dead_letters.dead_letter(item.pk, code=ErrorCode.HANDLER_ERROR, detail=detail)
+            dead_letters.dead_letter(
+                item.pk, code=ErrorCode.HANDLER_ERROR, detail=detail, job=ctx.id
+            )
         raise
     dead_letters.harvested(item.pk, page)

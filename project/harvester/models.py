@@ -30,15 +30,20 @@ class Item(models.Model):
 class DeadLetter(RunContract):
     """An item that failed to harvest. Its home is here, not in a broker.
 
-    ``failed`` is dead; a re-pick (replay) moves it to ``queued`` with a new harvest job,
-    ``running`` while that job works, and ``succeeded`` once the item was harvested. A
-    failed re-pick lands it back in ``failed`` with one more attempt counted.
+    ``failed`` is dead; a re-pick (replay) moves it to ``queued`` and replays the harvest job
+    that failed (``job_pk``), ``running`` while a harvest of the item works, and ``succeeded``
+    once the item was harvested, by whichever job: a replay of the failed job from the jobs
+    table resolves it too. A failed re-pick lands it back in ``failed`` with one more attempt
+    counted.
     """
 
     item = models.ForeignKey(
         Item, on_delete=models.CASCADE, related_name="dead_letters", verbose_name=_("item")
     )
     next_retry_at = None  # re-picks are an operator's (or a reconcile pass's) decision
+    job_pk = models.BigIntegerField(
+        _("job"), null=True, blank=True, help_text=_("The job that failed; a re-pick replays it.")
+    )
 
     monitor_job_type = "harvester.harvest.v1"
     replay_description = _("re-pick the item: harvest it again from its source")
@@ -60,7 +65,7 @@ class DeadLetter(RunContract):
 
     @classmethod
     def replay(cls, pks: Iterable[int], *, by: str) -> int:
-        """Re-pick dead-lettered items: enqueue a fresh harvest of each one."""
+        """Re-pick dead-lettered items: harvest each one again, with the job that failed."""
         from project.harvester import dead_letters
 
         return len(dead_letters.repick(pks, by=by))

@@ -21,6 +21,7 @@ from django.db.models.functions import Now
 import jobs
 from jobs.runs import RunState
 from project.mail.models import Delivery
+from project.redo import redo
 
 
 def send(to: str, subject: str, body: str = "", *, key: str) -> Delivery:
@@ -29,7 +30,11 @@ def send(to: str, subject: str, body: str = "", *, key: str) -> Delivery:
 
     with transaction.atomic():
         delivery = Delivery.objects.create(to=to, subject=subject, body=body, job_id=key)
-        jobs.enqueue(DeliverMailV1(delivery_id=delivery.pk), job_id=f"mail-delivery-{delivery.pk}")
+        job = jobs.enqueue(
+            DeliverMailV1(delivery_id=delivery.pk), job_id=f"mail-delivery-{delivery.pk}"
+        )
+        Delivery.objects.filter(pk=delivery.pk).update(job_pk=job.id)
+        delivery.job_pk = job.id
     return delivery
 
 
@@ -97,13 +102,15 @@ UPDATE mail_delivery d
 SET state = 'queued', attempts = 0, finished_at = NULL, heartbeat_at = NULL,
     resends = d.resends + 1
 FROM target WHERE d.id = target.id
-RETURNING d.id, d.resends
+RETURNING d.id, d.resends, d.job_pk
 """
 
 
 def resend(pks: Iterable[int], *, by: str) -> list[int]:
-    """Send undelivered messages again: back to pending, each with a new delivery job.
+    """Send undelivered messages again: back to pending, each with its delivery job replayed.
 
+    Replaying the message's own job (see :mod:`project.redo`) leaves no failed job behind once
+    it is delivered; a message whose job is gone (imported history, pruned) gets a new one.
     The conditional statement is the idempotency: a second resend of the same row (a double
     click, two operators) waits for the first one's row lock, then finds it no longer
     undelivered. Rows are locked in id order, so overlapping bulk resends cannot deadlock.
@@ -116,10 +123,14 @@ def resend(pks: Iterable[int], *, by: str) -> list[int]:
     with transaction.atomic(), connection.cursor() as cur:
         cur.execute(_RESEND, {"ids": wanted})
         rows = sorted(cur.fetchall())
-        jobs.enqueue_many(
-            jobs.JobSpec(
-                payload=DeliverMailV1(delivery_id=pk), job_id=f"mail-delivery-{pk}-resend-{n}"
-            )
-            for pk, n in rows
+        resends = {pk: n for pk, n, _job in rows}
+        redo(
+            Delivery,
+            {pk: job for pk, _n, job in rows},
+            lambda pk: jobs.JobSpec(
+                payload=DeliverMailV1(delivery_id=pk),
+                job_id=f"mail-delivery-{pk}-resend-{resends[pk]}",
+            ),
+            by=by,
         )
-    return [pk for pk, _n in rows]
+    return [pk for pk, _n, _job in rows]

@@ -23,7 +23,8 @@ class Delivery(RunContract):
     """A message to one recipient. ``job_id`` is the sender's key ("welcome-42").
 
     Retries happen in the jobs table (the mail job's policy); this row follows along and,
-    when the last attempt fails, says "not delivered". Replay resends the message.
+    when the last attempt fails, says "not delivered". Replay resends the message with the
+    same job (``job_pk``), so the failed job and this row are resolved together.
     """
 
     to = models.EmailField(_("to"))
@@ -31,6 +32,9 @@ class Delivery(RunContract):
     body = models.TextField(_("body"), blank=True, default="")
     sent_at = models.DateTimeField(_("sent at"), null=True, blank=True)
     resends = models.PositiveIntegerField(_("resends"), default=0)
+    job_pk = models.BigIntegerField(
+        _("job"), null=True, blank=True, help_text=_("The job delivering it; a resend replays it.")
+    )
 
     monitor_job_type = "mail.deliver.v1"
     replay_description = _("resend the message")
@@ -57,7 +61,7 @@ class Delivery(RunContract):
 
     @classmethod
     def replay(cls, pks: Iterable[int], *, by: str) -> int:
-        """Resend undelivered messages: the same row goes back to pending with a new job."""
+        """Resend undelivered messages: the same row goes back to pending, its job replayed."""
         from project.mail import deliveries
 
         return len(deliveries.resend(pks, by=by))

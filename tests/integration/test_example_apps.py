@@ -52,8 +52,8 @@ class TestMail:
 
         row = Delivery.objects.get(pk=delivery.pk)
         assert (row.state, row.resends, row.attempts) == (RunState.QUEUED, 1, 0)
-        resend = Job.objects.get(job_id=f"mail-delivery-{delivery.pk}-resend-1")
-        assert resend.state == RunState.QUEUED
+        resend = Job.objects.get(pk=row.job_pk)  # its own job again, not a second one
+        assert (resend.job_id, resend.state) == (f"mail-delivery-{delivery.pk}", RunState.QUEUED)
         run_worker()
         assert Delivery.objects.get(pk=delivery.pk).status == "delivered"
         assert len(mailoutbox) == 1
