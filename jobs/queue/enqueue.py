@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
 from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
@@ -28,6 +28,20 @@ DELAY_MAX = timedelta(days=100 * 365)
 # Rounds of "insert, find the key holders, release the expired ones" before giving up. Each
 # round only repeats for rows whose key holder vanished or expired in the meantime.
 _MAX_ROUNDS = 5
+
+# Rows go in key order, so batches sharing keys do not deadlock, except in one case: a later
+# round inserts a key that sorts before one an earlier round took, when a key holder expired
+# or went away meanwhile. PostgreSQL then ends one of the transactions; try that batch again.
+_DEADLOCK_RETRIES = 3
+
+
+# What an insert round reports per row: the id it has (None: none drawn yet), whether the row
+# went in, and the instant its due time counts from.
+type Inserted = tuple[int | None, bool, datetime | None]
+
+
+def _deadlock(exc: BaseException) -> bool:
+    return getattr(exc.__cause__, "sqlstate", None) == "40P01"
 
 
 def enqueue(job: NewJob, *, using: str = DEFAULT_DB_ALIAS) -> Enqueued:
@@ -49,8 +63,17 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str = DEFAULT_DB_ALIAS) -> li
     firsts: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:
         firsts.setdefault((row["tenant"], row["job_id"]), row)
-    with transaction.atomic(using=using, savepoint=False), _db.cursor(using) as cur:
-        done = _insert_or_find(cur, list(firsts.values()))
+    # Inside the caller's transaction a deadlock is the caller's to retry: it aborted their
+    # writes too. Owning the transaction, a deadlock costs nothing to retry.
+    owned = not connections[using].in_atomic_block
+    for attempt in range(1, _DEADLOCK_RETRIES + 1):
+        try:
+            with transaction.atomic(using=using, savepoint=False), _db.cursor(using) as cur:
+                done = _insert_or_find(cur, list(firsts.values()))
+            break
+        except OperationalError as exc:
+            if not (owned and attempt < _DEADLOCK_RETRIES and _deadlock(exc)):
+                raise
     results = []
     for row in rows:
         key = (row["tenant"], row["job_id"])
@@ -152,7 +175,7 @@ def _insert_or_find(
         for row, (id_, inserted, _at) in zip(pending, inserts, strict=True):
             # A skipped row keeps the id it was given, so a later round inserts it in its place.
             row["id"] = id_
-            if inserted:
+            if inserted and id_ is not None:
                 key = (row["tenant"], row["job_id"])
                 done[key] = Enqueued(id_, row["job_id"], row["tenant"], row["name"], "queued", True)
         skipped = [row for row in pending if (row["tenant"], row["job_id"]) not in done]
@@ -187,7 +210,7 @@ def _insert_or_find(
 
 def _insert(
     cur: CursorWrapper, rows: list[dict[str, Any]], base: datetime | None
-) -> list[tuple[int, bool, datetime]]:
+) -> list[Inserted]:
     """Insert what no live row holds the key of; ``(id, inserted, base)`` per row, in order.
 
     Ids are drawn in the order the rows are given, so a batch is claimed in that order (the
@@ -196,6 +219,8 @@ def _insert(
     ``base`` is the instant due times and ``created_at`` count from (default: this statement's
     start, which is returned).
     """
+    if len(rows) == 1 and rows[0].get("id") is None:
+        return _insert_one(cur, rows[0], base)  # a row of a batch keeps the id it drew
     params: dict[str, Any] = {key: [row.get(key) for row in rows] for key in _COLUMNS}
     params["base"] = base
     notify = (
@@ -251,7 +276,7 @@ def _insert(
         + notify,
         params,
     )
-    inserted: list[tuple[int, bool, datetime]] = cur.fetchall()
+    inserted: list[Inserted] = cur.fetchall()
     return inserted
 
 
@@ -267,3 +292,42 @@ _COLUMNS = (
     "run_after",
     "delay",
 )
+
+
+def _insert_one(cur: CursorWrapper, row: dict[str, Any], base: datetime | None) -> list[Inserted]:
+    """One row (every ``enqueue()``): no order to keep, so the plainest statement is enough.
+
+    A skipped row comes back with no id; a later round draws a new one.
+    """
+    notify = (
+        f""",
+        notified AS (
+            SELECT count(pg_notify('{NOTIFY_CHANNEL}', name)) AS sent
+            FROM inserted WHERE run_after <= statement_timestamp()
+        )
+        SELECT inserted.id, TRUE, inserted.created_at FROM inserted, notified"""
+        if jobs_settings.NOTIFY
+        else """
+        SELECT id, TRUE, created_at FROM inserted"""
+    )
+    cur.execute(
+        """
+        WITH inserted AS (
+            INSERT INTO jobs_job (
+                job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
+                state, attempts, last_error, error_detail, claimed_by, key_held,
+                replayed_by, created_at
+            )
+            SELECT %(job_id)s, %(name)s, %(payload)s::jsonb, %(tenant)s, %(queue)s,
+                   %(priority)s, %(max_attempts)s,
+                   COALESCE(%(run_after)s::timestamptz, b.at + make_interval(secs => %(delay)s)),
+                   'queued', 0, '', '', '', TRUE, '', b.at
+            FROM (SELECT COALESCE(%(base)s::timestamptz, statement_timestamp()) AS at) b
+            ON CONFLICT (tenant, job_id) WHERE key_held DO NOTHING
+            RETURNING id, name, run_after, created_at
+        )"""
+        + notify,
+        {**{key: row.get(key) for key in _COLUMNS}, "base": base},
+    )
+    inserted: list[Inserted] = cur.fetchall()
+    return inserted or [(None, False, base)]
