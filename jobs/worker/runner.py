@@ -83,6 +83,7 @@ class Worker(Draining):
         self._stopping = threading.Event()
         self._force = threading.Event()
         self._exhausted: set[str] = set()
+        self._shared: set[str] = set()  # names the last claim held below their own room
         self._rotation = 0
         self._next_poll = 0.0
         self._next_maintenance = 0.0
@@ -310,7 +311,7 @@ class Worker(Draining):
             return []
         count = len(self._names)
         self._rotation = (self._rotation + 1) % count
-        requests = []
+        rooms = []
         for name in self._names[self._rotation :] + self._names[: self._rotation]:
             if name in self._exhausted:
                 continue
@@ -319,8 +320,13 @@ class Worker(Draining):
             if policy.concurrency is not None:
                 room = min(free, policy.concurrency - running.get(name, 0))
             if room > 0:
-                requests.append(ClaimRequest(name, room, policy.max_attempts))
-        return requests
+                rooms.append((name, room, policy.max_attempts))
+        # The free slots are shared among the names that want them, so one type with a large
+        # (or no) limit cannot take every slot while another waits; the rotation decides who
+        # gets the remainder. Slots a name leaves unused go round again at once (see _claim).
+        share = -(-free // len(rooms)) if rooms else 0
+        self._shared = {name for name, room, _ in rooms if room > share}
+        return [ClaimRequest(name, min(room, share), cap) for name, room, cap in rooms]
 
     def _claim(self, requests: list[ClaimRequest]) -> list[ClaimedJob]:
         with self._lock:
@@ -337,6 +343,8 @@ class Worker(Draining):
             # A name that gave fewer jobs than asked has nothing more due right now; skip it
             # until a NOTIFY for it or the next poll.
             self._exhausted.update(r.name for r in requests if got[r.name] < r.limit)
+            if any(got[r.name] >= r.limit for r in requests if r.name in self._shared):
+                self._wake.set()  # a name held to its share may take the slots left over
         return claimed
 
     def _dispatch(self, claimed: list[ClaimedJob]) -> None:

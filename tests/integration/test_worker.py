@@ -21,7 +21,7 @@ from jobs.worker.config import WorkerConfig
 from jobs.worker.leases import LeaseKeeper
 from jobs.worker.runner import Worker
 from tests.factories import JobFactory, TenantOverrideFactory
-from tests.worker_support import Echo, Recorder, Step, registry
+from tests.worker_support import Echo, Recorder, Step, registry, scripted
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -194,6 +194,22 @@ def test_a_type_without_a_concurrency_of_its_own_uses_every_slot_of_the_worker(r
     run_worker(registry=Registry([JobType(Echo, meet, Policy())]), concurrency=4)
 
     assert recorder.peak[Echo.job_name] == 4
+    assert Job.objects.filter(state="succeeded").count() == 4
+
+
+def test_a_type_with_nothing_due_leaves_its_share_of_the_slots_to_the_others(recorder):
+    """Slots are shared among the types, and a share nobody uses goes round again at once."""
+    together = threading.Barrier(4)
+
+    def meet(payload: Echo, ctx):
+        together.wait(timeout=5)  # broken (and the job failed) unless all four run at once
+
+    for n in range(4):
+        enqueue(Echo(text=f"t{n}"))
+    idle = JobType(Step, scripted(recorder), Policy())  # registered, nothing enqueued
+
+    run_worker(registry=Registry([JobType(Echo, meet, Policy()), idle]), concurrency=4)
+
     assert Job.objects.filter(state="succeeded").count() == 4
 
 
