@@ -189,7 +189,7 @@ class PolicyOptions(TypedDict, total=False):
     tests/unit/test_typing.py keeps the keys in step with Policy's fields.
     """
 
-    concurrency: int
+    concurrency: int | None
     timeout: timedelta | float
     max_attempts: int
     backoff: Backoff | None

@@ -74,10 +74,12 @@ def export(statuses: Sequence[ScheduleStatus]) -> None:
 def _status(schedule: Schedule, summary: slots.SlotSummary | None, now: datetime) -> ScheduleStatus:
     summary = summary or slots.SlotSummary()
     grace = schedule.misfire_grace
-    # With nothing recorded yet there is no expectation to miss: the next slot is the first
-    # one that would still fire on time.
-    anchor = summary.last_slot if summary.last_slot is not None else now - grace
-    next_due = schedule.next_slot(anchor)
+    # With nothing recorded yet, the next slot is the one a first tick would fire: the current
+    # slot while it is within the grace, else the next one, or the first from catch_up_from.
+    if summary.last_slot is not None:
+        next_due = schedule.next_slot(summary.last_slot)
+    else:
+        next_due = schedule.first_due(now)
     late = (now - next_due).total_seconds()
     return ScheduleStatus(
         name=schedule.name,

@@ -92,6 +92,12 @@ class Schedule:
     def next_slot(self, after: datetime) -> datetime:
         return timing.next_slot(self.cron, self.timezone, after)
 
+    def first_due(self, now: datetime) -> datetime:
+        """The slot this schedule fires first while it has recorded nothing."""
+        return timing.first_due(
+            self.cron, self.timezone, now=now, grace=self.misfire_grace, start=self.catch_up_from
+        )
+
     def plan(self, now: datetime, last: datetime | None) -> list[Decision]:
         """What to record at ``now`` after ``last``: see :func:`jobs.scheduler.timing.plan`."""
         return timing.plan(
@@ -304,7 +310,8 @@ def _instant(value: object, zone: ZoneInfo) -> tuple[datetime | None, str | None
             f"e.g. '2026-01-01T00:00:00+00:00', got {value!r}"
         )
     if instant.tzinfo is None or instant.utcoffset() is None:
-        instant = instant.replace(tzinfo=zone)
+        # Read like a cron slot: a time in a daylight-saving gap is the instant of the jump.
+        instant = timing.resolve(instant.replace(tzinfo=None), zone)
     return instant, None
 
 

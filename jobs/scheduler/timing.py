@@ -146,6 +146,16 @@ def next_slot(expression: str, tz: ZoneInfo, after: datetime) -> datetime:
     return next(slots_after(expression, tz, after))
 
 
+def first_due(
+    expression: str, tz: ZoneInfo, *, now: datetime, grace: timedelta, start: datetime | None
+) -> datetime:
+    """The slot a schedule that has recorded nothing fires first (see :func:`plan`)."""
+    if start is not None:
+        return next_slot(expression, tz, start.astimezone(UTC) - timedelta(microseconds=1))
+    current = next(slots_until(expression, tz, now))
+    return current if current > now - grace else next_slot(expression, tz, now)
+
+
 def plan(
     expression: str,
     tz: ZoneInfo,
@@ -163,7 +173,9 @@ def plan(
     long downtime costs no more than ``max_catch_up`` steps.
     """
     if last is None and start is not None:
-        last = start - timedelta(microseconds=1)  # a slot at ``start`` itself is due
+        # A slot at ``start`` itself is due. In UTC: aware arithmetic on a zone's wall clock
+        # would step back into a daylight-saving gap, an hour away.
+        last = start.astimezone(UTC) - timedelta(microseconds=1)
     wanted = max_catch_up + 1 if misfire == Misfire.ALL else 1
     on_time: list[datetime] = []
     missed: list[datetime] = []
