@@ -88,7 +88,8 @@ EOF
 # ensure_venv REQUIREMENTS [VENV [VERSION]]: install these pins and this project (editable) into
 # VENV (default .venv), then put it first on PATH. VERSION (e.g. 3.12) is the interpreter to
 # prefer for a new VENV; any supported one is used where it is missing. Installs only when the
-# inputs changed since the last install, so reruns are fast.
+# inputs changed since the last install, so reruns are fast. Every step checks its own status:
+# callers run this in $(...) or before ||, where set -e does not apply.
 ensure_venv() {
     local requirements=$1 venv=${2:-$ROOT/.venv} prefer=${3:-} base stamp digest
     [[ -f $requirements ]] || die "no such requirements file: $requirements"
@@ -96,9 +97,9 @@ ensure_venv() {
     # made by another interpreter than the one $PYTHON asks for.
     if ! python_ok "$venv/bin/python" || { [[ -n ${PYTHON:-} ]] && ! same_python "$PYTHON" "$venv/bin/python"; }; then
         if [[ -n $prefer && -z ${PYTHON:-} ]]; then
-            base=$( (find_python "$prefer") 2>/dev/null) || base=$(find_python)
+            base=$( (find_python "$prefer") 2>/dev/null) || base=$(find_python) || exit 1
         else
-            base=$(find_python)
+            base=$(find_python) || exit 1 # find_python said why
         fi
         step "creating ${venv#"$ROOT"/} with $("$base" -V 2>&1) ($base)"
         rm -rf "$venv"
@@ -107,11 +108,15 @@ ensure_venv() {
     fi
     # One stamp per requirements file, so switching between demo and test stays fast.
     stamp=$venv/.installed-$(basename "$requirements")
-    digest=$("$venv/bin/python" -c "$HASH_FILES" "$ROOT"/requirements/*.txt "$ROOT/pyproject.toml")
+    digest=$("$venv/bin/python" -c "$HASH_FILES" "$ROOT"/requirements/*.txt "$ROOT/pyproject.toml") ||
+        die "could not hash the requirements with $venv/bin/python"
     if [[ ! -f $stamp || $(cat "$stamp") != "$digest" ]]; then
         step "installing $requirements into ${venv#"$ROOT"/}"
-        "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$requirements"
-        "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e "$ROOT"
+        rm -f "$stamp"
+        "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$requirements" ||
+            die "could not install $requirements into $venv"
+        "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e "$ROOT" ||
+            die "could not install this project into $venv"
         echo "$digest" >"$stamp"
     fi
     export VIRTUAL_ENV=$venv
