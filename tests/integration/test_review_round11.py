@@ -1,7 +1,8 @@
 """Review round 11: batch order, per-type concurrency, a new schedule's first tick.
 
-Each test states the contract it checks; the ones marked xfail(strict=True) fail on the code
-they were written against and describe the bug in their reason.
+Each test states the contract it checks. Several failed on the code they were written against
+(strict xfails until the fix): batch deadlocks between rounds, slot sharing between types
+without limits, catch_up_from at a daylight-saving gap and in the status report.
 """
 
 from __future__ import annotations
@@ -140,12 +141,6 @@ def _lock_waiters() -> int:
         return cur.fetchone()[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug (pre-existing, not new in d7bed9e): a later round inserts keys below ones the "
-    "first round already holds, so two batches can deadlock when a key is freed (cancel, "
-    "prune) between their first rounds",
-)
 def test_batches_sharing_keys_do_not_deadlock_when_a_key_is_freed_between_their_rounds(
     monkeypatch,
 ):
@@ -188,7 +183,7 @@ def test_batches_sharing_keys_do_not_deadlock_when_a_key_is_freed_between_their_
     a.join(30)
     b.join(30)
 
-    assert not errors, errors  # today: "deadlock detected" raised to one of the callers
+    assert not errors, errors  # PostgreSQL ends one of them; that batch is tried again
     assert Job.objects.filter(key_held=True).count() == 2
 
 
@@ -203,11 +198,6 @@ class QuickV1(Payload, name="review11.quick.v1"):
     n: int = 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: with concurrency=None each claim request asks for every free slot, so the "
-    "first name in the rotation takes them all and the other types wait for its jobs to end",
-)
 def test_types_without_a_limit_share_the_free_slots_of_one_claim():
     """Two unlimited types with work due, four slots: both run, neither waits for the other."""
     release = threading.Event()
@@ -241,7 +231,7 @@ def test_types_without_a_limit_share_the_free_slots_of_one_claim():
         watcher.join(15)
 
     assert Job.objects.filter(state="succeeded").count() == 12
-    # Today: all four first slots go to whichever name the rotation puts first.
+    # Before the fix all four first slots went to whichever name the rotation put first.
     assert set(Counter(first_four)) == {SlowV1.job_name, QuickV1.job_name}, first_four
 
 
@@ -258,12 +248,6 @@ def make(name: str = "hourly", **options):
     return schedule
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: plan() subtracts 1 µs from catch_up_from on its own wall clock; at the end of "
-    "a spring-forward gap (03:00 Berlin) that lands in the gap, an hour later, and the "
-    "first hour's slots are treated as recorded",
-)
 def test_catch_up_from_at_the_end_of_a_spring_forward_gap_fires_the_slots_after_it():
     schedule = make(
         **QUARTERLY, misfire="all", timezone="Europe/Berlin", catch_up_from="2026-03-29T03:00"
@@ -356,11 +340,6 @@ def test_a_new_schedule_without_catch_up_from_is_never_reported_overdue():
     assert not before.overdue and before.next_due == T + timedelta(hours=1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: reporting ignores catch_up_from; a new schedule that will fire nothing before "
-    "its catch_up_from is reported due within the hour",
-)
 def test_status_of_a_new_schedule_starting_in_the_future_says_when_it_will_fire():
     start = T + timedelta(days=3)
     schedule = make(catch_up_from=start)

@@ -55,11 +55,6 @@ def run_leg(scratch: Path, venv: Path, **env: str) -> subprocess.CompletedProces
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: set -e is off inside ensure_venv here, so a failed pip install is stamped "
-    "as installed and the leg goes on (and every later run skips the install)",
-)
 def test_a_failed_install_fails_the_leg_and_is_not_stamped(scratch, tmp_path):
     venv = tmp_path / "venv"
     result = run_leg(scratch, venv, PYTHON=sys.executable)
@@ -69,11 +64,6 @@ def test_a_failed_install_fails_the_leg_and_is_not_stamped(scratch, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a PYTHON that does not run makes find_python fail inside $(...), which "
-    "does not stop ensure_venv: it removes the existing venv before failing",
-)
 def test_a_python_that_does_not_run_leaves_the_existing_venv_alone(scratch, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)

@@ -11,11 +11,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: PolicyOptions.concurrency is int, so Policy(concurrency=None) and "
-    "@job(..., concurrency=None), the runtime default, are type errors",
-)
 def test_concurrency_none_passes_mypy(monkeypatch):
     monkeypatch.chdir(ROOT)
     module = Path("tests") / "typing" / "review_round11_concurrency.py"
