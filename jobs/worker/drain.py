@@ -45,6 +45,7 @@ class Draining:
         _in_flight: int
         _in_flight_by_name: Counter[str]
         _acks: list[tuple[Running, Outcome | None]]
+        _deferred: list[tuple[Running, Outcome | None]]
         _wake: threading.Event
         _force: threading.Event
 
@@ -95,7 +96,9 @@ class Draining:
             self._wake.clear()
             self._pass()
             with self._lock:
-                if self._in_flight == 0 and not self._acks:
+                # Outcomes deferred because another session held their row are not written
+                # yet either: leaving now would drop them and leave their leases to expire.
+                if self._in_flight == 0 and not self._acks and not self._deferred:
                     return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -161,5 +164,15 @@ class Draining:
                 "run again after those expire (lease_expired): ids %s",
                 len(stuck),
                 [r.job.id for r in stuck],
+                extra={"action": "abandoned"},
+            )
+        with self._lock:
+            unwritten, self._deferred = self._deferred, []
+        if unwritten:
+            logger.error(
+                "%d outcomes could not be written before exit (another session kept their rows "
+                "locked); those jobs run again after their leases expire: ids %s",
+                len(unwritten),
+                [r.job.id for r, _ in unwritten],
                 extra={"action": "abandoned"},
             )

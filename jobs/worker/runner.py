@@ -156,7 +156,7 @@ class Worker(Draining):
     def idle(self) -> bool:
         """No handler running and no outcome waiting to be written."""
         with self._lock:
-            return not self._held and not self._acks
+            return not self._held and not self._acks and not self._deferred
 
     @property
     def listening(self) -> bool:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 
 from jobs import Payload, enqueue, queue
@@ -545,3 +546,38 @@ class TestSecondPass:
         with dbbounds.local():
             inside = show()
         assert (inside, show()) == ("2s", "0"), "SET LOCAL ends with its transaction"
+
+
+def test_drain_writes_an_outcome_deferred_by_a_row_lock_before_it_exits(recorder):
+    """A finished job whose row another session held locked is written once the lock goes."""
+    locked, unlock, draining = threading.Event(), threading.Event(), threading.Event()
+    done = enqueue(Echo(text="locked out"))
+
+    def hold_the_row() -> None:
+        try:
+            with transaction.atomic():
+                Job.objects.select_for_update().get(pk=done.id)
+                locked.set()
+                assert unlock.wait(10)
+        finally:
+            connection.close()
+
+    def handle(payload: Echo, ctx) -> str:
+        holder.start()
+        assert locked.wait(5)  # the outcome will meet a locked row
+        return payload.text
+
+    holder = threading.Thread(target=hold_the_row)
+
+    def stop_once_deferred(w: Worker) -> bool:
+        if w._deferred and not draining.is_set():
+            draining.set()
+            threading.Timer(0.3, unlock.set).start()  # the lock goes while the worker drains
+            return True
+        return False
+
+    run_until(Registry([JobType(Echo, handle, Policy())]), stop_once_deferred)
+    holder.join(10)
+
+    row = job(done.id)
+    assert (row.state, row.result) == ("succeeded", "locked out")
