@@ -213,15 +213,27 @@ def _insert(
 ) -> list[Inserted]:
     """Insert what no live row holds the key of; ``(id, inserted, base)`` per row, in order.
 
-    Ids are drawn in the order the rows are given, so a batch is claimed in that order (the
-    claim breaks priority and due-time ties by id). Rows are inserted in key order, so
-    concurrent batches that share keys wait on each other in one order instead of deadlocking.
-    ``base`` is the instant due times and ``created_at`` count from (default: this statement's
-    start, which is returned).
+    Ids are drawn first, in one statement, and handed out in the order the rows are given, so
+    a batch is claimed in that order (the claim breaks priority and due-time ties by id); a
+    skipped row keeps its id for a later round. Rows are inserted in key order, so concurrent
+    batches that share keys wait on each other in one order instead of deadlocking. ``base``
+    is the instant due times and ``created_at`` count from: the first round's clock.
     """
     if len(rows) == 1 and rows[0].get("id") is None:
         return _insert_one(cur, rows[0], base)  # a row of a batch keeps the id it drew
-    params: dict[str, Any] = {key: [row.get(key) for row in rows] for key in _COLUMNS}
+    fresh = [row for row in rows if row.get("id") is None]
+    if fresh or base is None:
+        cur.execute(
+            "SELECT nextval(pg_get_serial_sequence('jobs_job', 'id')), statement_timestamp() "
+            "FROM generate_series(1, %s)",
+            [max(len(fresh), 1)],
+        )
+        drawn = cur.fetchall()
+        base = base or drawn[0][1]
+        for row, id_ in zip(fresh, sorted(id_ for id_, _ in drawn), strict=False):
+            row["id"] = id_
+    ordered = sorted(rows, key=lambda row: (row["tenant"], row["job_id"]))
+    params: dict[str, Any] = {key: [row[key] for row in ordered] for key in _COLUMNS}
     params["base"] = base
     notify = (
         f""",
@@ -231,53 +243,37 @@ def _insert(
                 SELECT DISTINCT name FROM inserted WHERE run_after <= statement_timestamp()
             ) AS due
         )
-        SELECT given.id, inserted.id IS NOT NULL, given.base
-        FROM given LEFT JOIN inserted ON inserted.id = given.id, notified
-        ORDER BY given.ord"""
+        SELECT inserted.id FROM inserted, notified"""
         if jobs_settings.NOTIFY
         else """
-        SELECT given.id, inserted.id IS NOT NULL, given.base
-        FROM given LEFT JOIN inserted ON inserted.id = given.id
-        ORDER BY given.ord"""
+        SELECT id FROM inserted"""
     )
     cur.execute(
         """
-        WITH given AS MATERIALIZED (
-            -- nextval() in a sorted query runs after the sort: ids follow the given order.
-            SELECT COALESCE(r.id, nextval((SELECT pg_get_serial_sequence('jobs_job', 'id'))))
-                       AS id,
-                   r.job_id, r.name, r.payload, r.tenant, r.queue, r.priority, r.max_attempts,
-                   r.run_after, r.delay, r.ord,
-                   COALESCE(%(base)s::timestamptz, statement_timestamp()) AS base
-            FROM unnest(
-                %(id)s::bigint[], %(job_id)s::text[], %(name)s::text[], %(payload)s::jsonb[],
-                %(tenant)s::text[], %(queue)s::text[], %(priority)s::smallint[],
-                %(max_attempts)s::int[], %(run_after)s::timestamptz[], %(delay)s::float8[]
-            ) WITH ORDINALITY
-                AS r(id, job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
-                     delay, ord)
-            ORDER BY r.ord
-        ),
-        inserted AS (
+        WITH inserted AS (
             INSERT INTO jobs_job (
                 id, job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
                 state, attempts, last_error, error_detail, claimed_by, key_held,
                 replayed_by, created_at
             )
-            SELECT g.id, g.job_id, g.name, g.payload, g.tenant, g.queue, g.priority,
-                   g.max_attempts,
-                   COALESCE(g.run_after, g.base + make_interval(secs => g.delay)),
-                   'queued', 0, '', '', '', TRUE, '', g.base
-            FROM given g
-            ORDER BY g.tenant, g.job_id
+            SELECT r.id, r.job_id, r.name, r.payload, r.tenant, r.queue, r.priority,
+                   r.max_attempts,
+                   COALESCE(r.run_after, %(base)s + make_interval(secs => r.delay)),
+                   'queued', 0, '', '', '', TRUE, '', %(base)s
+            FROM unnest(
+                %(id)s::bigint[], %(job_id)s::text[], %(name)s::text[], %(payload)s::jsonb[],
+                %(tenant)s::text[], %(queue)s::text[], %(priority)s::smallint[],
+                %(max_attempts)s::int[], %(run_after)s::timestamptz[], %(delay)s::float8[]
+            ) AS r(id, job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
+                   delay)
             ON CONFLICT (tenant, job_id) WHERE key_held DO NOTHING
             RETURNING id, name, run_after
         )"""
         + notify,
         params,
     )
-    inserted: list[Inserted] = cur.fetchall()
-    return inserted
+    inserted = {id_ for (id_,) in cur.fetchall()}
+    return [(row["id"], row["id"] in inserted, base) for row in rows]
 
 
 _COLUMNS = (
