@@ -118,6 +118,20 @@ class Job(RunContract):
             models.Index(
                 fields=["name"], condition=Q(state=RunState.RUNNING), name="jobs_job_running"
             ),
+            # Queued rows that have run before (retries), by type and attempts: the exhaustion
+            # pass finds rows at a type's lowered attempt limit here. Fresh rows (attempts 0),
+            # the bulk of any backlog, are not in it, and enqueue never writes to it.
+            models.Index(
+                fields=["name", "attempts"],
+                condition=Q(state=RunState.QUEUED, attempts__gt=0),
+                name="jobs_job_retrying",
+            ),
+            # Queued rows at or over their own attempt limit: normally none at all.
+            models.Index(
+                fields=["id"],
+                condition=Q(state=RunState.QUEUED, attempts__gte=F("max_attempts")),
+                name="jobs_job_out_of_attempts",
+            ),
             # Terminal rows by age: retention, the failure monitor, key release.
             models.Index(
                 fields=["state", "finished_at"],

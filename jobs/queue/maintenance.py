@@ -75,21 +75,57 @@ def fail_exhausted(
     queued job at or over its limit (lowered since it was enqueued: pass the types' current
     limits as ``max_attempts``) fails as ``attempts_exhausted``.
     """
+    sql, params = fail_exhausted_sql(scope=scope, max_attempts=max_attempts, limit=limit, now=now)
+    return _sweep(sql, params, using)
+
+
+def fail_exhausted_sql(
+    *,
+    scope: Scope | None = None,
+    max_attempts: Mapping[str, int] | None = None,
+    limit: int = 100,
+    now: datetime | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """The exhaustion statement and its parameters (also used for EXPLAIN).
+
+    Candidates come from three small sets, each through its own index, never from the fresh
+    backlog: running rows (``jobs_job_running``), queued rows over their own limit
+    (``jobs_job_out_of_attempts``), and queued retries at a lowered limit (``jobs_job_retrying``,
+    one range per type). The locking step checks the whole condition again on the row it locks.
+    """
     scope_sql, scope_params = (scope or AllTenants()).sql("j")
     limits = dict(max_attempts or {})
-    return _sweep(
-        f"""
+    sql = f"""
         WITH caps AS (
             SELECT * FROM unnest(%(cap_names)s::text[], %(cap_values)s::int[]) AS c(name, cap)
         ),
+        candidates AS (
+            (SELECT j.id FROM jobs_job j
+             WHERE j.state = 'running' AND j.lease_expires_at < {_NOW}
+               AND j.attempts >= j.max_attempts AND {scope_sql}
+             LIMIT %(limit)s)
+            UNION ALL
+            (SELECT j.id FROM jobs_job j
+             WHERE j.state = 'queued' AND j.attempts >= j.max_attempts AND {scope_sql}
+             LIMIT %(limit)s)
+            UNION ALL
+            (SELECT lowered.id FROM caps CROSS JOIN LATERAL (
+                SELECT j.id FROM jobs_job j
+                WHERE j.state = 'queued' AND j.attempts > 0
+                  AND j.name = caps.name AND j.attempts >= caps.cap AND {scope_sql}
+                LIMIT %(limit)s
+             ) lowered
+             LIMIT %(limit)s)
+        ),
         exhausted AS (
-            SELECT j.id FROM jobs_job j LEFT JOIN caps ON caps.name = j.name
-            WHERE {scope_sql} AND (
-                (j.state = 'running' AND j.lease_expires_at < {_NOW}
-                 AND j.attempts >= j.max_attempts)
-                OR (j.state = 'queued'
-                    AND j.attempts >= LEAST(j.max_attempts, COALESCE(caps.cap, j.max_attempts)))
-            )
+            SELECT j.id FROM jobs_job j
+            WHERE j.id IN (SELECT id FROM candidates)
+              AND ((j.state = 'running' AND j.lease_expires_at < {_NOW}
+                    AND j.attempts >= j.max_attempts)
+                   OR (j.state = 'queued' AND j.attempts >= LEAST(
+                         j.max_attempts,
+                         COALESCE((SELECT cap FROM caps WHERE caps.name = j.name),
+                                  j.max_attempts))))
             LIMIT %(limit)s
             FOR UPDATE OF j SKIP LOCKED
         )
@@ -102,18 +138,17 @@ def fail_exhausted(
             claim_token = NULL, lease_expires_at = NULL, claimed_by = ''
         FROM exhausted WHERE j.id = exhausted.id
         RETURNING j.id, j.job_id, j.name, j.tenant, j.state, j.last_error
-        """,
-        {
-            "cap_names": list(limits),
-            "cap_values": list(limits.values()),
-            "limit": limit,
-            "now": now,
-            "expired": ErrorCode.LEASE_EXPIRED,
-            "exhausted": ErrorCode.ATTEMPTS_EXHAUSTED,
-            **scope_params,
-        },
-        using,
-    )
+        """
+    params = {
+        "cap_names": list(limits),
+        "cap_values": list(limits.values()),
+        "limit": limit,
+        "now": now,
+        "expired": ErrorCode.LEASE_EXPIRED,
+        "exhausted": ErrorCode.ATTEMPTS_EXHAUSTED,
+        **scope_params,
+    }
+    return sql, params
 
 
 def prune(
