@@ -52,6 +52,9 @@ from jobs.worker.wakeup import NotifyListener
 
 logger = logging.getLogger("jobs.worker")
 
+# The outcome label of jobs_outcomes_total for a state an attempt ended in (else "retried").
+_OUTCOME_KINDS: dict[str, str] = {RunState.SUCCEEDED: "succeeded", RunState.FAILED: "failed"}
+
 #: Called with (job type name, job_id, error code, detail) when a job becomes failed.
 TerminalHook = Callable[[str, str, str, str], None]
 
@@ -426,8 +429,7 @@ class Worker(Draining):
                 extra={"job_id": job.job_id, "job_type": job.name, "action": "released"},
             )
             return
-        kinds: dict[str, str] = {RunState.SUCCEEDED: "succeeded", RunState.FAILED: "failed"}
-        kind = kinds.get(outcome.state, "retried")
+        kind = _OUTCOME_KINDS.get(outcome.state, "retried")
         metrics.for_type(job.name).outcome(kind).inc()
         if kind == "succeeded" and not logger.isEnabledFor(logging.DEBUG):
             return
