@@ -1,9 +1,11 @@
 """The jobs overview: counts per state and per type, the oldest due job, unsupported names.
 
-Four aggregate queries on the jobs table, each returning a handful of rows: per state
-(``GROUP BY state``), per type and state for the active and failed rows, the oldest due
-``run_after``, and :func:`jobs.queue.backlog` for queued counts per type marked supported or
-not. Overdue schedules come from :func:`jobs.scheduler.status` when the scheduler is there.
+Queued jobs are counted by :func:`jobs.queue.backlog`, whose cost is bounded whatever the
+backlog holds: exact up to :data:`jobs.queue.BACKLOG_CAP` per type, shown as ``≈N`` (the
+planner's estimate) above it, and due jobs as ``10,000+``. The oldest due job comes from
+the same statement. Two aggregates read the other rows (per state, and per type for running
+and failed rows); they never read the queued rows, and cost what the table holds besides the
+backlog. Overdue schedules come from :func:`jobs.scheduler.status` when the scheduler is there.
 
 "Now" is PostgreSQL's, read once per page and passed down, as the scheduler reads it: a web
 host with a fast clock would otherwise call a schedule that just fired overdue.
@@ -19,16 +21,17 @@ from typing import Any
 
 from django.contrib.admin import AdminSite
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Min, Q
-from django.db.models.functions import Now
+from django.db.models import Count, Q
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
+from django.utils.formats import number_format
 from django.utils.translation import gettext as _
 
 from jobs import queue
 from jobs.models import Job
 from jobs.monitor.tables import RunTable
 from jobs.monitor.views import age
+from jobs.queue import BacklogRow
 from jobs.registry import get_registry
 from jobs.runs import RunState
 from jobs.scheduler.clock import database_now
@@ -39,54 +42,77 @@ SCHEDULER_MODULE = "jobs.scheduler"
 def overview_data(now: datetime | None = None) -> dict[str, Any]:
     """Everything the overview page shows, with a fixed number of queries, at ``now``.
 
-    ``now`` defaults to PostgreSQL's clock, never the web host's.
+    ``now`` defaults to PostgreSQL's clock, never the web host's. Counts are display text
+    (see :func:`shown`) so that an estimate never looks exact.
     """
     now = now or database_now()
-    per_state = {
+    registry = get_registry()
+    backlog = {row.name: row for row in queue.backlog(supported=registry.names())}
+    per_state: dict[str, int] = {
         row["state"]: row["n"]
-        for row in Job.objects.order_by().values("state").annotate(n=Count("pk"))
+        for row in Job.objects.exclude(state=RunState.QUEUED)
+        .order_by()
+        .values("state")
+        .annotate(n=Count("pk"))
     }
-    active = (RunState.QUEUED, RunState.RUNNING, RunState.FAILED)
+    per_state[RunState.QUEUED] = sum(row.queued for row in backlog.values())
+    estimated = not all(row.queued_exact for row in backlog.values())
+    others = (RunState.RUNNING, RunState.FAILED)
     # The plugin's row type knows only "name", not the per-state counts annotated by name.
     per_type: dict[str, Mapping[str, Any]] = {
         row["name"]: row
-        for row in Job.objects.filter(state__in=active)
+        for row in Job.objects.filter(state__in=others)
         .order_by()
         .values("name")
-        .annotate(
-            **{state: Count("pk", filter=Q(state=state)) for state in active},
-        )
+        .annotate(**{state: Count("pk", filter=Q(state=state)) for state in others})
     }
-    oldest_due = Job.objects.filter(state=RunState.QUEUED, run_after__lte=Now()).aggregate(
-        oldest=Min("run_after")
-    )["oldest"]
-    registry = get_registry()
-    backlog = queue.backlog(supported=registry.names())
-    due: dict[str, int] = {}
-    for row in backlog:
-        due[row.name] = due.get(row.name, 0) + row.due
-    unsupported: dict[str, int] = {}
-    for row in backlog:
-        if not row.supported:
-            unsupported[row.name] = unsupported.get(row.name, 0) + row.queued
+    oldest_due = min((r.oldest_due for r in backlog.values() if r.oldest_due), default=None)
     types = [
         {
             "name": name,
             "registered": name in registry,
-            "due": due.get(name, 0),
-            **{state: per_type.get(name, {}).get(state, 0) for state in active},
+            **_queued(backlog.get(name)),
+            **{state: per_type.get(name, {}).get(state, 0) for state in others},
         }
-        for name in sorted(set(per_type) | set(registry.names()))
+        for name in sorted(set(per_type) | set(backlog) | set(registry.names()))
+    ]
+    unsupported = [
+        (name, shown(row.queued, estimate=not row.queued_exact))
+        for name, row in sorted(backlog.items())
+        if not row.supported
     ]
     return {
-        "states": [(value, label, per_state.get(value, 0)) for value, label in RunState.choices],
-        "total": sum(per_state.values()),
+        "states": [
+            (
+                value,
+                label,
+                shown(per_state.get(value, 0), estimate=estimated and value == RunState.QUEUED),
+            )
+            for value, label in RunState.choices
+        ],
+        "total": shown(sum(per_state.values()), estimate=estimated),
         "types": types,
         "oldest_due": oldest_due,
         "oldest_due_age": age(oldest_due, now),
-        "unsupported": sorted(unsupported.items()),
+        "unsupported": unsupported,
         "schedules": overdue_schedules(now),
     }
+
+
+def shown(count: int, *, estimate: bool = False, more_than: bool = False) -> str:
+    """A count as the page shows it: ``1,234``; ``≈1,234`` (an estimate); ``10,000+``."""
+    text = number_format(count, force_grouping=True)
+    if estimate:
+        return f"≈{text}"
+    return f"{text}+" if more_than else text
+
+
+def _queued(row: BacklogRow | None) -> dict[str, str]:
+    """The queued and due cells of a type: exact, estimated, or "more than the cap"."""
+    if row is None:
+        return {"queued": shown(0), "due": shown(0)}
+    due = shown(row.due) if row.due_exact else shown(queue.BACKLOG_CAP, more_than=True)
+    return {"queued": shown(row.queued, estimate=not row.queued_exact), "due": due}
 
 
 def overdue_schedules(now: datetime) -> list[dict[str, Any]] | None:

@@ -20,10 +20,18 @@ them writes the jobs table itself.
 
 from jobs.queue.claim import claim, claim_sql, next_attempt, renew, renew_tokens
 from jobs.queue.enqueue import enqueue, enqueue_many
-from jobs.queue.maintenance import backlog, fail_exhausted, pending, prune, requeue_expired
+from jobs.queue.maintenance import (
+    backlog,
+    fail_exhausted,
+    pending,
+    prune,
+    requeue_expired,
+    table_health,
+)
 from jobs.queue.operations import cancel, replay, run_now
 from jobs.queue.outcomes import complete, fail, record, release, retry
 from jobs.queue.types import (
+    BACKLOG_CAP,
     RESULT_MAX,
     RETRY_DELAY_MAX,
     AllTenants,
@@ -41,9 +49,11 @@ from jobs.queue.types import (
     ReplayReport,
     Scope,
     SweepRow,
+    TableHealth,
 )
 
 __all__ = [
+    "BACKLOG_CAP",
     "RESULT_MAX",
     "RETRY_DELAY_MAX",
     "AllTenants",
@@ -61,6 +71,7 @@ __all__ = [
     "ReplayReport",
     "Scope",
     "SweepRow",
+    "TableHealth",
     "backlog",
     "cancel",
     "claim",
@@ -81,4 +92,5 @@ __all__ = [
     "requeue_expired",
     "retry",
     "run_now",
+    "table_health",
 ]

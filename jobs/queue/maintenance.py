@@ -1,4 +1,4 @@
-"""Maintenance passes over the jobs table: expired leases, exhaustion, retention, backlog.
+"""Maintenance passes over the jobs table: expired leases, exhaustion, retention; its gauges.
 
 Each pass is one bounded, set-based statement that skips rows another pass has locked, so any
 number of workers and the scheduler can run them at once. ``now`` defaults to PostgreSQL's
@@ -9,6 +9,9 @@ Expired leases (a worker died or stalled)::
     running, lease expired, attempts left ──requeue_expired──▶ queued (due now)
     running, lease expired, last attempt  ──fail_exhausted───▶ failed / lease_expired
     queued, attempts ≥ limit (lowered)    ──fail_exhausted───▶ failed / attempts_exhausted
+
+The scheduler's leader reads the gauges: :func:`backlog` (bounded counts per name) and
+:func:`table_health` (catalog reads only).
 """
 
 from __future__ import annotations
@@ -18,10 +21,18 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS
+from django.db.backends.utils import CursorWrapper
 
 from jobs.conf import jobs_settings
 from jobs.queue import _db
-from jobs.queue.types import AllTenants, BacklogRow, Scope, SweepRow
+from jobs.queue.types import (
+    BACKLOG_CAP,
+    AllTenants,
+    BacklogRow,
+    Scope,
+    SweepRow,
+    TableHealth,
+)
 from jobs.runs import ErrorCode, RunState
 
 _NOW = "COALESCE(%(now)s::timestamptz, statement_timestamp())"
@@ -193,31 +204,143 @@ def prune(
     return deleted
 
 
+#: The queued (name, priority) levels, by skipping through ``jobs_job_claim`` (leading columns
+#: ``name, priority DESC``): one index descent per level, however many rows each level holds.
+#: Each step takes the next lower priority of the same name, else the next name's highest.
+#: The counts below order by the index's own columns: with ORDER BY … LIMIT the index is the
+#: only plan that can stop early, where a bare LIMIT invites a sequential scan that the planner
+#: expects to stop early too (it assumes a name's rows are spread evenly through the table).
+_LEVELS = """
+    levels AS (
+        (SELECT j.name, j.priority FROM jobs_job j WHERE j.state = 'queued'
+         ORDER BY j.name, j.priority DESC LIMIT 1)
+        UNION ALL
+        SELECT nxt.name, nxt.priority FROM levels l CROSS JOIN LATERAL (
+            (SELECT j.name, j.priority FROM jobs_job j
+             WHERE j.state = 'queued' AND j.name = l.name AND j.priority < l.priority
+             ORDER BY j.priority DESC LIMIT 1)
+            UNION ALL
+            (SELECT j.name, j.priority FROM jobs_job j
+             WHERE j.state = 'queued' AND j.name > l.name
+             ORDER BY j.name, j.priority DESC LIMIT 1)
+            LIMIT 1
+        ) nxt
+    )"""
+
+_BACKLOG = f"""
+    WITH RECURSIVE {_LEVELS}
+    SELECT n.name,
+        (SELECT count(*) FROM (
+            SELECT 1 FROM jobs_job j WHERE j.state = 'queued' AND j.name = n.name
+            ORDER BY j.priority DESC, j.run_after, j.id
+            LIMIT %(over)s) q),
+        (SELECT count(*) FROM (
+            SELECT 1 FROM levels l CROSS JOIN LATERAL (
+                SELECT 1 FROM jobs_job j
+                WHERE j.state = 'queued' AND j.name = l.name AND j.priority = l.priority
+                  AND j.run_after <= statement_timestamp()
+                ORDER BY j.run_after, j.id
+                LIMIT %(over)s) due
+            WHERE l.name = n.name
+            LIMIT %(over)s) d),
+        (SELECT min(first.run_after) FILTER (WHERE first.run_after <= statement_timestamp())
+         FROM levels l CROSS JOIN LATERAL (
+            SELECT j.run_after FROM jobs_job j
+            WHERE j.state = 'queued' AND j.name = l.name AND j.priority = l.priority
+            ORDER BY j.run_after LIMIT 1) first
+         WHERE l.name = n.name)
+    FROM (SELECT DISTINCT l.name FROM levels l) n
+    ORDER BY n.name
+"""
+
+_ESTIMATE = (
+    "EXPLAIN (FORMAT JSON) SELECT 1 FROM jobs_job j WHERE j.state = 'queued' AND j.name = %s"
+)
+
+
 def backlog(
     *,
-    scope: Scope | None = None,
     supported: Collection[str] = (),
+    cap: int = BACKLOG_CAP,
     using: str = DEFAULT_DB_ALIAS,
 ) -> list[BacklogRow]:
-    """Queued jobs per name and tenant within a scope, marked supported or not."""
-    scope_sql, scope_params = (scope or AllTenants()).sql("j")
+    """Queued jobs per name over every tenant, marked supported or not; cost bounded by ``cap``.
+
+    Counting every queued row costs as much as the backlog is long (half a second at a million
+    rows), so each count stops at ``cap + 1``: up to the cap it is exact, past it ``queued`` is
+    the planner's row estimate (see :class:`BacklogRow`). The statement reads at most about
+    ``2 * (cap + 1)`` claim-index entries per name, plus one per (name, priority) level.
+    Tenants are not told apart: the claim index does not hold them, so a per-tenant count
+    would read every row of a name again.
+    """
+    sql, params = backlog_sql(cap=cap)
     with _db.cursor(using) as cur:
-        cur.execute(
-            f"""
-            SELECT j.name, j.tenant, count(*),
-                   count(*) FILTER (WHERE j.run_after <= statement_timestamp())
-            FROM jobs_job j
-            WHERE j.state = 'queued' AND {scope_sql}
-            GROUP BY j.name, j.tenant
-            ORDER BY j.name, j.tenant
-            """,
-            scope_params,
-        )
-        rows = cur.fetchall()
-    names = set(supported)
-    return [
-        BacklogRow(name, tenant, name in names, queued, due) for name, tenant, queued, due in rows
-    ]
+        cur.execute(sql, params)
+        counted = cur.fetchall()
+        names = set(supported)
+        return [
+            BacklogRow(
+                name=name,
+                supported=name in names,
+                queued=queued if queued <= cap else max(cap + 1, _estimate(cur, name)),
+                queued_exact=queued <= cap,
+                due=due,
+                due_exact=due <= cap,
+                oldest_due=oldest_due,
+            )
+            for name, queued, due, oldest_due in counted
+        ]
+
+
+def backlog_sql(*, cap: int = BACKLOG_CAP) -> tuple[str, dict[str, Any]]:
+    """The backlog statement and its parameters (also used for EXPLAIN)."""
+    if cap < 1:
+        raise ValueError(f"the backlog cap must be at least 1, got {cap}")
+    return _BACKLOG, {"over": cap + 1}
+
+
+def _estimate(cur: CursorWrapper, name: str) -> int:
+    """The planner's row estimate for the queued jobs of one name (no row is read).
+
+    As fresh as the table's last ANALYZE, scaled by its current size; migration 0004's
+    ``(state, name)`` MCV statistics keep it close where states and names are correlated.
+    """
+    cur.execute(_ESTIMATE, [name])
+    [plan] = _db.load_json(cur.fetchone()[0])
+    return int(plan["Plan"]["Plan Rows"])
+
+
+_HEALTH = """
+SELECT c.relname, COALESCE(s.n_live_tup, 0), COALESCE(s.n_dead_tup, 0), pg_table_size(c.oid),
+       (SELECT COALESCE(json_object_agg(i.relname, pg_relation_size(i.oid)), '{}')
+        FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid
+        WHERE x.indrelid = c.oid),
+       s.last_autovacuum, s.last_autoanalyze
+FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+WHERE c.oid = %(table)s::regclass
+"""
+
+
+def table_health(table: str = "jobs_job", *, using: str = DEFAULT_DB_ALIAS) -> TableHealth:
+    """Dead and live tuples, sizes and last autovacuum of a table: what an operator watches.
+
+    Reads only catalogs and the statistics system (sizes come from the files' lengths), so
+    it costs the same whatever the table holds. Dead tuples that keep climbing mean vacuum
+    does not keep up (or a long transaction holds it back); index sizes that grow while the
+    backlog does not mean bloat.
+    """
+    with _db.cursor(using) as cur:
+        cur.execute(_HEALTH, {"table": table})
+        name, live, dead, table_bytes, indexes, vacuumed, analyzed = cur.fetchone()
+    return TableHealth(
+        table=name,
+        live_tuples=live,
+        dead_tuples=dead,
+        table_bytes=table_bytes,
+        index_bytes=dict(sorted(_db.load_json(indexes).items())),
+        last_autovacuum=vacuumed,
+        last_autoanalyze=analyzed,
+    )
 
 
 def pending(

@@ -252,15 +252,50 @@ class ReplayReport:
     key_taken: tuple[int, ...]
 
 
+#: :func:`jobs.queue.backlog` counts exactly up to this many queued (and due) jobs per name.
+BACKLOG_CAP = 10_000
+
+
 @dataclass(frozen=True, slots=True)
 class BacklogRow:
-    """Queued jobs of one name and tenant: all of them, and those due now."""
+    """Queued jobs of one name, every tenant: counted exactly up to a cap, estimated above it.
+
+    ``queued``: every queued job of the name, due or not. Exact while ``queued_exact``; past
+    the cap it is PostgreSQL's planner estimate (as fresh as the table's last ANALYZE), and
+    never below ``cap + 1``. ``due``: those due now. Exact while ``due_exact``; past the cap it
+    is ``cap + 1``, standing for "more than the cap" (a floor, not an estimate).
+    ``oldest_due``: when the longest-waiting due job became due (None: nothing is due).
+    """
 
     name: str
-    tenant: str
     supported: bool
     queued: int
+    queued_exact: bool
     due: int
+    due_exact: bool
+    oldest_due: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class TableHealth:
+    """What PostgreSQL's catalogs and cumulative statistics say about one table.
+
+    ``live_tuples`` and ``dead_tuples`` are the statistics system's running estimates
+    (``pg_stat_user_tables``), which lag writes by about a second and are reset by VACUUM and
+    ANALYZE; dead tuples are row versions that updates and deletes left behind and that only
+    VACUUM reclaims. ``table_bytes`` covers the heap with its TOAST, free-space and visibility
+    maps (``pg_table_size``); ``index_bytes`` has each index's size by name
+    (``pg_relation_size``). The times are the last autovacuum and autoanalyze (None: never
+    since the statistics were last reset); a manual VACUUM or ANALYZE is not counted.
+    """
+
+    table: str
+    live_tuples: int
+    dead_tuples: int
+    table_bytes: int
+    index_bytes: Mapping[str, int]
+    last_autovacuum: datetime | None
+    last_autoanalyze: datetime | None
 
 
 @dataclass(frozen=True, slots=True)

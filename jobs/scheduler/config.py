@@ -15,7 +15,13 @@ from jobs.scheduler.retention import RetentionConfig
 from jobs.scheduler.schedules import Schedule
 from jobs.scheduler.watchdog import WatchdogConfig
 
-INTERVALS = ("tick_interval", "standby_interval", "watchdog_interval", "retention_interval")
+INTERVALS = (
+    "tick_interval",
+    "standby_interval",
+    "watchdog_interval",
+    "retention_interval",
+    "gauge_interval",
+)
 
 
 def default_identity() -> str:
@@ -32,6 +38,7 @@ class SchedulerConfig:
     standby_interval: float = 1.0  # leadership attempts while standing by
     watchdog_interval: float = 30.0
     retention_interval: float = 600.0
+    gauge_interval: float = 15.0  # backlog and table-health gauges (the leader only)
     leader_timeout: timedelta | None = None  # None: JOBS["SCHEDULER_LEADER_TIMEOUT"]
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
@@ -41,12 +48,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        for name in (
-            "tick_interval",
-            "standby_interval",
-            "watchdog_interval",
-            "retention_interval",
-        ):
+        for name in INTERVALS:
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 problems.append(f"{name.replace('_', ' ')} must be positive, got {value!r}")

@@ -1,5 +1,9 @@
 """Prometheus metrics of the scheduler. Labels are bounded: schedule names (from settings),
-run-table labels (from the app registry), duty names and fixed outcome words."""
+run-table labels (from the app registry), duty names, fixed outcome words, job types, and the
+jobs table's own PostgreSQL table and index names.
+
+The backlog and table-health gauges are exported by the leader alone (the gauges duty,
+:mod:`jobs.scheduler.gauges`); a standby exports none of them."""
 
 from __future__ import annotations
 
@@ -44,3 +48,56 @@ reaped = Counter(
     ["table", "outcome"],
 )
 pruned = Counter("jobs_scheduler_pruned_total", "Rows deleted by retention.", ["table", "state"])
+archived = Counter(
+    "jobs_scheduler_archived_total", "Finished job rows moved to the history table.", ["state"]
+)
+
+# The gauges duty (leader only) ---------------------------------------------------------------
+
+backlog = Gauge(
+    "jobs_backlog",
+    "Queued jobs (due or not, every tenant) by type, and whether the scheduler registers the "
+    "type; exact up to 10,000, the planner's estimate above.",
+    ["job_type", "supported"],
+)
+oldest_due = Gauge(
+    "jobs_backlog_oldest_due_seconds",
+    "How long the longest-waiting due job of the type has been due (0: none is due).",
+    ["job_type"],
+)
+live_tuples = Gauge(
+    "jobs_table_live_tuples", "Live rows of the table (PostgreSQL's estimate).", ["table"]
+)
+dead_tuples = Gauge(
+    "jobs_table_dead_tuples",
+    "Dead row versions of the table that vacuum has not reclaimed yet (PostgreSQL's estimate).",
+    ["table"],
+)
+table_size = Gauge(
+    "jobs_table_size_bytes", "Size of the table with its TOAST data and maps.", ["table"]
+)
+index_size = Gauge(
+    "jobs_table_index_size_bytes", "Size of each index of the table.", ["table", "index"]
+)
+last_autovacuum = Gauge(
+    "jobs_table_last_autovacuum_timestamp_seconds",
+    "Unix time of the table's last autovacuum (0 if none since statistics were reset).",
+    ["table"],
+)
+last_autoanalyze = Gauge(
+    "jobs_table_last_autoanalyze_timestamp_seconds",
+    "Unix time of the table's last autoanalyze (0 if none since statistics were reset).",
+    ["table"],
+)
+
+#: Everything the gauges duty sets, withdrawn together when this process stops leading.
+LEADER_GAUGES = (
+    backlog,
+    oldest_due,
+    live_tuples,
+    dead_tuples,
+    table_size,
+    index_size,
+    last_autovacuum,
+    last_autoanalyze,
+)

@@ -4,8 +4,10 @@ One thread owns the loop and Django's connection; the leadership keeper proves t
 own thread and connection, and a stall guard watches the loop from a third::
 
     ┌─▶ standby: try the lock every standby interval; export schedule status gauges
+    │            (and withdraw the backlog and table gauges: only the leader counts)
     │   leader:  read the database clock once, then for each due duty
-    │              (cron every tick, watchdog, retention): prove leadership → run_once(now)
+    │              (cron every tick, watchdog, retention, gauges): prove leadership →
+    │              run_once(now)
     │            export schedule status gauges after each cron tick
     └── wait for the next duty or attempt (at most 1 s), or a stop signal
 
@@ -43,6 +45,7 @@ from jobs.scheduler import metrics
 from jobs.scheduler.clock import database_now
 from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.cron import CronService
+from jobs.scheduler.gauges import Gauges
 from jobs.scheduler.leader import Leadership, LeadershipLost
 from jobs.scheduler.reporting import export, status
 from jobs.scheduler.retention import Retention
@@ -96,10 +99,12 @@ class Scheduler:
         )
         self.watchdog = Watchdog(config.watchdog, max_attempts=registry.max_attempts())
         self.retention = Retention(config.retention)
+        self.gauges = Gauges(registry.names())
         self.duties = [
             Duty("cron", config.tick_interval, self.cron.run_once),
             Duty("watchdog", config.watchdog_interval, self.watchdog.run_once),
             Duty("retention", config.retention_interval, self.retention.run_once),
+            Duty("gauges", config.gauge_interval, self.gauges.run_once),
         ]
         self.passes = 0  # passes that ran duties as leader
         self.ready = False
@@ -213,6 +218,8 @@ class Scheduler:
                 self._export_status(None)
         if self.leadership.leading:
             self._lead()
+        else:
+            self.gauges.withdraw()  # a standby's figures would be stale: the leader's count
 
     def _lead(self) -> None:
         due = [duty for duty in self.duties if time.monotonic() >= duty.next_at]

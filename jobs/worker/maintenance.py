@@ -1,17 +1,19 @@
-"""The worker's periodic passes: expired leases (every second), exhausted jobs, backlog gauges.
+"""The worker's periodic passes: expired leases (every second) and exhausted jobs.
 
-Every worker runs it for its own tenant scope (the scheduler's watchdog runs the same queue
+Every worker runs them for its own tenant scope (the scheduler's watchdog runs the same queue
 functions for all tenants), so jobs of a dead worker are recovered even when no scheduler
-runs. Unsupported names are logged at start and whenever their count changes to non-zero.
+runs. Both cost what they find, not the size of the backlog. Counting the backlog (and
+logging unsupported names) is the scheduler leader's job, once per deployment
+(:mod:`jobs.scheduler.gauges`): a count per worker would multiply one answer by the number of
+replicas.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 
 from jobs import queue
-from jobs.queue import BacklogRow, SweepRow
+from jobs.queue import SweepRow
 from jobs.registry import Registry
 from jobs.worker import metrics
 from jobs.worker.config import WorkerConfig
@@ -23,8 +25,6 @@ class WorkerMaintenance:
     def __init__(self, config: WorkerConfig, registry: Registry) -> None:
         self.config = config
         self.registry = registry
-        self._names = list(registry.names())
-        self._unsupported_total = 0
 
     def recover(self) -> list[SweepRow]:
         """Requeue running jobs whose lease expired (a worker died); raises DatabaseError.
@@ -46,7 +46,7 @@ class WorkerMaintenance:
         return requeued
 
     def run_once(self) -> list[SweepRow]:
-        """Fail exhausted jobs and refresh the backlog gauges; raises DatabaseError.
+        """Fail exhausted jobs (one bounded statement); raises DatabaseError.
 
         Returns the jobs it failed (for the caller's terminal-failure hook).
         """
@@ -61,22 +61,4 @@ class WorkerMaintenance:
                 [r.id for r in failed],
                 extra={"action": "fail_exhausted"},
             )
-        self._report_backlog(queue.backlog(scope=scope, supported=self._names))
         return failed
-
-    def _report_backlog(self, rows: list[BacklogRow]) -> None:
-        totals: Counter[tuple[str, str]] = Counter()
-        for row in rows:
-            totals[(row.name, "true" if row.supported else "false")] += row.queued
-        metrics.backlog.clear()
-        for (name, supported), count in totals.items():
-            metrics.backlog.labels(name, supported).set(count)
-        unsupported = {name: n for (name, ok), n in totals.items() if ok == "false"}
-        total = sum(unsupported.values())
-        if total and total != self._unsupported_total:
-            logger.warning(
-                "unsupported job types remain outstanding: %s",
-                ", ".join(f"{name} ({n})" for name, n in sorted(unsupported.items())),
-                extra={"action": "unsupported_backlog", "count": total},
-            )
-        self._unsupported_total = total

@@ -1,5 +1,8 @@
 """Prometheus metrics of the worker. Labels are bounded: job type, outcome and error code only
-(never a job id or tenant), so cardinality grows with the number of registered types."""
+(never a job id or tenant), so cardinality grows with the number of registered types.
+
+Gauges of the whole queue (the backlog, the jobs table's health) are not here: the scheduler's
+leader exports them once per deployment (:mod:`jobs.scheduler.metrics`)."""
 
 from __future__ import annotations
 
@@ -36,11 +39,6 @@ lost_leases = Counter(
 )
 released = Counter(
     "jobs_released_total", "Jobs handed back to the queue untried at shutdown.", ["job_type"]
-)
-backlog = Gauge(
-    "jobs_backlog",
-    "Queued jobs in this worker's tenant scope, by type and whether this worker runs the type.",
-    ["job_type", "supported"],
 )
 handler_duration = Histogram(
     "jobs_handler_duration_seconds",

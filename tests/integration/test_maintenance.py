@@ -1,4 +1,4 @@
-"""Maintenance passes: expired leases, exhaustion, retention and backlog counts."""
+"""Maintenance passes: expired leases, exhaustion and retention (backlog: test_backlog.py)."""
 
 from __future__ import annotations
 
@@ -108,21 +108,3 @@ class TestPrune:
         assert first["succeeded"] == 2
         assert rest["succeeded"] == 3
         assert not Job.objects.exists()
-
-
-def test_backlog_counts_per_name_and_tenant():
-    later = timezone.now() + timedelta(hours=1)
-    JobFactory.create_batch(2, name="a.v1", tenant="acme")
-    JobFactory(name="a.v1", tenant="acme", run_after=later)
-    JobFactory(name="b.v1", tenant="globex")
-    JobFactory(name="a.v1", tenant="acme", running=True)
-    TenantOverrideFactory(tenant="globex", component="worker")
-
-    rows = queue.backlog(supported={"a.v1"})
-    base = queue.backlog(scope=AllTenantsExcept("worker"), supported={"a.v1"})
-
-    assert [(r.name, r.tenant, r.supported, r.queued, r.due) for r in rows] == [
-        ("a.v1", "acme", True, 3, 2),
-        ("b.v1", "globex", False, 1, 1),
-    ]
-    assert [(r.name, r.tenant) for r in base] == [("a.v1", "acme")]

@@ -9,16 +9,20 @@ import time
 from datetime import timedelta
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from jobs import enqueue, queue
 from jobs.models import Job
 from jobs.queue import NewJob
 from jobs.registry import JobType, Policy, Registry
+from jobs.scheduler import metrics as scheduler_metrics
+from jobs.scheduler.gauges import Gauges
 from jobs.testing import JobFailed, WorkerTimeout, run_worker
-from jobs.worker import metrics
 from jobs.worker.config import WorkerConfig
 from jobs.worker.leases import LeaseKeeper
+from jobs.worker.maintenance import WorkerMaintenance
 from jobs.worker.runner import Worker
 from tests.factories import JobFactory, TenantOverrideFactory
 from tests.worker_support import Echo, Recorder, Step, registry, scripted
@@ -214,15 +218,33 @@ def test_a_type_with_nothing_due_leaves_its_share_of_the_slots_to_the_others(rec
 
 
 def test_unsupported_names_stay_queued_and_are_reported(recorder, caplog):
+    """Workers leave them alone; the scheduler's leader counts them once per deployment."""
     stranger = queue.enqueue(NewJob("nobody.handles.v1", {"x": 1}))
-    metrics.backlog.clear()
+    scheduler_metrics.backlog.clear()
 
-    with caplog.at_level(logging.WARNING, logger="jobs.worker"):
+    with caplog.at_level(logging.WARNING):
         run_worker(registry=registry(recorder))
+        assert (row(stranger).state, row(stranger).attempts) == ("queued", 0)
+        assert "unsupported" not in caplog.text  # workers no longer count the backlog
+        Gauges(registry(recorder).names()).run_once()
 
-    assert (row(stranger).state, row(stranger).attempts) == ("queued", 0)
     assert "unsupported job types remain outstanding: nobody.handles.v1 (1)" in caplog.text
-    assert metrics.backlog.labels("nobody.handles.v1", "false")._value.get() == 1
+    [record] = [r for r in caplog.records if "unsupported" in r.getMessage()]
+    assert record.name == "jobs.scheduler"
+    assert scheduler_metrics.backlog.labels("nobody.handles.v1", "false")._value.get() == 1
+
+
+def test_the_maintenance_pass_runs_only_the_exhaustion_statement(recorder):
+    """The backlog count moved to the scheduler's leader: a worker's 15 s pass is one bounded
+    statement, whatever the backlog holds."""
+    JobFactory.create_batch(3, name=Echo.job_name)
+    maintenance = WorkerMaintenance(WorkerConfig(), registry(recorder))
+
+    with CaptureQueriesContext(connection) as ctx:
+        maintenance.run_once()
+
+    assert len(ctx.captured_queries) == 1, [q["sql"] for q in ctx.captured_queries]
+    assert "UPDATE jobs_job" in ctx.captured_queries[0]["sql"]
 
 
 class TestScopes:

@@ -69,6 +69,13 @@ class Command(BaseCommand):
             help="Seconds between retention passes (default 600).",
         )
         parser.add_argument(
+            "--gauge-interval",
+            type=float,
+            default=15.0,
+            help="Seconds between refreshes of the backlog and table-health gauges, which only "
+            "the leader exports (default 15).",
+        )
+        parser.add_argument(
             "--http-port",
             type=int,
             default=_env_port("SCHEDULER_HTTP_PORT"),
@@ -87,6 +94,7 @@ class Command(BaseCommand):
                 standby_interval=options["standby_interval"],
                 watchdog_interval=options["watchdog_interval"],
                 retention_interval=options["retention_interval"],
+                gauge_interval=options["gauge_interval"],
                 http_host=options["http_host"],
                 http_port=options["http_port"],
             )

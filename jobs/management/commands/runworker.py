@@ -73,8 +73,8 @@ class Command(BaseCommand):
             "--maintenance-interval",
             type=float,
             default=15.0,
-            help="Seconds between passes that fail exhausted jobs and refresh backlog gauges "
-            "(default 15). Expired leases are recovered every second regardless.",
+            help="Seconds between passes that fail jobs with no attempts left (default 15). "
+            "Expired leases are recovered every second regardless.",
         )
         parser.add_argument(
             "--http-port",
