@@ -6,6 +6,12 @@ the overall limit, and mark them running with a fresh claim token and a lease ti
 PostgreSQL's clock. Rows are locked only as the outer LIMIT pulls them, so nothing is locked
 and then dropped. The claim counts as an attempt. Nothing is prefetched: the caller asks for
 exactly its free capacity.
+
+Within a name the claim walks the priorities that have queued rows, highest first, and reads
+only the due range of each (``priority = p AND run_after <= now``). A single ordered scan
+would have to step over every future row of a higher priority before reaching a due row of a
+lower one: with a million delayed high-priority jobs, 75 ms a claim on PostgreSQL 15, which
+(unlike 18) cannot skip through the index on its own.
 """
 
 from __future__ import annotations
@@ -27,18 +33,34 @@ WITH wanted AS (
         WITH ORDINALITY AS w(name, lim, cap, ord)
 ),
 picked AS (
-    SELECT c.id, w.cap
+    SELECT c.id, w.cap, w.ord
     FROM wanted w
     CROSS JOIN LATERAL (
-        SELECT j.id FROM jobs_job j
-        WHERE j.state = 'queued'
-          AND j.name = w.name
-          AND j.run_after <= statement_timestamp()
-          AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
-          AND {scope}
-        ORDER BY j.priority DESC, j.run_after, j.id
+        -- The priorities this name has queued rows at, highest first: one hop down the claim
+        -- index each, evaluated only as far as the claim below asks.
+        WITH RECURSIVE levels(priority) AS (
+            (SELECT j.priority FROM jobs_job j WHERE j.state = 'queued' AND j.name = w.name
+             ORDER BY j.priority DESC LIMIT 1)
+            UNION ALL
+            SELECT (SELECT j.priority FROM jobs_job j
+                    WHERE j.state = 'queued' AND j.name = w.name AND j.priority < l.priority
+                    ORDER BY j.priority DESC LIMIT 1)
+            FROM levels l WHERE l.priority IS NOT NULL
+        )
+        SELECT due.id FROM levels l
+        CROSS JOIN LATERAL (
+            SELECT j.id FROM jobs_job j
+            WHERE j.state = 'queued'
+              AND j.name = w.name
+              AND j.priority = l.priority
+              AND j.run_after <= statement_timestamp()
+              AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
+              AND {scope}
+            ORDER BY j.priority DESC, j.run_after, j.id
+            LIMIT w.lim
+            FOR UPDATE SKIP LOCKED
+        ) due
         LIMIT w.lim
-        FOR UPDATE SKIP LOCKED
     ) c
     LIMIT %(total)s
 )
@@ -54,7 +76,8 @@ FROM picked
 WHERE j.id = picked.id
 RETURNING j.id, j.job_id, j.name, j.payload, j.tenant, j.queue, j.priority, j.attempts,
           LEAST(j.max_attempts, COALESCE(picked.cap, j.max_attempts)), j.claim_token,
-          GREATEST(0, EXTRACT(EPOCH FROM j.started_at - j.run_after))::float8
+          GREATEST(0, EXTRACT(EPOCH FROM j.started_at - j.run_after))::float8,
+          picked.ord, j.run_after
 """
 
 
@@ -98,7 +121,8 @@ def claim(
     }
     with _db.cursor(using) as cur:
         cur.execute(sql, params)
-        rows = cur.fetchall()
+        # UPDATE … RETURNING keeps no order: put the rows back in claim order.
+        rows = sorted(cur.fetchall(), key=lambda row: (row[11], -row[6], row[12], row[0]))
     return [
         ClaimedJob(
             id=row[0],
