@@ -35,7 +35,7 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
 from jobs import queue
-from jobs.models import Job, TenantOverride
+from jobs.models import Job, JobHistory, TenantOverride
 from jobs.monitor import overview, views
 from jobs.monitor.checks import check_run_tables
 from jobs.monitor.modeladmin import InputFilter, RunTableAdmin
@@ -77,8 +77,30 @@ class QueueFilter(InputFilter):
     parameter_name = field_name = "queue"
 
 
+class JobDisplay:
+    """Read-only renderings shared by the jobs list and the finished-jobs history."""
+
+    @admin.display(description=_("attempts"))
+    def attempts_display(self, obj: Job | JobHistory) -> str:
+        return f"{obj.attempts} / {obj.max_attempts}"
+
+    @admin.display(description=_("payload"))
+    def payload_pretty(self, obj: Job | JobHistory) -> str:
+        return _pre(json.dumps(obj.payload, indent=2, sort_keys=True, ensure_ascii=False))
+
+    @admin.display(description=_("result"))
+    def result_pretty(self, obj: Job | JobHistory) -> str:
+        if obj.result is None:
+            return "—"
+        return _pre(json.dumps(obj.result, indent=2, sort_keys=True, ensure_ascii=False))
+
+    @admin.display(description=_("error detail"))
+    def error_detail_pre(self, obj: Job | JobHistory) -> str:
+        return _pre(obj.error_detail) if obj.error_detail else "—"
+
+
 @admin.register(Job)
-class JobAdmin(RunTableAdmin):
+class JobAdmin(JobDisplay, RunTableAdmin):
     list_display = (
         "id",
         "name",
@@ -113,24 +135,6 @@ class JobAdmin(RunTableAdmin):
         ),
         (_("Replay and result"), {"fields": ("replayed_at", "replayed_by", "result_pretty")}),
     )
-
-    @admin.display(description=_("attempts"))
-    def attempts_display(self, obj: Job) -> str:
-        return f"{obj.attempts} / {obj.max_attempts}"
-
-    @admin.display(description=_("payload"))
-    def payload_pretty(self, obj: Job) -> str:
-        return _pre(json.dumps(obj.payload, indent=2, sort_keys=True, ensure_ascii=False))
-
-    @admin.display(description=_("result"))
-    def result_pretty(self, obj: Job) -> str:
-        if obj.result is None:
-            return "—"
-        return _pre(json.dumps(obj.result, indent=2, sort_keys=True, ensure_ascii=False))
-
-    @admin.display(description=_("error detail"))
-    def error_detail_pre(self, obj: Job) -> str:
-        return _pre(obj.error_detail) if obj.error_detail else "—"
 
     def has_cancel_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("jobs.change_job")
@@ -251,6 +255,50 @@ class JobAdmin(RunTableAdmin):
             path("overview/", wrap(overview.overview), name="jobs_overview"),
             *super().get_urls(),
         ]
+
+
+@admin.register(JobHistory)
+class JobHistoryAdmin(JobDisplay, RunTableAdmin):
+    """Finished jobs the archive moved out of the jobs table, newest first; replay only.
+
+    Readable by whoever may read the jobs list; replay needs ``jobs.replay_job``, as there.
+    """
+
+    list_display = (
+        "id",
+        "name",
+        "job_id",
+        "tenant",
+        "queue",
+        "state",
+        "attempts_display",
+        "last_error",
+        "finished_at",
+    )
+    list_display_links = ("id", "job_id")
+    list_filter = ("state", JobTypeFilter, TenantFilter, QueueFilter, "last_error")
+    # The history's index is by finished_at in every partition; ids are not ordered there.
+    ordering = ("-finished_at",)
+    readonly_fields = ("payload_pretty", "error_detail_pre", "result_pretty", "attempts_display")
+    fieldsets = (
+        (None, {"fields": ("job_id", "name", "tenant", "queue", "priority", "state")}),
+        (_("Payload"), {"fields": ("payload_pretty",)}),
+        (
+            _("Attempts and errors"),
+            {"fields": ("attempts_display", "last_error", "error_detail_pre")},
+        ),
+        (
+            _("Timestamps"),
+            {"fields": ("created_at", "run_after", "started_at", "finished_at", "archived_at")},
+        ),
+        (
+            _("Replay and result"),
+            {"fields": ("claimed_by", "replayed_at", "replayed_by", "result_pretty")},
+        ),
+    )
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return self.run_table.can_view(request.user)
 
 
 @admin.register(TenantOverride)

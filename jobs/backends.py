@@ -114,15 +114,25 @@ class PostgresBackend(BaseTaskBackend):
         return result
 
     def get_result(self, result_id: str) -> TaskResult[..., Any]:
-        from jobs.models import Job
+        """The task's row, in the jobs table or, once finished and archived, in its history.
+
+        The archive moves a row in one statement, so reading the jobs table first and the
+        history second never misses it; replay moves it back, so the jobs table is read
+        once more before giving up.
+        """
+        from jobs.models import Job, JobHistory
 
         try:
-            job = Job.objects.using(self.database).get(
-                pk=int(result_id), name=DjangoTaskV1.job_name
-            )
-        except (ValueError, Job.DoesNotExist):
+            pk = int(result_id)
+        except ValueError:
             raise TaskResultDoesNotExist(result_id) from None
-        return self._result(job)
+        for model in (Job, JobHistory, Job):
+            found = model._default_manager.using(self.database).filter(
+                pk=pk, name=DjangoTaskV1.job_name
+            )
+            for job in found:
+                return self._result(job)
+        raise TaskResultDoesNotExist(result_id)
 
     def _result(self, job: Any) -> TaskResult[..., Any]:
         payload = _stored_payload(job.payload)

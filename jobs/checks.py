@@ -36,6 +36,7 @@ ZERO_ALLOWED = frozenset(
         "FAILURE_WINDOW",
         "RETRY_IN_PROCESS_UP_TO",
         "HANDLER_CONN_MAX_AGE",
+        "ARCHIVE_AFTER",
         # A database bound of zero is off (PostgreSQL's own meaning of 0 for these timeouts).
         "DB_STATEMENT_TIMEOUT",
         "DB_LOCK_TIMEOUT",

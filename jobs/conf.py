@@ -33,6 +33,10 @@ DEFAULTS: dict[str, Any] = {
     "CANCELLED_RETENTION": timedelta(days=7),
     # Rows deleted per statement when pruning, so no statement holds locks for long.
     "PRUNE_BATCH_SIZE": 1000,
+    # A finished job that holds no key (enqueued without a job_id, or past its window) moves
+    # from the jobs table to the history table (jobs_jobhistory) this long after finishing,
+    # at the scheduler's next archive pass. 0 moves it at the next pass.
+    "ARCHIVE_AFTER": timedelta(seconds=10),
     # Send a NOTIFY on enqueue so idle workers wake at once (turn off behind
     # transaction-mode poolers that drop notifications; workers then poll).
     "NOTIFY": True,
@@ -108,6 +112,7 @@ class JobsSettings:
     FAILED_RETENTION: timedelta
     CANCELLED_RETENTION: timedelta
     PRUNE_BATCH_SIZE: int
+    ARCHIVE_AFTER: timedelta
     NOTIFY: bool
     STALE_AFTER: timedelta
     BACKOFF_BASE: timedelta

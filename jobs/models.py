@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 from datetime import datetime
+from typing import Any
 
 from django.db import models
 from django.db.models import F, Q
@@ -48,6 +49,9 @@ class Job(RunContract):
     window (``SUCCESS_WINDOW`` after success, ``FAILURE_WINDOW`` after failure) so a repeat
     enqueue returns them instead of running the work again, then let it go. The partial
     UNIQUE index over key-holding rows is the whole idempotency lock: the database decides.
+
+    A finished row that holds no key moves to :class:`JobHistory` at the next archive pass, so
+    this table holds active work and the keys of recent work, not the whole past.
     """
 
     job_id = models.CharField(_("job id"), max_length=255, default=new_job_id)
@@ -67,6 +71,13 @@ class Job(RunContract):
     claimed_by = models.CharField(_("claimed by"), max_length=200, blank=True, default="")
     started_at = models.DateTimeField(_("started at"), null=True, blank=True)
     key_held = models.BooleanField(_("holds its job id"), default=True)
+    # False when enqueue generated the job_id: nobody can submit that id again, so the row
+    # lets its key go as soon as it finishes and leaves this table at the next archive pass.
+    keyed = models.BooleanField(
+        _("keyed"),
+        db_default=True,
+        help_text=_("The job_id was given by the caller (an idempotency key), not generated."),
+    )
     # Running jobs are recovered through their leases and retry policy, not stale reaping.
     reaped_when_stale = False
     result = models.JSONField(_("result"), null=True, blank=True)
@@ -132,11 +143,12 @@ class Job(RunContract):
                 condition=Q(state=RunState.QUEUED, attempts__gte=F("max_attempts")),
                 name="jobs_job_out_of_attempts",
             ),
-            # Terminal rows by age: retention, the failure monitor, key release.
+            # Terminal rows by whether they still hold their key, then age: the archive pass
+            # takes the oldest rows that let go (or whose window passed) in index order.
             models.Index(
-                fields=["state", "finished_at"],
+                fields=["state", "key_held", "finished_at"],
                 condition=Q(state__in=TERMINAL_STATES),
-                name="jobs_job_finished",
+                name="jobs_job_terminal",
             ),
         ]
 
@@ -165,6 +177,67 @@ class Job(RunContract):
         from jobs import queue
 
         return len(queue.replay(pks, by=by).replayed)
+
+
+class JobHistory(RunContract):
+    """A finished job that no longer holds its key, moved out of the jobs table.
+
+    The table is partitioned by state, then by ``finished_at`` (an hour or a day per
+    partition, see :mod:`jobs.queue.history`), so retention drops whole partitions instead of
+    deleting rows, and ten million finished rows cost the claim path nothing. Rows keep the
+    id they had in ``jobs_job``; replay moves a row back there under that id. Written only
+    by :mod:`jobs.queue`.
+    """
+
+    id = models.BigIntegerField(_("id"), primary_key=True)
+    job_id = models.CharField(_("job id"), max_length=255)
+    name = models.CharField(_("job type"), max_length=200)
+    payload = models.JSONField(_("payload"), default=dict)
+    tenant = models.CharField(_("tenant"), max_length=64)
+    queue = models.CharField(_("queue"), max_length=64)
+    priority = models.SmallIntegerField(_("priority"), default=0)
+    max_attempts = models.PositiveIntegerField(_("max attempts"))
+    run_after = models.DateTimeField(_("run after"))
+    claimed_by = models.CharField(_("claimed by"), max_length=200, blank=True, default="")
+    started_at = models.DateTimeField(_("started at"), null=True, blank=True)
+    keyed = models.BooleanField(_("keyed"), default=True)
+    result = models.JSONField(_("result"), null=True, blank=True)
+    replayed_at = models.DateTimeField(_("replayed at"), null=True, blank=True)
+    replayed_by = models.CharField(_("replayed by"), max_length=150, blank=True, default="")
+    archived_at = models.DateTimeField(_("archived at"), db_default=Now(), editable=False)
+    # Finished rows are never retried in place.
+    next_retry_at = None
+    reaped_when_stale = False
+    monitor_permission_model = "job"
+    replay_description = _(
+        "Move the job back to the jobs table and queue it again with fresh attempts."
+    )
+
+    class Meta:
+        db_table = "jobs_jobhistory"
+        verbose_name = _("finished job")
+        verbose_name_plural = _("finished jobs")
+        # Partitioned: no unique index can cover id alone, and finished rows need no lock.
+        constraints = ()
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.job_id} ({self.state})"
+
+    @classmethod
+    def replay(cls, pks: Iterable[int], *, by: str) -> int:
+        """Queue the same job again with fresh attempts, back in the jobs table."""
+        from jobs import queue
+
+        return len(queue.replay(pks, by=by).replayed)
+
+    @classmethod
+    def replay_permission(cls) -> str:
+        return "jobs.replay_job"
+
+    @classmethod
+    def replayed_rows(cls, pks: Iterable[Any]) -> models.QuerySet[Any]:
+        """A replayed finished job is back in the jobs table, under the same id."""
+        return Job.objects.filter(pk__in=list(pks))
 
 
 class TenantOverride(models.Model):

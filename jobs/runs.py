@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from django.apps import apps
 from django.db import DEFAULT_DB_ALIAS, models, transaction
@@ -103,6 +103,9 @@ class RunContract(models.Model):
     monitor_job_type: ClassVar[str] = ""
     # The field holding each row's tenant.
     monitor_tenant_field: ClassVar[str | None] = "tenant"
+    # Another model of the same app whose view and change permissions also let a user read
+    # this table (the finished-jobs history reads as the jobs table does); "" for none.
+    monitor_permission_model: ClassVar[str] = ""
     # What replay means here, shown on the replay confirmation page; "" means the first line
     # of the replay() docstring. A lazy translation (gettext_lazy) is fine.
     replay_description: ClassVar[str | Promise] = ""
@@ -133,6 +136,15 @@ class RunContract(models.Model):
         A domain with a further condition (a run already replaced by a newer one) narrows it.
         """
         return Q(state=RunState.FAILED)
+
+    @classmethod
+    def replayed_rows(cls, pks: Iterable[Any]) -> models.QuerySet[Any]:
+        """Where replayed rows are now, for the admin's record of who replayed them.
+
+        The rows themselves by default; a table whose replay moves rows elsewhere (finished
+        jobs go back to the jobs table) names that table's rows.
+        """
+        return cls._default_manager.filter(pk__in=list(pks))
 
     @classmethod
     def replay_permission(cls) -> str:

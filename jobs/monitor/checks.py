@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.apps import apps
 from django.core.checks import CheckMessage, Error, Warning
 
 from jobs.monitor.tables import RunTable, run_tables
@@ -59,7 +60,13 @@ def check_run_tables(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
             )
             continue
         app_label, _dot, codename = table.replay_permission.partition(".")
-        declared = {name for name, _label in model._meta.permissions}
+        # A table may share a permission another model of its app declares (finished jobs
+        # replay under the jobs table's own ``jobs.replay_job``).
+        declared = {
+            name
+            for other in apps.get_app_config(model._meta.app_label).get_models()
+            for name, _label in other._meta.permissions
+        }
         if app_label == model._meta.app_label and codename not in declared:
             messages.append(
                 Error(

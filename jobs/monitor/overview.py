@@ -5,7 +5,10 @@ backlog holds: exact up to :data:`jobs.queue.BACKLOG_CAP` per type, shown as ``â
 planner's estimate) above it, and due jobs as ``10,000+``. The oldest due job comes from
 the same statement. Two aggregates read the other rows (per state, and per type for running
 and failed rows); they never read the queued rows, and cost what the table holds besides the
-backlog. Overdue schedules come from :func:`jobs.scheduler.status` when the scheduler is there.
+backlog. Finished jobs in the history table are counted per state from PostgreSQL's
+statistics of its partitions (shown as ``â‰ˆN``), and its failed rows per type exactly, as
+they are the ones awaiting replay. Overdue schedules come from :func:`jobs.scheduler.status`
+when the scheduler is there.
 
 "Now" is PostgreSQL's, read once per page and passed down, as the scheduler reads it: a web
 host with a fast clock would otherwise call a schedule that just fired overdue.
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -28,7 +30,7 @@ from django.utils.formats import number_format
 from django.utils.translation import gettext as _
 
 from jobs import queue
-from jobs.models import Job
+from jobs.models import Job, JobHistory
 from jobs.monitor.tables import RunTable
 from jobs.monitor.views import age
 from jobs.queue import BacklogRow
@@ -57,15 +59,27 @@ def overview_data(now: datetime | None = None) -> dict[str, Any]:
     }
     per_state[RunState.QUEUED] = sum(row.queued for row in backlog.values())
     estimated = not all(row.queued_exact for row in backlog.values())
+    archived = queue.history.estimated_rows()
+    for state, count in archived.items():
+        per_state[state] = per_state.get(state, 0) + count
     others = (RunState.RUNNING, RunState.FAILED)
     # The plugin's row type knows only "name", not the per-state counts annotated by name.
-    per_type: dict[str, Mapping[str, Any]] = {
-        row["name"]: row
+    per_type: dict[str, dict[str, Any]] = {
+        row["name"]: dict(row)
         for row in Job.objects.filter(state__in=others)
         .order_by()
         .values("name")
         .annotate(**{state: Count("pk", filter=Q(state=state)) for state in others})
     }
+    # Failed jobs awaiting replay are mostly in the history by now: count them there too.
+    for row in (
+        JobHistory.objects.filter(state=RunState.FAILED)
+        .order_by()
+        .values("name")
+        .annotate(n=Count("pk"))
+    ):
+        counts = per_type.setdefault(row["name"], {"name": row["name"]})
+        counts[RunState.FAILED] = counts.get(RunState.FAILED, 0) + row["n"]
     oldest_due = min((r.oldest_due for r in backlog.values() if r.oldest_due), default=None)
     types = [
         {
@@ -86,11 +100,14 @@ def overview_data(now: datetime | None = None) -> dict[str, Any]:
             (
                 value,
                 label,
-                shown(per_state.get(value, 0), estimate=estimated and value == RunState.QUEUED),
+                shown(
+                    per_state.get(value, 0),
+                    estimate=(estimated and value == RunState.QUEUED) or bool(archived.get(value)),
+                ),
             )
             for value, label in RunState.choices
         ],
-        "total": shown(sum(per_state.values()), estimate=estimated),
+        "total": shown(sum(per_state.values()), estimate=estimated or any(archived.values())),
         "types": types,
         "oldest_due": oldest_due,
         "oldest_due_age": age(oldest_due, now),

@@ -96,7 +96,7 @@ def _replay_table(user: Operator, table: RunTable, pks: list[Any], via: str) -> 
             if replayed:
                 LogEntry.objects.log_actions(
                     user.pk,
-                    table.model._default_manager.filter(pk__in=replayed).order_by("pk"),
+                    table.model.replayed_rows(replayed).order_by("pk"),
                     CHANGE,
                     change_message=f"Replayed via {via}: {table.replay_description}",
                 )

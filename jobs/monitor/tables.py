@@ -127,9 +127,17 @@ class RunTable:
         return doc.splitlines()[0] if doc else ""
 
     def can_view(self, user: Operator) -> bool:
-        """What the admin lets see the table's list: its view or its change permission."""
-        app, name = self.opts.app_label, self.opts.model_name
-        return user.has_perm(self.view_permission) or user.has_perm(f"{app}.change_{name}")
+        """What the admin lets see the table's list: its view or its change permission.
+
+        A table that names a ``monitor_permission_model`` is also readable with that model's.
+        """
+        app = self.opts.app_label
+        names = {self.opts.model_name, self.model.monitor_permission_model} - {"", None}
+        return any(
+            user.has_perm(f"{app}.{action}_{name}")
+            for name in sorted(names)  # type: ignore[type-var]
+            for action in ("view", "change")
+        )
 
     def can_replay(self, user: Operator) -> bool:
         """Replay shows the rows it acts on, so it needs the view permission as well."""

@@ -12,12 +12,15 @@ Job states and who moves them::
     │               ▼
     └────────── cancelled / failed
 
-Every outcome write is fenced by the claim token. Every function takes ``using`` (a database
+A finished row that holds no key leaves for the history table (``history.archive``); retention
+drops history partitions whole (``history.drop_expired``). Every outcome write is fenced by the
+claim token. Every function takes ``using`` (a database
 alias) and runs on that connection, so it joins the caller's transaction when there is one.
 The worker, the scheduler, the admin and management commands call these functions; none of
 them writes the jobs table itself.
 """
 
+from jobs.queue import history
 from jobs.queue.claim import claim, claim_sql, next_attempt, renew, renew_tokens
 from jobs.queue.enqueue import enqueue, enqueue_many
 from jobs.queue.maintenance import (
@@ -81,6 +84,7 @@ __all__ = [
     "enqueue_many",
     "fail",
     "fail_exhausted",
+    "history",
     "next_attempt",
     "pending",
     "prune",

@@ -151,6 +151,7 @@ def _row(job: NewJob, index: int) -> dict[str, Any]:
         raise InvalidJob(f"payload is not JSON-serializable: {exc}", index=index) from None
     return {
         "job_id": job_id,
+        "keyed": job.job_id is not None,
         "name": job.name,
         "payload": payload,
         "tenant": tenant,
@@ -253,19 +254,20 @@ def _insert(
         WITH inserted AS (
             INSERT INTO jobs_job (
                 id, job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
-                state, attempts, last_error, error_detail, claimed_by, key_held,
+                state, attempts, last_error, error_detail, claimed_by, key_held, keyed,
                 replayed_by, created_at
             )
             SELECT r.id, r.job_id, r.name, r.payload, r.tenant, r.queue, r.priority,
                    r.max_attempts,
                    COALESCE(r.run_after, %(base)s + make_interval(secs => r.delay)),
-                   'queued', 0, '', '', '', TRUE, '', %(base)s
+                   'queued', 0, '', '', '', TRUE, r.keyed, '', %(base)s
             FROM unnest(
                 %(id)s::bigint[], %(job_id)s::text[], %(name)s::text[], %(payload)s::jsonb[],
                 %(tenant)s::text[], %(queue)s::text[], %(priority)s::smallint[],
-                %(max_attempts)s::int[], %(run_after)s::timestamptz[], %(delay)s::float8[]
+                %(max_attempts)s::int[], %(run_after)s::timestamptz[], %(delay)s::float8[],
+                %(keyed)s::bool[]
             ) AS r(id, job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
-                   delay)
+                   delay, keyed)
             ON CONFLICT (tenant, job_id) WHERE key_held DO NOTHING
             RETURNING id, name, run_after
         )"""
@@ -287,6 +289,7 @@ _COLUMNS = (
     "max_attempts",
     "run_after",
     "delay",
+    "keyed",
 )
 
 
@@ -311,13 +314,13 @@ def _insert_one(cur: CursorWrapper, row: dict[str, Any], base: datetime | None) 
         WITH inserted AS (
             INSERT INTO jobs_job (
                 job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
-                state, attempts, last_error, error_detail, claimed_by, key_held,
+                state, attempts, last_error, error_detail, claimed_by, key_held, keyed,
                 replayed_by, created_at
             )
             SELECT %(job_id)s, %(name)s, %(payload)s::jsonb, %(tenant)s, %(queue)s,
                    %(priority)s, %(max_attempts)s,
                    COALESCE(%(run_after)s::timestamptz, b.at + make_interval(secs => %(delay)s)),
-                   'queued', 0, '', '', '', TRUE, '', b.at
+                   'queued', 0, '', '', '', TRUE, %(keyed)s, '', b.at
             FROM (SELECT COALESCE(%(base)s::timestamptz, statement_timestamp()) AS at) b
             ON CONFLICT (tenant, job_id) WHERE key_held DO NOTHING
             RETURNING id, name, run_after, created_at

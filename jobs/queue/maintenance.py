@@ -145,7 +145,7 @@ def fail_exhausted_sql(
             error_detail = CASE WHEN j.state = 'running'
                 THEN 'lease expired on the last attempt while held by ' || j.claimed_by
                 ELSE 'no attempts left (' || j.attempts || ' used)' END,
-            state = 'failed', finished_at = {_NOW},
+            state = 'failed', finished_at = {_NOW}, key_held = j.keyed,
             claim_token = NULL, lease_expires_at = NULL, claimed_by = ''
         FROM exhausted WHERE j.id = exhausted.id
         RETURNING j.id, j.job_id, j.name, j.tenant, j.state, j.last_error
@@ -184,23 +184,32 @@ def prune(
     with _db.cursor(using) as cur:
         for state, age in retention.items():
             deleted[state] = 0
-            for _batch in range(max_batches):
-                cur.execute(
-                    f"""
-                    DELETE FROM jobs_job WHERE id IN (
-                        SELECT id FROM jobs_job
-                        WHERE state = %(state)s
-                          AND finished_at < {_NOW} - make_interval(secs => %(age)s)
-                        ORDER BY finished_at
-                        LIMIT %(batch)s
-                        FOR UPDATE SKIP LOCKED
+            # One ordered range of jobs_job_terminal (state, key_held, finished_at) at a time.
+            for held in (False, True):
+                params = {
+                    "state": state,
+                    "held": held,
+                    "age": _db.seconds(age),
+                    "batch": batch_size,
+                    "now": now,
+                }
+                for _batch in range(max_batches):
+                    cur.execute(
+                        f"""
+                        DELETE FROM jobs_job WHERE id = ANY(ARRAY(
+                            SELECT id FROM jobs_job
+                            WHERE state = %(state)s AND key_held = %(held)s
+                              AND finished_at < {_NOW} - make_interval(secs => %(age)s)
+                            ORDER BY finished_at
+                            LIMIT %(batch)s
+                            FOR UPDATE SKIP LOCKED
+                        ))
+                        """,
+                        params,
                     )
-                    """,
-                    {"state": state, "age": _db.seconds(age), "batch": batch_size, "now": now},
-                )
-                deleted[state] += cur.rowcount
-                if cur.rowcount < batch_size:
-                    break
+                    deleted[state] += cur.rowcount
+                    if cur.rowcount < batch_size:
+                        break
     return deleted
 
 

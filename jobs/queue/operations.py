@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, transaction
 
 from jobs import binding
-from jobs.queue import _db, keys
+from jobs.queue import _db, history, keys
 from jobs.queue.types import ReplayReport
 from jobs.runs import ErrorCode
 
@@ -39,13 +39,16 @@ def replay(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> Rep
     """Send failed or cancelled jobs back to the queue with a fresh set of attempts.
 
     The same row runs again (its id, job_id and payload are kept, ``last_error`` stays as
-    the reason it failed until it runs), and who replayed it and when is recorded. A job
+    the reason it failed until it runs), and who replayed it and when is recorded. A row
+    already in the history table moves back to the jobs table first, in the same transaction. A job
     whose job_id was taken by newer work since it failed is left alone (``key_taken``).
     """
     wanted = sorted(set(ids))
     if not wanted:
         return ReplayReport((), (), ())
     with transaction.atomic(using=using), _db.cursor(using) as cur:
+        # Finished jobs may have moved to the history table: bring them back under their ids.
+        cur.execute(history.RESTORE, {"ids": wanted})
         keys.release_for(cur, wanted)
         try:
             with transaction.atomic(using=using):

@@ -48,6 +48,8 @@ written AS (
         result = o.result,
         claim_token = NULL,
         lease_expires_at = NULL,
+        -- A generated job_id is never submitted again: a finished keyless job lets it go.
+        key_held = (o.state = 'queued' OR j.keyed),
         -- A finished job keeps the identity of the worker that finished it.
         claimed_by = CASE WHEN o.state = 'queued' THEN '' ELSE j.claimed_by END
     FROM o JOIN free ON free.id = o.id

@@ -11,7 +11,7 @@ from datetime import timedelta
 from django.core.exceptions import ImproperlyConfigured
 
 from jobs.conf import jobs_settings
-from jobs.scheduler.retention import RetentionConfig
+from jobs.scheduler.retention import ArchiveConfig, RetentionConfig
 from jobs.scheduler.schedules import Schedule
 from jobs.scheduler.watchdog import WatchdogConfig
 
@@ -20,6 +20,7 @@ INTERVALS = (
     "standby_interval",
     "watchdog_interval",
     "retention_interval",
+    "archive_interval",
     "gauge_interval",
 )
 
@@ -38,10 +39,12 @@ class SchedulerConfig:
     standby_interval: float = 1.0  # leadership attempts while standing by
     watchdog_interval: float = 30.0
     retention_interval: float = 600.0
+    archive_interval: float = 5.0
     gauge_interval: float = 15.0  # backlog and table-health gauges (the leader only)
     leader_timeout: timedelta | None = None  # None: JOBS["SCHEDULER_LEADER_TIMEOUT"]
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     http_host: str = "127.0.0.1"
     http_port: int | None = None
     install_signal_handlers: bool = True

@@ -4,6 +4,8 @@
   never shorter than the idempotency window ``SUCCESS_WINDOW``: system check ``jobs.E005``),
   failed rows after ``FAILED_RETENTION`` (long, for inspection and replay), cancelled rows
   after ``CANCELLED_RETENTION``. Queued and running rows are never touched.
+* History table (``jobs.queue.history``): whole partitions of finished rows, once the newest
+  row a partition may hold is past its state's retention (``DROP TABLE``, no row deletes).
 * Recorded cron slots after ``SLOT_RETENTION``, except each schedule's latest slot, which the
   next tick needs to know what it missed.
 
@@ -42,6 +44,56 @@ class RetentionConfig:
             )
 
 
+@dataclass(frozen=True)
+class ArchiveConfig:
+    batch_size: int = 5000  # rows moved per statement
+    max_batches: int = 20  # statements per state and pass
+    budget: float = 2.0  # seconds after which a pass starts no new statement
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.max_batches < 1 or self.budget <= 0:
+            raise ImproperlyConfigured(
+                f"archive batch size and batches per pass must be at least 1 and its budget "
+                f"positive, got {self.batch_size}, {self.max_batches} and {self.budget}"
+            )
+
+
+class Archive:
+    """The archive duty: finished rows that hold no key leave the jobs table for its history.
+
+    Frequent and small (every few seconds, bounded in rows and time), so the jobs table
+    stays the size of the active work however many jobs finish.
+    """
+
+    def __init__(self, config: ArchiveConfig | None = None, *, using: str = DEFAULT_DB_ALIAS):
+        self.config = config or ArchiveConfig()
+        self.using = using
+
+    def run_once(self, now: datetime | None = None) -> Counter[str]:
+        """Archive at ``now`` (default: database clock); rows moved by state."""
+        counts: Counter[str] = Counter()
+        moved = queue.history.archive(
+            batch_size=self.config.batch_size,
+            max_batches=self.config.max_batches,
+            budget=self.config.budget,
+            now=now,
+            using=self.using,
+        )
+        for state, (taken, kept) in moved.items():
+            if kept:
+                counts[state] += kept
+                metrics.archived.labels(state).inc(kept)
+            if taken - kept:
+                metrics.pruned.labels("jobs.job", state).inc(taken - kept)
+        if counts:
+            logger.debug(
+                "archive: moved %s",
+                ", ".join(f"{count} {state}" for state, count in sorted(counts.items())),
+                extra={"action": "archived", "counts": dict(counts)},
+            )
+        return counts
+
+
 class Retention:
     def __init__(self, config: RetentionConfig | None = None, *, using: str = DEFAULT_DB_ALIAS):
         self.config = config or RetentionConfig()
@@ -58,6 +110,9 @@ class Retention:
         for state, count in deleted.items():
             if count:
                 counts[f"jobs.job:{state}"] += count
+        for state, count in queue.history.drop_expired(now=now, using=self.using).items():
+            if count:
+                counts[f"jobs.jobhistory:{state}"] += count
         retention = self.config.slot_retention or jobs_settings.SLOT_RETENTION
         with connections[self.using].cursor() as cur:
             for _ in range(self.config.max_batches):

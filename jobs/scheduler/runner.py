@@ -48,7 +48,7 @@ from jobs.scheduler.cron import CronService
 from jobs.scheduler.gauges import Gauges
 from jobs.scheduler.leader import Leadership, LeadershipLost
 from jobs.scheduler.reporting import export, status
-from jobs.scheduler.retention import Retention
+from jobs.scheduler.retention import Archive, Retention
 from jobs.scheduler.schedules import Schedule, get_schedules
 from jobs.scheduler.watchdog import Watchdog
 
@@ -99,11 +99,13 @@ class Scheduler:
         )
         self.watchdog = Watchdog(config.watchdog, max_attempts=registry.max_attempts())
         self.retention = Retention(config.retention)
+        self.archive = Archive(config.archive)
         self.gauges = Gauges(registry.names())
         self.duties = [
             Duty("cron", config.tick_interval, self.cron.run_once),
             Duty("watchdog", config.watchdog_interval, self.watchdog.run_once),
             Duty("retention", config.retention_interval, self.retention.run_once),
+            Duty("archive", config.archive_interval, self.archive.run_once),
             Duty("gauges", config.gauge_interval, self.gauges.run_once),
         ]
         self.passes = 0  # passes that ran duties as leader
@@ -126,11 +128,13 @@ class Scheduler:
             ready=lambda: self.ready and not self._stop.is_set(),
         )
         logger.info(
-            "scheduler %s started: schedules %s; watchdog every %gs, retention every %gs",
+            "scheduler %s started: schedules %s; watchdog every %gs, retention every %gs, "
+            "archive every %gs",
             self.config.identity,
             ", ".join(s.name for s in self.schedules) or "(none)",
             self.config.watchdog_interval,
             self.config.retention_interval,
+            self.config.archive_interval,
             extra={"action": "started"},
         )
         self.ready = True

@@ -54,6 +54,23 @@ def test_worker_runs_the_task_and_the_result_is_retrievable():
     assert (result.args, result.kwargs) == ([2], {"b": 3})
 
 
+def test_the_result_is_still_retrievable_once_the_job_moved_to_history():
+    from jobs.models import JobHistory
+    from jobs.queue import history
+
+    result = tasks.add.enqueue(2, b=3)
+    run_worker()
+
+    moved = history.archive(now=timezone.now() + timedelta(minutes=1))
+
+    assert moved == {"succeeded": (1, 1)}
+    assert JobHistory.objects.filter(pk=int(result.id)).exists()
+    again = tasks.add.get_result(result.id)
+    assert again.status == TaskResultStatus.SUCCESSFUL
+    assert again.return_value == 5
+    assert (again.args, again.kwargs) == ([2], {"b": 3})
+
+
 def test_failures_carry_the_exception_class_and_traceback():
     result = tasks.refuse.enqueue("no such customer")
 

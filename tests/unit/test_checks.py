@@ -42,7 +42,7 @@ def test_e001_unknown_key_suggests_the_closest():
     [close, far] = messages({"LEASE_TIME": 5, "ZZZ": 1})
     assert close == ("jobs.E001", "JOBS has an unknown key 'LEASE_TIME'.", "Did you mean 'LEASE'?")
     assert far[:2] == ("jobs.E001", "JOBS has an unknown key 'ZZZ'.")
-    assert far[2].startswith("Known keys: BACKOFF_BASE, BACKOFF_CAP, CANCELLED_RETENTION, ")
+    assert far[2].startswith("Known keys: ARCHIVE_AFTER, BACKOFF_BASE, BACKOFF_CAP, ")
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""``manage.py runscheduler``: cron, watchdog and retention; one leader, any number of standbys."""
+"""``manage.py runscheduler``: cron, watchdog, retention, archive; one leader, many standbys."""
 
 from __future__ import annotations
 
@@ -69,6 +69,12 @@ class Command(BaseCommand):
             help="Seconds between retention passes (default 600).",
         )
         parser.add_argument(
+            "--archive-interval",
+            type=float,
+            default=5.0,
+            help="Seconds between archive passes moving finished jobs to history (default 5).",
+        )
+        parser.add_argument(
             "--gauge-interval",
             type=float,
             default=15.0,
@@ -94,6 +100,7 @@ class Command(BaseCommand):
                 standby_interval=options["standby_interval"],
                 watchdog_interval=options["watchdog_interval"],
                 retention_interval=options["retention_interval"],
+                archive_interval=options["archive_interval"],
                 gauge_interval=options["gauge_interval"],
                 http_host=options["http_host"],
                 http_port=options["http_port"],

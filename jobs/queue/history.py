@@ -1,0 +1,305 @@
+"""The history table: finished jobs, out of the claim path, retired a partition at a time.
+
+The jobs table holds active work and the finished rows that still hold their idempotency key.
+Every other finished row moves to ``jobs_jobhistory`` at the scheduler's archive pass, a
+bounded ``DELETE … RETURNING`` into ``INSERT`` that reads the terminal-row index in order::
+
+    jobs_job (queued, running, finished holding a key)
+        │  archive: finished ARCHIVE_AFTER ago, and no key held (or its window passed)
+        ▼
+    jobs_jobhistory                        PARTITION BY LIST (state)
+      └─ jobs_jobhistory_<state>           PARTITION BY RANGE (finished_at)
+           └─ jobs_jobhistory_<state>_<from>_<to>   an hour (or a day) of finished rows
+                │  retention: the partition's end is older than the state's retention
+                ▼
+              DROP TABLE
+
+A state whose retention is three days or less gets an hour per partition (a row lives up to
+an hour past its retention), a longer one a day per partition. Partition names carry their
+bounds in UTC (``jobs_jobhistory_failed_2026120100_2026120200``), so the module reads the
+layout from the catalog by name alone. A partition is created just before the first row that
+needs it moves, clipped so it never overlaps one made under another width. Rows already past
+their retention when they leave the jobs table are deleted, not moved.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from django.db import DEFAULT_DB_ALIAS
+from django.db.backends.utils import CursorWrapper
+
+from jobs.conf import jobs_settings
+from jobs.queue import _db
+from jobs.runs import TERMINAL_STATES, RunState
+
+PARENT = "jobs_jobhistory"
+HOUR, DAY = timedelta(hours=1), timedelta(days=1)
+#: Retentions up to this long are kept in hourly partitions, longer ones in daily ones.
+HOURLY_UP_TO = timedelta(days=3)
+_STAMP = "%Y%m%d%H"
+_NAME = re.compile(rf"^{PARENT}_(?P<state>[a-z]+)_(?P<start>\d{{10}})_(?P<end>\d{{10}})$")
+
+# Columns a history row has, in the order both INSERTs below write them.
+COLUMNS = (
+    "id, state, attempts, heartbeat_at, last_error, error_detail, created_at, finished_at, "
+    "job_id, name, payload, tenant, queue, priority, max_attempts, run_after, claimed_by, "
+    "started_at, keyed, result, replayed_at, replayed_by"
+)
+
+# One batch of one state: rows that let their key go, or (``held``) whose window has passed.
+# Each is a plain ordered range of the terminal-row index, locked as it is read, so the plan
+# stays right even while the statistics have not caught up with a burst of finished rows.
+_ARCHIVE = f"""
+WITH picked AS (
+    SELECT j.id FROM jobs_job j
+    WHERE j.state = %(state)s AND j.key_held = %(held)s AND j.finished_at < %(until)s
+    ORDER BY j.finished_at
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+),
+moved AS (
+    -- By id through the primary key: a join here may hash the whole table instead.
+    DELETE FROM jobs_job j WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
+    RETURNING j.*
+),
+kept AS (
+    INSERT INTO {PARENT} ({COLUMNS})
+    SELECT {COLUMNS} FROM moved WHERE moved.finished_at >= %(expired_before)s
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM kept)
+"""
+
+_OLDEST = """
+SELECT LEAST(
+    (SELECT min(finished_at) FROM jobs_job WHERE state = %(state)s AND NOT key_held),
+    (SELECT min(finished_at) FROM jobs_job WHERE state = %(state)s AND key_held)
+)
+"""
+
+#: Failed or cancelled history rows back into the jobs table, for replay to queue them.
+RESTORE = f"""
+WITH restored AS (
+    DELETE FROM {PARENT} h
+    WHERE h.id = ANY(%(ids)s) AND h.state IN ('failed', 'cancelled')
+    RETURNING h.*
+)
+INSERT INTO jobs_job ({COLUMNS}, key_held, lease_expires_at, claim_token)
+SELECT {COLUMNS}, FALSE, NULL, NULL FROM restored
+"""
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One time partition of one state's history: rows finished in ``[start, end)``."""
+
+    state: str
+    start: datetime
+    end: datetime
+
+    @property
+    def name(self) -> str:
+        return f"{PARENT}_{self.state}_{self.start:{_STAMP}}_{self.end:{_STAMP}}"
+
+    @classmethod
+    def parse(cls, name: str) -> Partition | None:
+        match = _NAME.match(name)
+        if match is None or match["state"] not in TERMINAL_STATES:
+            return None
+        start, end = (
+            datetime.strptime(match[key], _STAMP).replace(tzinfo=UTC) for key in ("start", "end")
+        )
+        return cls(match["state"], start, end)
+
+
+def retention(state: str) -> timedelta:
+    """How long finished rows of ``state`` are kept (the ``*_RETENTION`` settings)."""
+    retentions: dict[str, timedelta] = {
+        RunState.SUCCEEDED: jobs_settings.SUCCEEDED_RETENTION,
+        RunState.FAILED: jobs_settings.FAILED_RETENTION,
+        RunState.CANCELLED: jobs_settings.CANCELLED_RETENTION,
+    }
+    return retentions[state]
+
+
+def window(state: str) -> timedelta:
+    """How long a finished row of ``state`` holds its key (the two window settings)."""
+    if state == RunState.SUCCEEDED:
+        return jobs_settings.SUCCESS_WINDOW
+    return jobs_settings.FAILURE_WINDOW
+
+
+def width(state: str) -> timedelta:
+    """The span of a new partition: an hour for short retentions, a day for long ones."""
+    return HOUR if retention(state) <= HOURLY_UP_TO else DAY
+
+
+def partitions(cur: CursorWrapper, state: str) -> list[Partition]:
+    """The time partitions of ``state``'s history, oldest first (read from the catalog)."""
+    cur.execute(
+        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+        "WHERE i.inhparent = %s::regclass",
+        [f"{PARENT}_{state}"],
+    )
+    found = (Partition.parse(name) for (name,) in cur.fetchall())
+    return sorted((p for p in found if p is not None), key=lambda p: p.start)
+
+
+def ensure(cur: CursorWrapper, state: str, first: datetime, last: datetime) -> list[Partition]:
+    """Create the partitions rows of ``state`` finished in ``[first, last]`` need; the new ones."""
+    created = plan(partitions(cur, state), state, first, last, width(state))
+    for partition in created:
+        cur.execute(
+            f"CREATE TABLE IF NOT EXISTS {partition.name} PARTITION OF {PARENT}_{state} "
+            "FOR VALUES FROM (%s) TO (%s)",
+            [partition.start, partition.end],
+        )
+    return created
+
+
+def plan(
+    existing: list[Partition], state: str, first: datetime, last: datetime, span: timedelta
+) -> list[Partition]:
+    """The partitions to add so every hour from ``first`` to ``last`` has one.
+
+    Each uncovered hour gets the partition of its bucket (``span``: an hour or a day), cut
+    short where an existing partition, made under another width, covers part of the bucket.
+    """
+    taken = list(existing)
+    added: list[Partition] = []
+    hour = _floor(first, HOUR)
+    while hour <= last:
+        if not any(p.start <= hour < p.end for p in taken):
+            bucket = _floor(hour, span)
+            start = max([bucket, *(p.end for p in taken if p.end <= hour)])
+            end = min([bucket + span, *(p.start for p in taken if p.start > hour)])
+            added.append(Partition(state, start, end))
+            taken.append(added[-1])
+        hour += HOUR
+    return added
+
+
+def archive(
+    *,
+    batch_size: int = 5000,
+    max_batches: int = 20,
+    budget: float = 2.0,
+    now: datetime | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> dict[str, tuple[int, int]]:
+    """Move finished rows that hold no key out of the jobs table; ``(moved, kept)`` per state.
+
+    ``kept`` rows went to the history table; the rest were past their retention already and
+    were deleted. At most ``max_batches`` statements of ``batch_size`` rows per state, and no
+    new statement after ``budget`` seconds, so a backlog of finished rows is worked off over
+    several passes without holding up the caller's loop. Call it outside a transaction: each
+    batch commits on its own.
+    """
+    deadline = time.monotonic() + budget
+    counts: dict[str, tuple[int, int]] = {}
+    with _db.cursor(using) as cur:
+        if now is None:
+            cur.execute("SELECT statement_timestamp()")
+            (now,) = cur.fetchone()
+        cutoff = now - jobs_settings.ARCHIVE_AFTER
+        for state in TERMINAL_STATES:
+            expired_before = now - retention(state)
+            cur.execute(_OLDEST, {"state": state})
+            (oldest,) = cur.fetchone()
+            if oldest is None or oldest >= cutoff:
+                continue
+            ensure(cur, state, max(oldest, expired_before), cutoff)
+            moved_total = kept_total = 0
+            # Rows that let go of their key, then key holders whose window has passed.
+            for held, until in ((False, cutoff), (True, min(cutoff, now - window(state)))):
+                params = {
+                    "state": state,
+                    "held": held,
+                    "until": until,
+                    "expired_before": expired_before,
+                    "batch": batch_size,
+                }
+                for _batch in range(max_batches):
+                    cur.execute(_ARCHIVE, params)
+                    moved, kept = cur.fetchone()
+                    moved_total, kept_total = moved_total + moved, kept_total + kept
+                    # Not "fewer than a batch": a concurrent pass may hold part of one locked.
+                    if not moved or time.monotonic() > deadline:
+                        break
+            if moved_total:
+                counts[state] = (moved_total, kept_total)
+    return counts
+
+
+def drop_expired(
+    *,
+    retentions: Mapping[str, timedelta] | None = None,
+    now: datetime | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> dict[str, int]:
+    """Drop history partitions wholly past their state's retention; rows dropped per state.
+
+    The counts are PostgreSQL's estimate (``reltuples``) where the partition was analysed,
+    an exact count otherwise: a drop costs the same whatever the partition holds.
+    """
+    dropped: dict[str, int] = {}
+    with _db.cursor(using) as cur:
+        if now is None:
+            cur.execute("SELECT statement_timestamp()")
+            (now,) = cur.fetchone()
+        for state in TERMINAL_STATES:
+            age = (retentions or {}).get(state) or retention(state)
+            for partition in partitions(cur, state):
+                if partition.end > now - age:
+                    break
+                cur.execute(
+                    "SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass",
+                    [partition.name],
+                )
+                (rows,) = cur.fetchone()
+                if rows < 0:  # never analysed
+                    cur.execute(f"SELECT count(*) FROM {partition.name}")
+                    (rows,) = cur.fetchone()
+                cur.execute(f"DROP TABLE IF EXISTS {partition.name}")
+                dropped[state] = dropped.get(state, 0) + rows
+    return dropped
+
+
+def estimated_rows(*, using: str = DEFAULT_DB_ALIAS) -> dict[str, int]:
+    """Rows of the history per state, from PostgreSQL's statistics (no table is read).
+
+    A partition not analysed yet counts by its size in pages (as the planner would); figures
+    are as fresh as autovacuum's last ANALYZE of each partition.
+    """
+    with _db.cursor(using) as cur:
+        cur.execute(
+            """
+            SELECT parent.relname, sum(CASE WHEN c.reltuples >= 0 THEN c.reltuples
+                                            ELSE c.relpages * 50 END)::bigint
+            FROM pg_inherits i
+            JOIN pg_class parent ON parent.oid = i.inhparent
+            JOIN pg_class c ON c.oid = i.inhrelid
+            WHERE parent.relname = ANY(%s)
+            GROUP BY parent.relname
+            """,
+            [[f"{PARENT}_{state}" for state in TERMINAL_STATES]],
+        )
+        found = dict(cur.fetchall())
+    return {
+        state: int(found.get(f"{PARENT}_{state}") or 0)
+        for state in TERMINAL_STATES
+        if found.get(f"{PARENT}_{state}")
+    }
+
+
+def _floor(moment: datetime, span: timedelta) -> datetime:
+    """The start of the UTC hour or day ``moment`` falls in."""
+    moment = moment.astimezone(UTC)
+    if span == DAY:
+        return moment.replace(hour=0, minute=0, second=0, microsecond=0)
+    return moment.replace(minute=0, second=0, microsecond=0)
