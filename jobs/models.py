@@ -169,10 +169,20 @@ class Job(RunContract):
         return None
 
     @classmethod
+    def eligible_for_replay(cls, pks: Iterable[Any]) -> list[Any]:
+        """Failed jobs among ``pks``, here or already moved to the history (replay finds both).
+
+        A page listing ``jobs.job:<id>`` may be confirmed after the archive moved the row.
+        """
+        pks = list(pks)
+        return sorted({*super().eligible_for_replay(pks), *JobHistory.eligible_for_replay(pks)})
+
+    @classmethod
     def replay(cls, pks: Iterable[int], *, by: str) -> int:
         """Queue the same job again with fresh attempts (same id, job_id and payload).
 
-        Delegates to :func:`jobs.queue.replay`, the one place that moves jobs back to queued.
+        Delegates to :func:`jobs.queue.replay`, the one place that moves jobs back to queued;
+        it brings a row the archive moved back from the history first.
         """
         from jobs import queue
 

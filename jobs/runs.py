@@ -138,6 +138,20 @@ class RunContract(models.Model):
         return Q(state=RunState.FAILED)
 
     @classmethod
+    def eligible_for_replay(cls, pks: Iterable[Any]) -> list[Any]:
+        """Which of ``pks`` replay would act on now, sorted (one query).
+
+        The rows matching :meth:`replay_eligible` by default; a table whose rows may have
+        moved elsewhere by the time an operator confirms (the jobs table's finished rows go
+        to its history) looks there too.
+        """
+        return sorted(
+            cls._default_manager.filter(pk__in=list(pks))
+            .filter(cls.replay_eligible())
+            .values_list("pk", flat=True)
+        )
+
+    @classmethod
     def replayed_rows(cls, pks: Iterable[Any]) -> models.QuerySet[Any]:
         """Where replayed rows are now, for the admin's record of who replayed them.
 

@@ -244,12 +244,8 @@ class RunTable:
         ]
 
     def eligible_pks(self, pks: list[Any]) -> list[Any]:
-        """Which of ``pks`` replay would act on now (one query)."""
-        return sorted(
-            self.model._default_manager.filter(pk__in=pks)
-            .filter(self.model.replay_eligible())
-            .values_list("pk", flat=True)
-        )
+        """Which of ``pks`` replay would act on now (the model's ``eligible_for_replay``)."""
+        return self.model.eligible_for_replay(pks)
 
     def to_pk(self, raw: str) -> Any:
         """Parse a primary key from a form value; raises ValidationError when it is not one."""

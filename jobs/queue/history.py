@@ -24,20 +24,27 @@ their retention when they leave the jobs table are deleted, not moved.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any, cast
 
-from django.db import DEFAULT_DB_ALIAS
+from django.db import DEFAULT_DB_ALIAS, OperationalError, transaction
 from django.db.backends.utils import CursorWrapper
+from django.utils import timezone
 
 from jobs.conf import jobs_settings
 from jobs.queue import _db
 from jobs.runs import TERMINAL_STATES, RunState
 
+logger = logging.getLogger("jobs.scheduler")
+
 PARENT = "jobs_jobhistory"
+# pg_advisory_xact_lock key of partition creation ("jobs" history, as a 63-bit constant).
+_PARTITION_LOCK = 0x6A6F62735F68
 HOUR, DAY = timedelta(hours=1), timedelta(days=1)
 #: Retentions up to this long are kept in hourly partitions, longer ones in daily ones.
 HOURLY_UP_TO = timedelta(days=3)
@@ -91,6 +98,17 @@ WITH restored AS (
 )
 INSERT INTO jobs_job ({COLUMNS}, key_held, lease_expires_at, claim_token)
 SELECT {COLUMNS}, FALSE, NULL, NULL FROM restored
+RETURNING id
+"""
+
+#: Restored rows that replay then left alone (their key was taken) go back where they were.
+UNRESTORE = f"""
+WITH back AS (
+    DELETE FROM jobs_job j
+    WHERE j.id = ANY(%(ids)s) AND j.state IN ('failed', 'cancelled') AND NOT j.key_held
+    RETURNING j.*
+)
+INSERT INTO {PARENT} ({COLUMNS}) SELECT {COLUMNS} FROM back
 """
 
 
@@ -151,14 +169,24 @@ def partitions(cur: CursorWrapper, state: str) -> list[Partition]:
 
 
 def ensure(cur: CursorWrapper, state: str, first: datetime, last: datetime) -> list[Partition]:
-    """Create the partitions rows of ``state`` finished in ``[first, last]`` need; the new ones."""
-    created = plan(partitions(cur, state), state, first, last, width(state))
-    for partition in created:
-        cur.execute(
-            f"CREATE TABLE IF NOT EXISTS {partition.name} PARTITION OF {PARENT}_{state} "
-            "FOR VALUES FROM (%s) TO (%s)",
-            [partition.start, partition.end],
-        )
+    """Create the partitions rows of ``state`` finished in ``[first, last]`` need; the new ones.
+
+    Each is created on its own and then attached: ``ATTACH PARTITION`` takes only a SHARE
+    UPDATE EXCLUSIVE lock on the state's table, so it neither waits for nor blocks readers of
+    the history (``CREATE TABLE … PARTITION OF`` would need ACCESS EXCLUSIVE). An advisory lock
+    makes concurrent callers take turns, so none attaches what another just did.
+    """
+    first, last = _utc(first), _utc(last)
+    with transaction.atomic(using=cur.db.alias):
+        cur.execute("SELECT pg_advisory_xact_lock(%s)", [_PARTITION_LOCK])
+        created = plan(partitions(cur, state), state, first, last, width(state))
+        for partition in created:
+            cur.execute(f"CREATE TABLE {partition.name} (LIKE {PARENT} INCLUDING DEFAULTS)")
+            cur.execute(
+                f"ALTER TABLE {PARENT}_{state} ATTACH PARTITION {partition.name} "
+                "FOR VALUES FROM (%s) TO (%s)",
+                [partition.start, partition.end],
+            )
     return created
 
 
@@ -203,28 +231,39 @@ def archive(
     deadline = time.monotonic() + budget
     counts: dict[str, tuple[int, int]] = {}
     with _db.cursor(using) as cur:
-        if now is None:
-            cur.execute("SELECT statement_timestamp()")
-            (now,) = cur.fetchone()
+        now = _utc(now or _clock(cur))
         cutoff = now - jobs_settings.ARCHIVE_AFTER
         for state in TERMINAL_STATES:
             expired_before = now - retention(state)
             cur.execute(_OLDEST, {"state": state})
             (oldest,) = cur.fetchone()
-            if oldest is None or oldest >= cutoff:
+            if oldest is None or _utc(oldest) >= cutoff:
                 continue
-            ensure(cur, state, max(oldest, expired_before), cutoff)
-            moved_total = kept_total = 0
-            # Rows that let go of their key, then key holders whose window has passed.
+            try:
+                # The next hour too, so its rows find their partition waiting.
+                ensure(cur, state, max(_utc(oldest), expired_before), now + HOUR)
+            except OperationalError as exc:
+                if not _lock_timeout(exc):
+                    raise
+                logger.warning(
+                    "archive: no partition for %s rows yet (waited for a lock); next pass",
+                    state,
+                    extra={"action": "archive_deferred", "state": state},
+                )
+                continue
+            moved_total = kept_total = statements = 0
+            # Rows that let go of their key, then key holders whose window has passed; the
+            # two ranges share the state's max_batches statements.
             for held, until in ((False, cutoff), (True, min(cutoff, now - window(state)))):
-                params = {
+                params: dict[str, Any] = {
                     "state": state,
                     "held": held,
                     "until": until,
                     "expired_before": expired_before,
                     "batch": batch_size,
                 }
-                for _batch in range(max_batches):
+                while statements < max_batches:
+                    statements += 1
                     cur.execute(_ARCHIVE, params)
                     moved, kept = cur.fetchone()
                     moved_total, kept_total = moved_total + moved, kept_total + kept
@@ -249,25 +288,44 @@ def drop_expired(
     """
     dropped: dict[str, int] = {}
     with _db.cursor(using) as cur:
-        if now is None:
-            cur.execute("SELECT statement_timestamp()")
-            (now,) = cur.fetchone()
+        now = _utc(now or _clock(cur))
         for state in TERMINAL_STATES:
             age = (retentions or {}).get(state) or retention(state)
             for partition in partitions(cur, state):
                 if partition.end > now - age:
                     break
-                cur.execute(
-                    "SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass",
-                    [partition.name],
-                )
-                (rows,) = cur.fetchone()
-                if rows < 0:  # never analysed
-                    cur.execute(f"SELECT count(*) FROM {partition.name}")
-                    (rows,) = cur.fetchone()
-                cur.execute(f"DROP TABLE IF EXISTS {partition.name}")
+                try:
+                    rows = _drop(cur, partition)
+                except OperationalError as exc:
+                    if not _lock_timeout(exc):
+                        raise
+                    # A long reader of the history (a report, pg_dump): try again next pass.
+                    logger.warning(
+                        "retention: %s is in use (waited for a lock); next pass",
+                        partition.name,
+                        extra={"action": "drop_deferred", "partition": partition.name},
+                    )
+                    continue
                 dropped[state] = dropped.get(state, 0) + rows
     return dropped
+
+
+def _drop(cur: CursorWrapper, partition: Partition) -> int:
+    """Drop one partition; the rows it held, as PostgreSQL's statistics estimate them.
+
+    Never analysed, it is estimated from its size (about 40 rows a page): counting the rows
+    would cost what the drop saves.
+    """
+    with transaction.atomic(using=cur.db.alias):
+        cur.execute(
+            "SELECT CASE WHEN reltuples >= 0 THEN reltuples "
+            "ELSE pg_relation_size(oid) / current_setting('block_size')::int * 40 END::bigint "
+            "FROM pg_class WHERE oid = %s::regclass",
+            [partition.name],
+        )
+        (rows,) = cur.fetchone()
+        cur.execute(f"DROP TABLE IF EXISTS {partition.name}")
+    return int(rows)
 
 
 def estimated_rows(*, using: str = DEFAULT_DB_ALIAS) -> dict[str, int]:
@@ -295,6 +353,24 @@ def estimated_rows(*, using: str = DEFAULT_DB_ALIAS) -> dict[str, int]:
         for state in TERMINAL_STATES
         if found.get(f"{PARENT}_{state}")
     }
+
+
+def _clock(cur: CursorWrapper) -> datetime:
+    cur.execute("SELECT statement_timestamp()")
+    (now,) = cur.fetchone()
+    return cast(datetime, now)
+
+
+def _utc(moment: datetime) -> datetime:
+    """Aware UTC. With ``USE_TZ = False`` Django hands back naive times in ``TIME_ZONE``."""
+    if timezone.is_naive(moment):
+        moment = timezone.make_aware(moment, timezone.get_default_timezone())
+    return moment.astimezone(UTC)
+
+
+def _lock_timeout(exc: OperationalError) -> bool:
+    """The statement gave up waiting for a lock (``lock_timeout``, SQLSTATE 55P03)."""
+    return getattr(exc.__cause__, "sqlstate", None) == "55P03"
 
 
 def _floor(moment: datetime, span: timedelta) -> datetime:

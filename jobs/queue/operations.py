@@ -40,15 +40,20 @@ def replay(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> Rep
 
     The same row runs again (its id, job_id and payload are kept, ``last_error`` stays as
     the reason it failed until it runs), and who replayed it and when is recorded. A row
-    already in the history table moves back to the jobs table first, in the same transaction. A job
-    whose job_id was taken by newer work since it failed is left alone (``key_taken``).
+    already in the history table moves back to the jobs table first, in the same transaction.
+    A job whose job_id was taken by newer work since it failed is left alone, where it was
+    (``key_taken``); a finished one that did not fail is ``not_failed``.
     """
     wanted = sorted(set(ids))
     if not wanted:
         return ReplayReport((), (), ())
     with transaction.atomic(using=using), _db.cursor(using) as cur:
+        # Wait for an archive pass moving any of these rows to commit, so the next statement
+        # finds each row in one table or the other, never in neither.
+        cur.execute("SELECT id FROM jobs_job WHERE id = ANY(%s) FOR UPDATE", [wanted])
         # Finished jobs may have moved to the history table: bring them back under their ids.
         cur.execute(history.RESTORE, {"ids": wanted})
+        restored = {id_ for (id_,) in cur.fetchall()}
         keys.release_for(cur, wanted)
         try:
             with transaction.atomic(using=using):
@@ -65,9 +70,14 @@ def replay(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> Rep
                 except IntegrityError:
                     continue  # a concurrent enqueue took the key: reported as key_taken
         binding.replayed(replayed, using=using)
+        if restored - replayed:
+            cur.execute(history.UNRESTORE, {"ids": sorted(restored - replayed)})
+        rest_ids = [id_ for id_ in wanted if id_ not in replayed]
         cur.execute(
-            "SELECT id, state IN ('failed', 'cancelled') FROM jobs_job WHERE id = ANY(%s)",
-            [[id_ for id_ in wanted if id_ not in replayed]],
+            "SELECT id, state IN ('failed', 'cancelled') FROM jobs_job WHERE id = ANY(%(ids)s) "
+            f"UNION ALL SELECT id, state IN ('failed', 'cancelled') FROM {history.PARENT} "
+            "WHERE id = ANY(%(ids)s)",
+            {"ids": rest_ids},
         )
         rest = cur.fetchall()
     return ReplayReport(
