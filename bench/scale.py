@@ -717,7 +717,10 @@ def wait_drained(after: int, expected: int, workers: Sequence[Any], timeout: flo
         )
         done = cur.fetchone()[0]
     if done != expected:
-        raise SystemExit(f"expected {expected:,} succeeded no-op jobs, found {done:,}")
+        raise SystemExit(
+            f"expected {expected:,} succeeded no-op jobs, found {done:,}: is another benchmark "
+            "using the bench database at the same time? (they all empty its jobs table)"
+        )
     return now
 
 
