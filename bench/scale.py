@@ -55,9 +55,9 @@ dead tuples, its autovacuum runs during the state, and the size of the heap and 
 statement in every state to ``var/bench/scale-plans.txt``.
 
 ``--quick`` divides the state sizes by 100 (the due set by 10) and the enqueue and drain
-counts by 10: a smoke run of about half a minute. The full run takes 8 to 10 minutes on a
-2-core machine, more than half of it the drain of 1 M jobs; 10 M finished rows take one to
-three minutes to build.
+counts by 10: a smoke run of about half a minute. The full run takes about 8 minutes on a
+2-core machine, up to 13 while a test run shares it; more than half of it is the drain of
+1 M jobs, and the 10 M finished rows take one to four minutes to build.
 """
 
 from __future__ import annotations
