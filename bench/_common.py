@@ -35,6 +35,9 @@ def truncate() -> None:
 
     with connection.cursor() as cur:
         cur.execute("TRUNCATE jobs_job")
+        cur.execute("SELECT to_regclass('jobs_jobhistory') IS NOT NULL")
+        if cur.fetchone()[0]:  # finished jobs the archive moved, where the app has it
+            cur.execute("TRUNCATE jobs_jobhistory")
 
 
 def vacuum() -> None:

@@ -74,6 +74,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import cache
 from typing import Any
 
@@ -183,10 +184,10 @@ SELECT %(prefix)s || g, (%(names)s::text[])[1 + g %% %(n_names)s], jsonb_build_o
 FROM generate_series(%(first)s, %(last)s) AS g
 """
 
-FINISHED = """
-INSERT INTO jobs_job (job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
-                      state, attempts, last_error, error_detail, claimed_by, key_held,
-                      replayed_by, created_at, started_at, heartbeat_at, finished_at, result)
+# Finished rows: every tenth still holds its job id (keyed, inside its window) and so stays in
+# jobs_job; the rest finished without a key and live in the history table, where the archive
+# puts such rows ten seconds after they finish.
+FINISHED_ROWS = """
 SELECT 'done-' || lpad(g::text, 9, '0'), (%(names)s::text[])[1 + g %% %(n_names)s],
        jsonb_build_object('n', g), 'tenant-' || (g %% 20), 'default', 0, 5,
        f.at - interval '2 seconds',
@@ -194,15 +195,29 @@ SELECT 'done-' || lpad(g::text, 9, '0'), (%(names)s::text[])[1 + g %% %(n_names)
        CASE WHEN g %% 10 = 0 THEN 5 ELSE 1 END,
        CASE WHEN g %% 10 = 0 THEN 'handler_error' ELSE '' END,
        CASE WHEN g %% 10 = 0 THEN 'ValueError: the benchmark says no' ELSE '' END,
-       'bench-host:1', g %% 10 = 1, '', f.at - interval '2 seconds',
+       'bench-host:1', '', f.at - interval '2 seconds',
        f.at - interval '10 ms', f.at - interval '10 ms', f.at,
-       CASE WHEN g %% 10 = 0 THEN NULL ELSE to_jsonb(extract(epoch FROM f.at)::float8) END
+       CASE WHEN g %% 10 = 0 THEN NULL ELSE to_jsonb(extract(epoch FROM f.at)::float8) END,
+       {extra}
 FROM generate_series(%(first)s, %(last)s) AS g
 CROSS JOIN LATERAL (
     SELECT %(now)s::timestamptz
            - make_interval(secs => %(span)s * (1 - g::float8 / %(count)s)) AS at
 ) AS f
+WHERE {where}
 """
+FINISHED_COLUMNS = """job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
+    state, attempts, last_error, error_detail, claimed_by, replayed_by, created_at, started_at,
+    heartbeat_at, finished_at, result"""
+FINISHED_KEYED = f"INSERT INTO jobs_job ({FINISHED_COLUMNS}, key_held, keyed)" + (
+    FINISHED_ROWS.format(extra="TRUE, TRUE", where="g %% 10 = 1")
+)
+FINISHED_ARCHIVED = f"INSERT INTO jobs_jobhistory ({FINISHED_COLUMNS}, keyed, id)" + (
+    FINISHED_ROWS.format(
+        extra="FALSE, nextval(pg_get_serial_sequence('jobs_job', 'id'))",
+        where="g %% 10 <> 1",
+    )
+)
 
 
 def chunks(count: int) -> list[tuple[int, int]]:
@@ -280,17 +295,12 @@ def build_finished(cur: Any, count: int) -> None:
     so every index takes them at a few places in order: a build in random order takes several
     times longer). Every tenth still holds its job id.
 
-    Its own function because where finished rows live is about to change: a partitioned
-    history table (``jobs_jobhistory``) is being added, and this is the one place to switch.
+    The tenth that holds its job id stays in ``jobs_job`` (the idempotency window keeps it
+    there); the rest are in the partitioned history table, where the archive moves finished
+    rows that hold no key.
     """
-    cur.execute("SELECT to_regclass('jobs_jobhistory') IS NOT NULL")
-    if cur.fetchone()[0]:
-        # TODO: jobs_jobhistory exists: build finished rows there once the archive moves
-        # them there, and measure the archive pass (add it to MAINTENANCE).
-        print(
-            "  TODO: jobs_jobhistory exists; finished rows still go into jobs_job",
-            file=sys.stderr,
-        )
+    from jobs.queue import history
+
     cur.execute("SELECT statement_timestamp()")
     (now,) = cur.fetchone()
     params = {
@@ -300,7 +310,10 @@ def build_finished(cur: Any, count: int) -> None:
         "count": count,
         "span": 23 * HOUR,
     }
-    insert_rows(cur, FINISHED, params, count, "finished")
+    for state in ("succeeded", "failed"):
+        history.ensure(cur, state, now - timedelta(seconds=24 * HOUR), now)
+    insert_rows(cur, FINISHED_KEYED, params, count, "finished, keyed")
+    insert_rows(cur, FINISHED_ARCHIVED, params, count, "finished, archived")
 
 
 def build_empty(sizes: Sizes, result: Result) -> None:
@@ -538,6 +551,13 @@ def scheduler_retention() -> object:
     return Retention().run_once()
 
 
+def scheduler_archive() -> object:
+    """The scheduler's archive: finished rows that hold no key, to the history table."""
+    from jobs.scheduler.retention import Archive
+
+    return Archive().run_once()
+
+
 def scheduler_gauges() -> object:
     """The scheduler leader's gauges duty: the backlog count per type and the table's health
     (in versions that have it; the count moved there from the worker's run_once)."""
@@ -548,13 +568,13 @@ def scheduler_gauges() -> object:
 
 
 #: The passes run on a timer, in the order of one round. A new pass is one more (name,
-#: callable) here, e.g. ("scheduler.archive", lambda: Archive().run_once()) for the archive
-#: that moves finished rows to the history table.
+#: callable) here.
 MAINTENANCE: list[tuple[str, Callable[[], object]]] = [
     ("worker.recover", worker_recover),
     ("worker.run_once", worker_run_once),
     ("scheduler.watchdog", scheduler_watchdog),
     ("scheduler.retention", scheduler_retention),
+    ("scheduler.archive", scheduler_archive),
 ]
 
 #: Passes that only some versions of the app have: (name, module, callable), measured where

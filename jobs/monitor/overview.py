@@ -2,7 +2,7 @@
 
 Queued jobs are counted by :func:`jobs.queue.backlog`, whose cost is bounded whatever the
 backlog holds: exact up to :data:`jobs.queue.BACKLOG_CAP` per type, shown as ``≈N`` (the
-planner's estimate) above it, and due jobs as ``10,000+``. The oldest due job comes from
+planner's estimate) above it, and due jobs as ``1,000+``. The oldest due job comes from
 the same statement. Two aggregates read the other rows (per state, and per type for running
 and failed rows); they never read the queued rows, and cost what the table holds besides the
 backlog. Finished jobs in the history table are counted per state from PostgreSQL's

@@ -104,8 +104,8 @@ def test_an_estimate_is_never_below_the_cap():
     assert not row.queued_exact and row.queued >= 101
 
 
-def test_the_default_cap_is_ten_thousand():
-    assert BACKLOG_CAP == 10_000
+def test_the_default_cap_is_a_thousand():
+    assert BACKLOG_CAP == 1_000
 
 
 def scans(plan: dict) -> list[dict]:
