@@ -77,3 +77,54 @@ def test_the_pass_still_fails_what_it_should_and_nothing_else():
     assert codes[lowered.id] == codes[over_own.id] == "attempts_exhausted"
     untouched = dict(Job.objects.filter(pk__in=[below.id, fresh.id]).values_list("pk", "state"))
     assert untouched == {below.id: "queued", fresh.id: "queued"}
+
+
+FINISHED = """
+INSERT INTO jobs_job (job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
+                      state, attempts, last_error, error_detail, claimed_by, key_held,
+                      replayed_by, created_at, finished_at)
+SELECT 'done-' || g, 'test.noop.v1', '{}', 'default', 'default', 0, 5, now(), 'succeeded', 1,
+       '', '', '', g %% 2 = 0, '', now(), now() - (g %% 1000) * interval '1 minute'
+FROM generate_series(1, %(count)s) AS g
+"""
+
+
+def statements_of(call) -> list[tuple[str, object]]:
+    """The SQL statements (and parameters) ``call()`` runs."""
+    seen: list[tuple[str, object]] = []
+
+    def capture(execute, sql, params, many, context):
+        seen.append((sql, params))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(capture):
+        call()
+    return seen
+
+
+def plan_of(sql: str, params) -> str:
+    with connection.cursor() as cur:
+        cur.execute("EXPLAIN " + sql, params)
+        return "\n".join(row[0] for row in cur.fetchall())
+
+
+def test_lease_recovery_and_retention_read_their_own_small_indexes():
+    """requeue_expired reads running rows only; prune one ordered range of terminal rows."""
+    with connection.cursor() as cur:
+        cur.execute(FRESH, {"count": 20000})
+        cur.execute(FINISHED, {"count": 20000})
+        cur.execute("ANALYZE jobs_job")
+
+    [(requeue, params)] = statements_of(lambda: queue.requeue_expired(scope=AllTenants()))
+    plan = plan_of(requeue, params)
+    assert "Seq Scan on jobs_job" not in plan and "jobs_job_running" in plan, plan
+
+    prunes = [
+        (sql, p)
+        for sql, p in statements_of(lambda: queue.prune(batch_size=100, max_batches=1))
+        if "DELETE" in sql
+    ]
+    assert prunes
+    for sql, p in prunes:
+        plan = plan_of(sql, p)
+        assert "Seq Scan on jobs_job" not in plan and "jobs_job_terminal" in plan, plan
