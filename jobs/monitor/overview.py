@@ -117,7 +117,7 @@ def overview_data(now: datetime | None = None) -> dict[str, Any]:
 
 
 def shown(count: int, *, estimate: bool = False, more_than: bool = False) -> str:
-    """A count as the page shows it: ``1,234``; ``≈1,234`` (an estimate); ``10,000+``."""
+    """A count as the page shows it: ``1,234``; ``≈1,234`` (an estimate); ``1,000+``."""
     text = number_format(count, force_grouping=True)
     if estimate:
         return f"≈{text}"

@@ -57,7 +57,7 @@ archived = Counter(
 backlog = Gauge(
     "jobs_backlog",
     "Queued jobs (due or not, every tenant) by type, and whether the scheduler registers the "
-    "type; exact up to 10,000, the planner's estimate above.",
+    "type; exact up to jobs.queue.BACKLOG_CAP (1,000), the planner's estimate above.",
     ["job_type", "supported"],
 )
 oldest_due = Gauge(
