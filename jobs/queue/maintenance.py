@@ -278,8 +278,9 @@ def backlog(
     Counting every queued row costs as much as the backlog is long (half a second at a million
     rows), so each count stops at ``cap + 1``: up to the cap it is exact, past it ``queued`` is
     the planner's row estimate (see :class:`BacklogRow`). The statement reads at most about
-    ``2 * (cap + 1)`` claim-index entries per name, plus one per (name, priority) level.
-    Tenants are not told apart: the claim index does not hold them, so a per-tenant count
+    ``2 * (cap + 1)`` live claim-index entries per name, plus one per (name, priority) level,
+    plus the dead entries vacuum has not removed yet (as claims do; docs/queue.md, "Table
+    health"). Tenants are not told apart: the claim index does not hold them, so a per-tenant count
     would read every row of a name again.
     """
     sql, params = backlog_sql(cap=cap)
