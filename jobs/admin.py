@@ -77,8 +77,21 @@ class QueueFilter(InputFilter):
     parameter_name = field_name = "queue"
 
 
-class JobDisplay:
-    """Read-only renderings shared by the jobs list and the finished-jobs history."""
+class JobDisplay(RunTableAdmin):
+    """What the jobs list and the finished-jobs history share: filters, renderings, detail."""
+
+    list_display_links = ("id", "job_id")
+    list_filter = ("state", JobTypeFilter, TenantFilter, QueueFilter, "last_error")
+    readonly_fields = ("payload_pretty", "error_detail_pre", "result_pretty", "attempts_display")
+    #: The detail page's first sections; each admin adds its own timestamps and the rest.
+    detail_fieldsets: tuple[Any, ...] = (
+        (None, {"fields": ("job_id", "name", "tenant", "queue", "priority", "state")}),
+        (_("Payload"), {"fields": ("payload_pretty",)}),
+        (
+            _("Attempts and errors"),
+            {"fields": ("attempts_display", "last_error", "error_detail_pre")},
+        ),
+    )
 
     @admin.display(description=_("attempts"))
     def attempts_display(self, obj: Job | JobHistory) -> str:
@@ -100,7 +113,7 @@ class JobDisplay:
 
 
 @admin.register(Job)
-class JobAdmin(JobDisplay, RunTableAdmin):
+class JobAdmin(JobDisplay):
     list_display = (
         "id",
         "name",
@@ -113,18 +126,10 @@ class JobAdmin(JobDisplay, RunTableAdmin):
         "run_after",
         "created_at",
     )
-    list_display_links = ("id", "job_id")
-    list_filter = ("state", JobTypeFilter, TenantFilter, QueueFilter, "last_error")
     actions = ["replay_selected", "cancel_selected", "run_now_selected"]
     change_list_template = "admin/jobs/job/change_list.html"
-    readonly_fields = ("payload_pretty", "error_detail_pre", "result_pretty", "attempts_display")
     fieldsets = (
-        (None, {"fields": ("job_id", "name", "tenant", "queue", "priority", "state")}),
-        (_("Payload"), {"fields": ("payload_pretty",)}),
-        (
-            _("Attempts and errors"),
-            {"fields": ("attempts_display", "last_error", "error_detail_pre")},
-        ),
+        *JobDisplay.detail_fieldsets,
         (
             _("Timestamps"),
             {"fields": ("created_at", "run_after", "started_at", "finished_at")},
@@ -258,7 +263,7 @@ class JobAdmin(JobDisplay, RunTableAdmin):
 
 
 @admin.register(JobHistory)
-class JobHistoryAdmin(JobDisplay, RunTableAdmin):
+class JobHistoryAdmin(JobDisplay):
     """Finished jobs the archive moved out of the jobs table, newest first; replay only.
 
     Readable by whoever may read the jobs list; replay needs ``jobs.replay_job``, as there.
@@ -275,18 +280,10 @@ class JobHistoryAdmin(JobDisplay, RunTableAdmin):
         "last_error",
         "finished_at",
     )
-    list_display_links = ("id", "job_id")
-    list_filter = ("state", JobTypeFilter, TenantFilter, QueueFilter, "last_error")
     # The history's index is by finished_at in every partition; ids are not ordered there.
     ordering = ("-finished_at",)
-    readonly_fields = ("payload_pretty", "error_detail_pre", "result_pretty", "attempts_display")
     fieldsets = (
-        (None, {"fields": ("job_id", "name", "tenant", "queue", "priority", "state")}),
-        (_("Payload"), {"fields": ("payload_pretty",)}),
-        (
-            _("Attempts and errors"),
-            {"fields": ("attempts_display", "last_error", "error_detail_pre")},
-        ),
+        *JobDisplay.detail_fieldsets,
         (
             _("Timestamps"),
             {"fields": ("created_at", "run_after", "started_at", "finished_at", "archived_at")},

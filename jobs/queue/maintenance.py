@@ -24,7 +24,7 @@ from django.db import DEFAULT_DB_ALIAS
 from django.db.backends.utils import CursorWrapper
 
 from jobs.conf import jobs_settings
-from jobs.queue import _db
+from jobs.queue import _db, history
 from jobs.queue.types import (
     BACKLOG_CAP,
     AllTenants,
@@ -33,7 +33,7 @@ from jobs.queue.types import (
     SweepRow,
     TableHealth,
 )
-from jobs.runs import ErrorCode, RunState
+from jobs.runs import TERMINAL_STATES, ErrorCode
 
 _NOW = "COALESCE(%(now)s::timestamptz, statement_timestamp())"
 
@@ -174,11 +174,7 @@ def prune(
 
     Call it outside a transaction so each batch commits on its own and holds locks briefly.
     """
-    retention = retention or {
-        RunState.SUCCEEDED: jobs_settings.SUCCEEDED_RETENTION,
-        RunState.FAILED: jobs_settings.FAILED_RETENTION,
-        RunState.CANCELLED: jobs_settings.CANCELLED_RETENTION,
-    }
+    retention = retention or {state: history.retention(state) for state in TERMINAL_STATES}
     batch_size = batch_size or jobs_settings.PRUNE_BATCH_SIZE
     deleted: dict[str, int] = {}
     with _db.cursor(using) as cur:
