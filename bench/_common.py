@@ -48,12 +48,24 @@ def vacuum() -> None:
         cur.execute("VACUUM ANALYZE jobs_job")
 
 
-def enqueue_noops(count: int, *, batch: int = 1000, kind: str = "noop", **options) -> None:
-    """Enqueue ``count`` benchmark jobs in batches (``kind``: noop or touch)."""
-    import jobs
-    from bench.benchapp.jobs import Noop, Touch
+def kinds() -> dict[str, type]:
+    """The benchmark payload classes by short name (``--type`` of the drain scripts)."""
+    from bench.benchapp import jobs as bench_jobs
 
-    payload = {"noop": Noop, "touch": Touch}[kind]
+    return {
+        "noop": bench_jobs.Noop,
+        "touch": bench_jobs.Touch,
+        "append": bench_jobs.Append,
+        "sleep": bench_jobs.Sleep,
+        "asleep": bench_jobs.AsyncSleep,
+    }
+
+
+def enqueue_noops(count: int, *, batch: int = 1000, kind: str = "noop", **options) -> None:
+    """Enqueue ``count`` benchmark jobs in batches (``kind``: a key of ``KINDS``)."""
+    import jobs
+
+    payload = kinds()[kind]
     for first in range(0, count, batch):
         last = min(first + batch, count)
         jobs.enqueue_many([payload(n=i) for i in range(first, last)], **options)

@@ -39,6 +39,7 @@ from _common import (
     PostgresCpu,
     db_counters,
     enqueue_noops,
+    out_path,
     report_problems,
     running_workers,
     setup_bench,
@@ -100,9 +101,10 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[10, 50, 100])
     parser.add_argument(
         "--type",
-        choices=["noop", "touch"],
+        choices=["noop", "touch", "append", "sleep", "asleep"],
         default="noop",
-        help="job type: noop (bench.noop.v1) or touch (bench.touch.v1, one SELECT 1 each)",
+        help="job type bench.TYPE.v1 (see bench/benchapp/jobs.py): noop, touch (one SELECT 1),"
+        " append (one O_APPEND write), sleep / asleep (wait 50 ms, sync / async def)",
     )
     parser.add_argument(
         "--conn-max-age",
@@ -115,6 +117,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.conn_max_age is not None:
         os.environ["BENCH_CONN_MAX_AGE"] = args.conn_max_age
+    os.environ.setdefault("BENCH_APPEND_FILE", str(out_path("append.log")))
     setup_bench()
     pg = PostgresCpu()
     rows = []
