@@ -73,3 +73,17 @@ def run_in_threads(count: int, target: Callable[[int], Any], timeout: float = 30
 @pytest.fixture
 def threads():
     return run_in_threads
+
+
+@pytest.fixture(params=["scan", "walk"])
+def claim_form(request, monkeypatch):
+    """Run a test with each form of the claim statement: the single ordered scan (PostgreSQL
+    18+) and the priority walk (forced by making the connection report an older server)."""
+    from django.db import connection
+
+    connection.ensure_connection()
+    if request.param == "walk":
+        monkeypatch.setattr(connection, "pg_version", 170000)
+    elif connection.pg_version < 180000:
+        pytest.skip("the single-scan claim is used from PostgreSQL 18 on")
+    return request.param
