@@ -438,6 +438,8 @@ class Explainer:
 
     def __call__(self, execute, sql, params, many, context):
         raw = context["cursor"].cursor  # the psycopg cursor (no wrappers, no recursion)
+        if isinstance(raw, _Replay):  # an earlier statement on this cursor left its stand-in
+            raw = raw._cursor
         raw.execute("SAVEPOINT bench_explain")
         raw.execute("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + sql, params)
         plan = "\n".join(row[0] for row in raw.fetchall())
