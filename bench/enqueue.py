@@ -1,5 +1,9 @@
 """Enqueue throughput: one job per transaction, and batches of 1,000 in one transaction.
 
+``single`` enqueues each job inside its own ``transaction.atomic()`` (as a caller with a
+business write does); ``alone`` calls ``enqueue`` with no transaction open (one statement,
+in autocommit).
+
     .venv/bin/python bench/enqueue.py [--single 2000] [--batched 50000] [--batch-size 1000]
                                       [--profile]
 
@@ -22,7 +26,9 @@ from _common import PostgresCpu, counts, setup_bench, table, truncate, vacuum
 BATCH_TARGET = 20_000  # jobs/s
 
 
-def measure(label: str, count: int, batch_size: int, pg: PostgresCpu) -> list[object]:
+def measure(
+    label: str, count: int, batch_size: int, pg: PostgresCpu, *, atomic: bool = True
+) -> list[object]:
     from django.db import transaction
 
     import jobs
@@ -34,7 +40,10 @@ def measure(label: str, count: int, batch_size: int, pg: PostgresCpu) -> list[ob
     pg_before = pg.total()
     cpu_before = time.process_time()
     started = time.perf_counter()
-    if batch_size == 1:
+    if batch_size == 1 and not atomic:
+        for payload in payloads:
+            jobs.enqueue(payload)
+    elif batch_size == 1:
         for payload in payloads:
             with transaction.atomic():
                 jobs.enqueue(payload)
@@ -117,6 +126,7 @@ def main() -> int:
         with override_settings(JOBS={"NOTIFY": notify}):
             suffix = "" if notify else ", no NOTIFY"
             rows.append(measure(f"single{suffix}", args.single, 1, pg))
+            rows.append(measure(f"alone{suffix}", args.single, 1, pg, atomic=False))
             rows.append(measure(f"batched{suffix}", args.batched, args.batch_size, pg))
     truncate()
     print(
@@ -137,7 +147,7 @@ def main() -> int:
         print("(PostgreSQL CPU not measured: the server does not run on this machine)")
     if args.profile:
         profile_batches(args.batch_size, args.top)
-    batched = rows[1][3]
+    batched = rows[2][3]
     print(f"\nbatched (NOTIFY on): {batched:,.0f} jobs/s, target ≥ {BATCH_TARGET:,}")
     if args.check and batched < BATCH_TARGET:
         return 1

@@ -19,6 +19,12 @@ def cursor(using: str | None) -> Iterator[CursorWrapper]:
         yield cur
 
 
+def server_version(using: str | None) -> int:
+    """The server's version number (180000 for 18.0), as Django's backend caches it."""
+    version: int = connections[using or DEFAULT_DB_ALIAS].pg_version  # type: ignore[attr-defined]
+    return version
+
+
 def seconds(value: timedelta) -> float:
     return value.total_seconds()
 

@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS
 
 from jobs.conf import jobs_settings
 from jobs.queue import _db
@@ -110,7 +110,7 @@ def claim_sql(
     skip through an index by themselves) or the single ordered scan.
     """
     if walk is None:
-        walk = connections[using].pg_version < 180000
+        walk = _db.server_version(using) < 180000
     scope_sql, scope_params = scope.sql("j")
     due = (_DUE_WALK if walk else _DUE_SCAN).format(scope=scope_sql)
     return _CLAIM.replace("{due}", due), scope_params

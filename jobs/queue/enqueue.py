@@ -63,17 +63,12 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str = DEFAULT_DB_ALIAS) -> li
     firsts: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:
         firsts.setdefault((row["tenant"], row["job_id"]), row)
-    # Inside the caller's transaction a deadlock is the caller's to retry: it aborted their
-    # writes too. Owning the transaction, a deadlock costs nothing to retry.
-    owned = not connections[using].in_atomic_block
-    for attempt in range(1, _DEADLOCK_RETRIES + 1):
-        try:
-            with transaction.atomic(using=using, savepoint=False), _db.cursor(using) as cur:
-                done = _insert_or_find(cur, list(firsts.values()))
-            break
-        except OperationalError as exc:
-            if not (owned and attempt < _DEADLOCK_RETRIES and _deadlock(exc)):
-                raise
+    connection = connections[using]
+    done = None
+    if len(firsts) == 1 and not connection.in_atomic_block and connection.get_autocommit():
+        done = _insert_alone(next(iter(firsts.values())), using)
+    if done is None:
+        done = _insert_in_transaction(list(firsts.values()), using)
     results = []
     for row in rows:
         key = (row["tenant"], row["job_id"])
@@ -84,6 +79,37 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str = DEFAULT_DB_ALIAS) -> li
             )
         results.append(result)
     return results
+
+
+def _insert_alone(row: dict[str, Any], using: str) -> dict[tuple[str, str], Enqueued] | None:
+    """One job outside any transaction: one round trip, without BEGIN and COMMIT.
+
+    Its insert is one statement, atomic by itself. None when the job's key is taken: only
+    then are the rounds of :func:`_insert_or_find` needed, and the skipped insert wrote
+    nothing.
+    """
+    with _db.cursor(using) as cur:
+        [(id_, inserted, _at)] = _insert_one(cur, row, None)
+    if not inserted or id_ is None:
+        return None
+    key = (row["tenant"], row["job_id"])
+    return {key: Enqueued(id_, row["job_id"], row["tenant"], row["name"], "queued", True)}
+
+
+def _insert_in_transaction(
+    rows: list[dict[str, Any]], using: str
+) -> dict[tuple[str, str], Enqueued]:
+    # Inside the caller's transaction a deadlock is the caller's to retry: it aborted their
+    # writes too. Owning the transaction, a deadlock costs nothing to retry.
+    owned = not connections[using].in_atomic_block
+    for attempt in range(1, _DEADLOCK_RETRIES + 1):
+        try:
+            with transaction.atomic(using=using, savepoint=False), _db.cursor(using) as cur:
+                return _insert_or_find(cur, rows)
+        except OperationalError as exc:
+            if not (owned and attempt < _DEADLOCK_RETRIES and _deadlock(exc)):
+                raise
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _row(job: NewJob, index: int) -> dict[str, Any]:

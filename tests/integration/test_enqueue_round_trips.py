@@ -1,0 +1,65 @@
+"""Enqueue costs as few round trips as its guarantees allow.
+
+One job outside any transaction is one statement, with no BEGIN or COMMIT around it; inside
+the caller's transaction it adds one statement and no transaction control of its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+
+from jobs import queue
+from jobs.models import Job
+from jobs.queue import NewJob
+
+NAME = "test.noop.v1"
+
+
+class TransactionControl:
+    """Counts the transactions Django opens on the connection (atomic() turns autocommit off)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.begun = 0
+        real = connection.set_autocommit
+
+        def counting(autocommit: bool, *args, **kwargs):
+            if not autocommit:
+                self.begun += 1
+            return real(autocommit, *args, **kwargs)
+
+        monkeypatch.setattr(connection, "set_autocommit", counting)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("job_id", [None, "order-1"], ids=["keyless", "keyed"])
+def test_one_job_outside_a_transaction_is_one_statement_and_no_transaction(monkeypatch, job_id):
+    control = TransactionControl(monkeypatch)
+
+    with CaptureQueriesContext(connection) as statements:
+        enqueued = queue.enqueue(NewJob(name=NAME, payload={}, job_id=job_id))
+
+    assert len(statements) == 1, [q["sql"] for q in statements]
+    assert control.begun == 0
+    assert enqueued.created and Job.objects.get(pk=enqueued.id).state == "queued"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_taken_key_outside_a_transaction_finds_its_holder():
+    first = queue.enqueue(NewJob(name=NAME, payload={}, job_id="order-2"))
+
+    again = queue.enqueue(NewJob(name=NAME, payload={"other": 1}, job_id="order-2"))
+
+    assert (again.id, again.created) == (first.id, False)
+    assert Job.objects.filter(job_id="order-2").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_inside_the_callers_transaction_one_job_adds_one_statement(monkeypatch):
+    with transaction.atomic():
+        control = TransactionControl(monkeypatch)
+        with CaptureQueriesContext(connection) as statements:
+            queue.enqueue(NewJob(name=NAME, payload={}))
+        assert len(statements) == 1, [q["sql"] for q in statements]
+        assert control.begun == 0
