@@ -640,28 +640,39 @@ def cpu_cell(runs: list[dict]) -> str:
     return f"{fmt(own)} + {fmt(pg)} = {fmt(own + pg)}"
 
 
+def spread(runs: list[dict], field: str) -> str:
+    """(max - min) / median over the runs: how far apart the runs were."""
+    values = [run[field] for run in runs]
+    if len(values) < 2:
+        return ""
+    return f"{(max(values) - min(values)) / statistics.median(values):.0%}"
+
+
 def system_table(results: dict, transport: str, plan: list[Measurement]) -> str:
     rows: list[list[object]] = []
     for m in plan:
         jobs_runs, pgq_runs = results[transport, m.key, "jobs"], results[transport, m.key, "pgq"]
         if m.key == "latency":
-            for field, name in (("p50", "p50"), ("p99", "p99")):
+            for field in ("p50", "p99"):
                 j, p = median(jobs_runs, field), median(pgq_runs, field)
-                rows.append([f"{m.label} {name}", "ms", fmt(j, 1), fmt(p, 1), f"{j / p:.2f}"])
+                rows.append([f"{m.label} {field}", "ms", fmt(j, 1), fmt(p, 1), f"{j / p:.2f}"])
                 rows[-1] += ["lower", "", ""]
+                rows[-1].append(f"{spread(jobs_runs, field)} {spread(pgq_runs, field)}")
             continue
         j, p = median(jobs_runs, "rate"), median(pgq_runs, "rate")
         rows.append([m.label, "jobs/s", fmt(j), fmt(p), f"{j / p:.2f}", "higher"])
         rows[-1] += [cpu_cell(jobs_runs), cpu_cell(pgq_runs)]
+        rows[-1].append(f"{spread(jobs_runs, 'rate')} {spread(pgq_runs, 'rate')}")
         if m.key == "drain2":
-            j = median(jobs_runs, "own") + median(jobs_runs, "pg")
-            p = median(pgq_runs, "own") + median(pgq_runs, "pg")
-            rows.append(
-                ["CPU per job in that drain (worker + PG)", "µs", fmt(j), fmt(p), f"{j / p:.2f}"]
-            )
-            rows[-1] += ["lower", "", ""]
+            for runs in (jobs_runs, pgq_runs):
+                for run in runs:
+                    run["total"] = run["own"] + run["pg"]
+            j, p = median(jobs_runs, "total"), median(pgq_runs, "total")
+            label = "CPU per job in that drain (worker + PG)"
+            rows.append([label, "µs", fmt(j), fmt(p), f"{j / p:.2f}", "lower", "", ""])
+            rows[-1].append(f"{spread(jobs_runs, 'total')} {spread(pgq_runs, 'total')}")
     headers = ["measurement", "unit", "jobs", "pgqueuer", "jobs/pgq", "better"]
-    headers += ["jobs CPU µs/job", "pgqueuer CPU µs/job"]
+    headers += ["jobs CPU µs/job", "pgqueuer CPU µs/job", "spread"]
     return table(headers, rows)
 
 
@@ -731,7 +742,8 @@ def print_table(results: dict, args: argparse.Namespace, transports: list[str], 
     )
     print(
         "CPU: client (enqueue) or worker processes (drain) + PostgreSQL, µs per job; jobs/pgq "
-        "above 1 is better for jobs in throughput, below 1 in latency and CPU"
+        "above 1 is better for jobs in throughput, below 1 in latency and CPU; spread: (max - "
+        "min) / median over the runs, jobs then pgqueuer"
     )
     for transport in transports:
         print(f"\n{transport}, median of {args.runs} run{'s' * (args.runs > 1)}:")
