@@ -32,7 +32,7 @@ from jobs.queue.types import ClaimedJob, ClaimRequest, Scope
 
 _CLAIM = """
 WITH wanted AS (
-    SELECT * FROM unnest(%(names)s::text[], %(limits)s::int[], %(caps)s::int[])
+    SELECT * FROM unnest(%(names)b::text[], %(limits)b::int[], %(caps)b::int[])
         WITH ORDINALITY AS w(name, lim, cap, ord)
 ),
 picked AS (
@@ -55,7 +55,7 @@ WHERE j.id = picked.id
 RETURNING j.id, j.job_id, j.name, j.payload, j.tenant, j.queue, j.priority, j.attempts,
           LEAST(j.max_attempts, COALESCE(picked.cap, j.max_attempts)), j.claim_token,
           GREATEST(0, EXTRACT(EPOCH FROM j.started_at - j.run_after))::float8,
-          picked.ord, j.run_after
+          picked.ord, EXTRACT(EPOCH FROM j.run_after)::float8
 """
 
 # PostgreSQL 18 skips through the claim index by itself: one ordered scan of the due range.
@@ -148,9 +148,10 @@ def claim(
         "worker": worker,
         **scope_params,
     }
-    with _db.cursor(using) as cur:
+    with _db.bound_cursor(using) as cur:
         cur.execute(sql, params)
-        # UPDATE … RETURNING keeps no order: put the rows back in claim order.
+        # UPDATE … RETURNING keeps no order: put the rows back in claim order (the due time
+        # comes as epoch seconds, a cheaper sort key to read than a timestamp).
         rows = sorted(cur.fetchall(), key=lambda row: (row[11], -row[6], row[12], row[0]))
     return [
         ClaimedJob(
@@ -201,11 +202,11 @@ def renew_tokens(
         return set()
     # Rows another session has locked (an operator's open transaction) are skipped, not
     # waited for: their renewal waits for the next round, and they are not reported lost.
-    with _db.cursor(using) as cur:
+    with _db.bound_cursor(using) as cur:
         cur.execute(
             """
             WITH held AS (
-                SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS l(id, token)
+                SELECT * FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[]) AS l(id, token)
             ),
             free AS (
                 SELECT j.id FROM jobs_job j JOIN held ON j.id = held.id
@@ -247,7 +248,7 @@ def next_attempt(
     wait cannot let the job run past its ``max_attempts``. Returns the job's attempts now, or
     None when the lease was lost (the handler must not run again).
     """
-    with _db.cursor(using) as cur:
+    with _db.bound_cursor(using) as cur:
         cur.execute(
             """
             UPDATE jobs_job

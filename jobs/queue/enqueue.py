@@ -88,7 +88,7 @@ def _insert_alone(row: dict[str, Any], using: str) -> dict[tuple[str, str], Enqu
     then are the rounds of :func:`_insert_or_find` needed, and the skipped insert wrote
     nothing.
     """
-    with _db.cursor(using) as cur:
+    with _db.bound_cursor(using) as cur:
         [(id_, inserted, _at)] = _insert_one(cur, row, None)
     if not inserted or id_ is None:
         return None
@@ -104,7 +104,7 @@ def _insert_in_transaction(
     owned = not connections[using].in_atomic_block
     for attempt in range(1, _DEADLOCK_RETRIES + 1):
         try:
-            with transaction.atomic(using=using, savepoint=False), _db.cursor(using) as cur:
+            with transaction.atomic(using=using, savepoint=False), _db.bound_cursor(using) as cur:
                 return _insert_or_find(cur, rows)
         except OperationalError as exc:
             if not (owned and attempt < _DEADLOCK_RETRIES and _deadlock(exc)):
@@ -251,13 +251,13 @@ def _insert(
     fresh = [row for row in rows if row.get("id") is None]
     if fresh or base is None:
         cur.execute(
-            "SELECT nextval(pg_get_serial_sequence('jobs_job', 'id')), statement_timestamp() "
-            "FROM generate_series(1, %s)",
+            "SELECT array_agg(nextval(pg_get_serial_sequence('jobs_job', 'id'))), "
+            "statement_timestamp() FROM generate_series(1, %s)",
             [max(len(fresh), 1)],
         )
-        drawn = cur.fetchall()
-        base = base or drawn[0][1]
-        for row, id_ in zip(fresh, sorted(id_ for id_, _ in drawn), strict=False):
+        drawn, now = cur.fetchone()
+        base = base or now
+        for row, id_ in zip(fresh, sorted(drawn), strict=False):
             row["id"] = id_
     ordered = sorted(rows, key=lambda row: (row["tenant"], row["job_id"]))
     params: dict[str, Any] = {key: [row[key] for row in ordered] for key in _COLUMNS}
@@ -288,10 +288,10 @@ def _insert(
                    COALESCE(r.run_after, %(base)s + make_interval(secs => r.delay)),
                    'queued', 0, '', '', '', TRUE, r.keyed, '', %(base)s
             FROM unnest(
-                %(id)s::bigint[], %(job_id)s::text[], %(name)s::text[], %(payload)s::jsonb[],
-                %(tenant)s::text[], %(queue)s::text[], %(priority)s::smallint[],
-                %(max_attempts)s::int[], %(run_after)s::timestamptz[], %(delay)s::float8[],
-                %(keyed)s::bool[]
+                %(id)b::bigint[], %(job_id)b::text[], %(name)b::text[], %(payload)b::jsonb[],
+                %(tenant)b::text[], %(queue)b::text[], %(priority)b::smallint[],
+                %(max_attempts)b::int[], %(run_after)b::timestamptz[], %(delay)b::float8[],
+                %(keyed)b::bool[]
             ) AS r(id, job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
                    delay, keyed)
             ON CONFLICT (tenant, job_id) WHERE key_held DO NOTHING

@@ -24,9 +24,9 @@ from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay
 _RECORD = """
 WITH o AS (
     SELECT * FROM unnest(
-        %(ids)s::bigint[], %(tokens)s::uuid[], %(states)s::text[], %(codes)s::text[],
-        %(details)s::text[], %(delays)s::float8[], %(ats)s::timestamptz[], %(deltas)s::int[],
-        %(results)s::jsonb[]
+        %(ids)b::bigint[], %(tokens)b::uuid[], %(states)b::text[], %(codes)b::text[],
+        %(details)b::text[], %(delays)b::float8[], %(ats)b::timestamptz[], %(deltas)b::int[],
+        %(results)b::jsonb[]
     ) AS o(id, token, state, code, detail, delay, at, attempts_delta, result)
 ),
 -- Rows another session holds locked are skipped (reported busy), never waited for.
@@ -91,7 +91,7 @@ def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> Out
         "deltas": [o.attempts_delta for o in outcomes],
         "results": [o.result_json for o in outcomes],
     }
-    with _db.cursor(using) as cur:
+    with _db.bound_cursor(using) as cur:
         cur.execute(_RECORD, params)
         rows = cur.fetchall()
     applied = {id_ for id_, written in rows if written}
