@@ -18,12 +18,16 @@ RetryAfter(delay)                  waited out in the worker when short (the   ha
 cancelled by a draining worker     handed back (attempt returned)             (kept)
 lease lost meanwhile               nothing written (fenced)                   —
 =================================  =========================================  =================
+
+An ``async def`` handler runs on the worker's shared event loop (:mod:`jobs.worker.event_loop`)
+while its handler thread waits for it, so the table holds for it unchanged; its context's
+``cancelled`` also cancels its task, raising ``CancelledError`` at its current ``await``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -45,6 +49,7 @@ from jobs.queue.types import clamp_delay
 from jobs.registry import JobType, classify
 from jobs.runs import ErrorCode
 from jobs.worker import metrics
+from jobs.worker.event_loop import CancelEvent, run_async
 
 logger = logging.getLogger("jobs.worker")
 IDLE = TransactionStatus.IDLE
@@ -90,6 +95,8 @@ def make_context(job: ClaimedJob, job_type: JobType) -> JobContext:
         max_attempts=job.max_attempts,
         timeout=as_timedelta(job_type.policy.timeout).total_seconds(),
         logger=adapter,
+        # For a coroutine, "told to stop" is also a cancelled task (jobs.worker.event_loop).
+        cancelled=CancelEvent() if job_type.is_async else threading.Event(),
     )
 
 
@@ -164,7 +171,7 @@ def _call(
     started = time.monotonic()
     try:
         if job_type.is_async:
-            result = asyncio.run(job_type.handler(payload, ctx))
+            result = run_async(job_type.handler, payload, ctx)
         else:
             result = job_type.handler(payload, ctx)
     except BaseException as exc:  # SystemExit, CancelledError: all outcomes

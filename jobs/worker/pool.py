@@ -5,6 +5,10 @@ to ``JOBS["HANDLER_CONN_MAX_AGE"]`` (a worker is one long "request", and a new c
 job would cost more than most jobs), but closes it after a job that left it broken or inside
 a transaction, and closes every connection when the thread exits. A maximum age of 0 closes
 after every job, like Django's request cycle with ``CONN_MAX_AGE = 0``.
+
+The pool also owns the worker's one event loop for ``async def`` handlers
+(:mod:`jobs.worker.event_loop`): started with the threads, each thread bound to it, closed
+after the threads exit, so a drain ends with no task left on it.
 """
 
 from __future__ import annotations
@@ -18,8 +22,12 @@ from collections.abc import Callable
 from django.db import connections
 
 from jobs.conf import jobs_settings
+from jobs.worker.event_loop import HandlerLoop
 
 logger = logging.getLogger("jobs.worker")
+
+#: At shutdown, tasks left on the event loop get at least this long to end once cancelled.
+LOOP_CLOSE_GRACE = 0.5
 
 
 class HandlerPool:
@@ -36,6 +44,8 @@ class HandlerPool:
         self._stopping = False
         self._started = 0
         self._threads: list[threading.Thread] = []
+        self.event_loop = HandlerLoop(f"{name}-loop")
+        self.event_loop.start()
         for _ in range(size):
             self._start_thread()
 
@@ -52,7 +62,12 @@ class HandlerPool:
         self._tasks.put(task)
 
     def shutdown(self, timeout: float) -> bool:
-        """Ask threads to exit after their current task; True if all did within ``timeout``."""
+        """Ask threads to exit after their current task, then close the event loop.
+
+        True if every thread exited within ``timeout`` and the loop closed. Tasks left on
+        the loop are cancelled and get what is left of ``timeout``, at least
+        :data:`LOOP_CLOSE_GRACE`, to end.
+        """
         with self._lock:
             self._stopping = True
             threads = list(self._threads)
@@ -61,11 +76,14 @@ class HandlerPool:
         deadline = time.monotonic() + timeout
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in threads)
+        exited = not any(thread.is_alive() for thread in threads)
+        closed = self.event_loop.close(max(LOOP_CLOSE_GRACE, deadline - time.monotonic()))
+        return exited and closed
 
     def _loop(self) -> None:
         opened: dict[str, tuple[int, float]] = {}
         stopped = False
+        self.event_loop.bind()
         try:
             while (task := self._tasks.get()) is not None:
                 try:
