@@ -251,9 +251,11 @@ def profile_trace(pg: PostgresCpu, jobs: int, concurrency: int) -> None:
     rows = []
     order = [
         "pass (whole)",
+        "outcomes + claim (SQL)",
         "record outcomes (SQL)",
         "claim (SQL)",
         "commit",
+        "outcomes + claim (SQL): waiting for PostgreSQL",
         "record outcomes (SQL): waiting for PostgreSQL",
         "claim (SQL): waiting for PostgreSQL",
         "commit: waiting for PostgreSQL",

@@ -63,6 +63,7 @@ def install(path: str) -> None:
     _timed(worker, "_maintain", "maintenance")
     _timed(queue, "record", "record outcomes (SQL)", size=lambda a, k: len(a[0]))
     _timed(queue, "claim", "claim (SQL)")
+    _timed(queue, "record_and_claim", "outcomes + claim (SQL)", size=lambda a, k: len(a[0]))
     _timed(worker, "_dispatch", "dispatch to pool", size=lambda a, k: len(a[1]))
     _timed(worker, "_settle", "settle acks", size=lambda a, k: len(a[1]))
     _timed(worker, "_take_acks", "take acks")

@@ -22,6 +22,7 @@ them writes the jobs table itself.
 
 from jobs.queue import history
 from jobs.queue.claim import claim, claim_sql, next_attempt, renew, renew_tokens
+from jobs.queue.cycle import record_and_claim
 from jobs.queue.enqueue import enqueue, enqueue_many
 from jobs.queue.maintenance import (
     backlog,
@@ -89,6 +90,7 @@ __all__ = [
     "pending",
     "prune",
     "record",
+    "record_and_claim",
     "release",
     "renew",
     "renew_tokens",

@@ -30,8 +30,10 @@ from jobs.conf import jobs_settings
 from jobs.queue import _db
 from jobs.queue.types import ClaimedJob, ClaimRequest, Scope
 
-_CLAIM = """
-WITH wanted AS (
+# The claim's CTEs: what each name asks for, and the rows picked for it (locked as the
+# outer LIMIT pulls them). ``{due}`` is one of the two forms below.
+_CLAIM_CTES = """
+wanted AS (
     SELECT * FROM unnest(%(names)b::text[], %(limits)b::int[], %(caps)b::int[])
         WITH ORDINALITY AS w(name, lim, cap, ord)
 ),
@@ -42,6 +44,9 @@ picked AS (
     ) c
     LIMIT %(total)s
 )
+"""
+
+_CLAIM_UPDATE = """
 UPDATE jobs_job j
 SET state = 'running',
     attempts = j.attempts + 1,
@@ -109,11 +114,75 @@ def claim_sql(
     ``walk`` picks the priority walk (default: on servers before PostgreSQL 18, which cannot
     skip through an index by themselves) or the single ordered scan.
     """
+    ctes, scope_params = _claim_ctes(scope, walk, using)
+    return "WITH " + ctes + _CLAIM_UPDATE, scope_params
+
+
+def _claim_ctes(scope: Scope, walk: bool | None, using: str) -> tuple[str, dict[str, Any]]:
     if walk is None:
         walk = _db.server_version(using) < 180000
     scope_sql, scope_params = scope.sql("j")
     due = (_DUE_WALK if walk else _DUE_SCAN).format(scope=scope_sql)
-    return _CLAIM.replace("{due}", due), scope_params
+    return _CLAIM_CTES.replace("{due}", due), scope_params
+
+
+def claim_parts(
+    requests: Sequence[ClaimRequest],
+    *,
+    scope: Scope,
+    limit: int | None,
+    lease: timedelta | None,
+    worker: str,
+    using: str,
+) -> tuple[str, str, dict[str, Any]] | None:
+    """The claim as its CTEs, its UPDATE and their parameters; None when nothing is asked.
+
+    For statements that claim along with other work (:mod:`jobs.queue.cycle`).
+    """
+    requests = [r for r in requests if r.limit > 0]
+    total = (
+        sum(r.limit for r in requests)
+        if limit is None
+        else min(limit, sum(r.limit for r in requests))
+    )
+    if total <= 0:
+        return None
+    ctes, scope_params = _claim_ctes(scope, None, using)
+    params = {
+        "names": [r.name for r in requests],
+        "limits": [r.limit for r in requests],
+        "caps": [r.max_attempts for r in requests],
+        "total": total,
+        "lease": _db.seconds(lease or jobs_settings.LEASE),
+        "worker": worker,
+        **scope_params,
+    }
+    return ctes, _CLAIM_UPDATE, params
+
+
+def claimed_jobs(rows: Sequence[Sequence[Any]]) -> list[ClaimedJob]:
+    """Rows of the claim's RETURNING list as jobs, in claim order.
+
+    UPDATE … RETURNING keeps no order: the rows carry their request's position and their
+    due time (epoch seconds, a cheaper sort key to read than a timestamp) to sort them back.
+    """
+    ordered = sorted(rows, key=lambda row: (row[11], -row[6], row[12], row[0]))
+    return [
+        ClaimedJob(
+            id=row[0],
+            job_id=row[1],
+            name=row[2],
+            payload=_db.load_json_or_text(row[3]),
+            tenant=row[4],
+            queue=row[5],
+            priority=row[6],
+            attempts=row[7],
+            max_attempts=row[8],
+            claim_token=row[9],
+            latency=row[10],
+        )
+        for row in ordered
+    ]
 
 
 def claim(
@@ -130,45 +199,13 @@ def claim(
     Within a name, jobs come highest priority first, then earliest due, then oldest. A
     returned job's ``max_attempts`` is the lower of its own limit and the request's.
     """
-    requests = [r for r in requests if r.limit > 0]
-    total = (
-        sum(r.limit for r in requests)
-        if limit is None
-        else min(limit, sum(r.limit for r in requests))
-    )
-    if total <= 0:
+    parts = claim_parts(requests, scope=scope, limit=limit, lease=lease, worker=worker, using=using)
+    if parts is None:
         return []
-    sql, scope_params = claim_sql(scope, using=using)
-    params = {
-        "names": [r.name for r in requests],
-        "limits": [r.limit for r in requests],
-        "caps": [r.max_attempts for r in requests],
-        "total": total,
-        "lease": _db.seconds(lease or jobs_settings.LEASE),
-        "worker": worker,
-        **scope_params,
-    }
+    ctes, update, params = parts
     with _db.bound_cursor(using) as cur:
-        cur.execute(sql, params)
-        # UPDATE … RETURNING keeps no order: put the rows back in claim order (the due time
-        # comes as epoch seconds, a cheaper sort key to read than a timestamp).
-        rows = sorted(cur.fetchall(), key=lambda row: (row[11], -row[6], row[12], row[0]))
-    return [
-        ClaimedJob(
-            id=row[0],
-            job_id=row[1],
-            name=row[2],
-            payload=_db.load_json_or_text(row[3]),
-            tenant=row[4],
-            queue=row[5],
-            priority=row[6],
-            attempts=row[7],
-            max_attempts=row[8],
-            claim_token=row[9],
-            latency=row[10],
-        )
-        for row in rows
-    ]
+        cur.execute("WITH " + ctes + update, params)
+        return claimed_jobs(cur.fetchall())
 
 
 def renew(

@@ -21,15 +21,16 @@ from django.db import DEFAULT_DB_ALIAS
 from jobs.queue import _db, text
 from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay
 
-_RECORD = """
-WITH o AS (
+# The outcome write's CTEs: the outcomes, the rows still held under their tokens (rows another
+# session holds locked are skipped and reported busy, never waited for), and the write.
+OUTCOME_CTES = """
+o AS (
     SELECT * FROM unnest(
         %(ids)b::bigint[], %(tokens)b::uuid[], %(states)b::text[], %(codes)b::text[],
         %(details)b::text[], %(delays)b::float8[], %(ats)b::timestamptz[], %(deltas)b::int[],
         %(results)b::jsonb[]
     ) AS o(id, token, state, code, detail, delay, at, attempts_delta, result)
 ),
--- Rows another session holds locked are skipped (reported busy), never waited for.
 free AS (
     SELECT j.id FROM jobs_job j JOIN o ON j.id = o.id
     WHERE j.claim_token = o.token AND j.state = 'running'
@@ -55,16 +56,21 @@ written AS (
     FROM o JOIN free ON free.id = o.id
     WHERE j.id = o.id
     RETURNING j.id
+),
+-- Held under their token but not written: another session holds the row locked.
+busy AS (
+    SELECT o.id FROM o
+    WHERE o.id NOT IN (SELECT id FROM written)
+      AND EXISTS (
+          SELECT 1 FROM jobs_job j
+          WHERE j.id = o.id AND j.claim_token = o.token AND j.state = 'running'
+      )
 )
-SELECT id, TRUE FROM written
-UNION ALL
-SELECT o.id, FALSE FROM o
-WHERE o.id NOT IN (SELECT id FROM written)
-  AND EXISTS (
-      SELECT 1 FROM jobs_job j
-      WHERE j.id = o.id AND j.claim_token = o.token AND j.state = 'running'
-  )
 """
+
+_RECORD = (
+    "WITH " + OUTCOME_CTES + "SELECT id, TRUE FROM written UNION ALL SELECT id, FALSE FROM busy"
+)
 
 # Error details are for people reading the admin; keep a runaway traceback from bloating rows.
 MAX_DETAIL = 8000
@@ -78,9 +84,21 @@ def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> Out
     """
     if not outcomes:
         return OutcomeReport((), ())
+    with _db.bound_cursor(using) as cur:
+        cur.execute(_RECORD, outcome_params(outcomes))
+        rows = cur.fetchall()
+    return outcome_report(
+        outcomes,
+        applied={id_ for id_, written in rows if written},
+        busy={id_ for id_, written in rows if not written},
+    )
+
+
+def outcome_params(outcomes: Sequence[Outcome]) -> dict[str, list[Any]]:
+    """The parameters of the outcome write's CTEs (also for :mod:`jobs.queue.cycle`)."""
     # The Outcome constructors already made these storable; an Outcome built by hand is
     # made so here, since one refused value would fail the whole batch.
-    params: dict[str, list[Any]] = {
+    return {
         "ids": [o.id for o in outcomes],
         "tokens": [o.token for o in outcomes],
         "states": [o.state for o in outcomes],
@@ -91,11 +109,12 @@ def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> Out
         "deltas": [o.attempts_delta for o in outcomes],
         "results": [o.result_json for o in outcomes],
     }
-    with _db.bound_cursor(using) as cur:
-        cur.execute(_RECORD, params)
-        rows = cur.fetchall()
-    applied = {id_ for id_, written in rows if written}
-    busy = {id_ for id_, written in rows if not written}
+
+
+def outcome_report(
+    outcomes: Sequence[Outcome], *, applied: set[int], busy: set[int]
+) -> OutcomeReport:
+    """Which outcomes were written, fenced (the token no longer holds) or busy, in order."""
     return OutcomeReport(
         applied=tuple(o.id for o in outcomes if o.id in applied),
         fenced=tuple(o.id for o in outcomes if o.id not in applied and o.id not in busy),

@@ -245,14 +245,31 @@ class Worker(Draining):
     def _write_and_claim(
         self, outcomes: list[tuple[Running, Outcome]], requests: list[ClaimRequest]
     ) -> tuple[OutcomeReport | None, list[ClaimedJob]]:
-        """Outcomes and the next claim in one transaction: one commit per loop pass."""
-        with transaction.atomic():
-            report = queue.record([o for _, o in outcomes]) if outcomes else None
-            if report is not None:
+        """Outcomes and the next claim together: one commit per loop pass.
+
+        Usually one statement (:func:`jobs.queue.record_and_claim`). Outcomes of job types
+        with a bound run table also update their run rows in the same transaction, so such a
+        pass runs its statements inside one instead.
+        """
+        if any(r.job_type.policy.run_model is not None for r, _ in outcomes):
+            with transaction.atomic():
+                report = queue.record([o for _, o in outcomes])
                 applied = set(report.applied)
                 sync_run_rows([(r, o) for r, o in outcomes if r.job.id in applied])
-            claimed = self._claim(requests) if requests else []
-        return report, claimed
+                claimed = self._claim(requests) if requests else []
+            return report, claimed
+        with self._lock:
+            free = self.config.concurrency - self._in_flight
+        report, claimed = queue.record_and_claim(
+            [o for _, o in outcomes],
+            requests,
+            scope=self.config.scope,
+            limit=free,
+            lease=self.config.lease_duration,
+            worker=self.config.identity,
+        )
+        self._note_claimed(requests, claimed, free)
+        return (report if outcomes else None), claimed
 
     def _loop_error(self, exc: Exception) -> None:
         """Back off after a failed pass: poll interval, doubling, capped; one line a retry."""
@@ -341,6 +358,12 @@ class Worker(Draining):
             lease=self.config.lease_duration,
             worker=self.config.identity,
         )
+        self._note_claimed(requests, claimed, free)
+        return claimed
+
+    def _note_claimed(
+        self, requests: list[ClaimRequest], claimed: list[ClaimedJob], free: int
+    ) -> None:
         got = Counter(job.name for job in claimed)
         if len(claimed) < free:
             # A name that gave fewer jobs than asked has nothing more due right now; skip it
@@ -348,7 +371,6 @@ class Worker(Draining):
             self._exhausted.update(r.name for r in requests if got[r.name] < r.limit)
             if any(got[r.name] >= r.limit for r in requests if r.name in self._shared):
                 self._wake.set()  # a name held to its share may take the slots left over
-        return claimed
 
     def _dispatch(self, claimed: list[ClaimedJob]) -> None:
         for job in claimed:

@@ -1,0 +1,73 @@
+"""A worker's pass in one statement: write the finished jobs' outcomes and claim the next.
+
+Written as separate statements in a transaction, a pass costs four round trips (BEGIN, the
+outcome write, the claim, COMMIT) and two plans. As one statement in autocommit it is one
+round trip and one plan, and still atomic: the outcomes and the claim commit together or not
+at all. Both parts read the same snapshot, which changes nothing here: outcomes touch the
+worker's running rows, the claim only queued ones, and a job an outcome puts back in the
+queue is claimed by the next pass, as before.
+
+The statement is :mod:`jobs.queue.outcomes`' CTEs and :mod:`jobs.queue.claim`'s, composed;
+their semantics (fencing, busy rows skipped, rows locked only as the claim's LIMIT pulls them)
+are theirs. The result is the claimed rows, then one row that carries the ids of the outcomes
+written and of those whose rows another session held locked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS
+
+from jobs.queue import _db
+from jobs.queue.claim import claim_parts, claimed_jobs
+from jobs.queue.outcomes import OUTCOME_CTES, outcome_params, outcome_report
+from jobs.queue.types import ClaimedJob, ClaimRequest, Outcome, OutcomeReport, Scope
+
+# The claimed rows' columns (see the claim's RETURNING list), padded for the report row.
+_CLAIMED_COLUMNS = 13
+
+_REPORT_ROW = (
+    "SELECT "
+    + ", ".join(["NULL"] * _CLAIMED_COLUMNS)
+    + ", (SELECT array_agg(id) FROM written), (SELECT array_agg(id) FROM busy)"
+)
+
+
+def record_and_claim(
+    outcomes: Sequence[Outcome],
+    requests: Sequence[ClaimRequest],
+    *,
+    scope: Scope,
+    limit: int | None = None,
+    lease: timedelta | None = None,
+    worker: str = "",
+    using: str = DEFAULT_DB_ALIAS,
+) -> tuple[OutcomeReport, list[ClaimedJob]]:
+    """Write ``outcomes`` and claim as :func:`~jobs.queue.claim` would, in one statement.
+
+    Outside a transaction the statement is its own (autocommit); inside one it joins it. The
+    report and the claimed jobs are what :func:`~jobs.queue.record` and
+    :func:`~jobs.queue.claim` would return.
+    """
+    parts = claim_parts(requests, scope=scope, limit=limit, lease=lease, worker=worker, using=using)
+    params: dict[str, Any] = {}
+    if parts is None:
+        sql = f"WITH {OUTCOME_CTES}\n{_REPORT_ROW}"
+    else:
+        ctes, update, params = parts
+        sql = (
+            f"WITH {OUTCOME_CTES},{ctes}, claimed AS ({update})\n"
+            f"SELECT *, NULL::bigint[], NULL::bigint[] FROM claimed\nUNION ALL\n{_REPORT_ROW}"
+        )
+    with _db.bound_cursor(using) as cur:
+        cur.execute(sql, {**outcome_params(outcomes), **params})
+        rows = cur.fetchall()
+    # Claimed rows always have an id; the report row has none.
+    [report_row] = [row for row in rows if row[0] is None]
+    written, busy = report_row[-2] or [], report_row[-1] or []
+    report = outcome_report(outcomes, applied=set(written), busy=set(busy))
+    claimed = [row[:_CLAIMED_COLUMNS] for row in rows if row[0] is not None]
+    return report, claimed_jobs(claimed)

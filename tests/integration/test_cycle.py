@@ -1,0 +1,144 @@
+"""record_and_claim: a worker's pass (outcomes, then the next claim) as one statement.
+
+It must report and claim exactly what record() then claim() would, commit both or neither,
+and cost one round trip with no transaction control outside a transaction.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from django.db import DatabaseError, connection, transaction
+from django.test.utils import CaptureQueriesContext
+
+from jobs import queue
+from jobs.models import Job
+from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome
+from tests.integration.test_enqueue_round_trips import TransactionControl
+from tests.integration.test_review_round13 import Background
+
+NAME = "test.noop.v1"
+SCOPE = AllTenants()
+
+
+def enqueue(count: int, **options) -> list[int]:
+    return [e.id for e in queue.enqueue_many([NewJob(name=NAME, payload={}, **options)] * count)]
+
+
+def claim(limit: int) -> list:
+    return queue.claim([ClaimRequest(NAME, limit)], scope=SCOPE, worker="w")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_outcomes_and_the_next_claim_are_one_statement_without_begin_or_commit(monkeypatch):
+    enqueue(5)
+    held = claim(2)
+    control = TransactionControl(monkeypatch)
+
+    with CaptureQueriesContext(connection) as statements:
+        report, claimed = queue.record_and_claim(
+            [Outcome.succeeded(held[0], {"ok": 1}), Outcome.failed(held[1], code="boom")],
+            [ClaimRequest(NAME, 10)],
+            scope=SCOPE,
+            limit=2,
+            worker="w2",
+        )
+
+    assert len(statements) == 1 and control.begun == 0
+    assert report.applied == (held[0].id, held[1].id) and not report.fenced
+    assert len(claimed) == 2 and {j.id for j in claimed}.isdisjoint({h.id for h in held})
+    states = dict(Job.objects.values_list("id", "state"))
+    assert (states[held[0].id], states[held[1].id]) == ("succeeded", "failed")
+    assert all(states[j.id] == "running" for j in claimed)
+    assert Job.objects.get(pk=held[0].id).result == {"ok": 1}
+
+
+@pytest.mark.django_db
+def test_it_reports_and_claims_as_record_then_claim_would():
+    ids = enqueue(6)
+    first = claim(3)
+    stale = Outcome.succeeded(first[2], None)
+    queue.record([Outcome.retry(first[2], code="again", delay=0)])  # its token is gone now
+
+    report, claimed = queue.record_and_claim(
+        [Outcome.succeeded(first[0], 1), Outcome.retry(first[1], code="x", delay=0), stale],
+        [ClaimRequest(NAME, 10)],
+        scope=SCOPE,
+    )
+
+    assert report.applied == (first[0].id, first[1].id)
+    assert report.fenced == (first[2].id,) and report.busy == ()
+    # In claim order (the job requeued before is due last); the job this statement put back
+    # is not among them (both parts read one snapshot): the next claim gets it.
+    assert [j.id for j in claimed] == [*ids[3:], first[2].id]
+    assert claim(10)[0].id == first[1].id
+
+
+@pytest.mark.django_db
+def test_with_nothing_to_claim_it_only_writes_and_with_nothing_to_write_it_only_claims():
+    enqueue(2)
+    [job] = claim(1)
+
+    report, claimed = queue.record_and_claim([Outcome.succeeded(job)], [], scope=SCOPE)
+    assert report.applied == (job.id,) and claimed == []
+
+    report, claimed = queue.record_and_claim([], [ClaimRequest(NAME, 5)], scope=SCOPE)
+    assert report.applied == () and len(claimed) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_row_another_session_holds_locked_is_busy_and_the_rest_goes_on():
+    enqueue(3)
+    held = claim(2)
+    locked, release = threading.Event(), threading.Event()
+
+    def hold_row_lock() -> None:
+        with transaction.atomic():
+            Job.objects.select_for_update().get(pk=held[0].id)
+            locked.set()
+            release.wait(30)
+
+    holder = Background(hold_row_lock)
+    assert locked.wait(30)
+    try:
+        report, claimed = queue.record_and_claim(
+            [Outcome.succeeded(h) for h in held], [ClaimRequest(NAME, 5)], scope=SCOPE
+        )
+    finally:
+        release.set()
+        holder.result()
+
+    assert report.busy == (held[0].id,) and report.applied == (held[1].id,)
+    assert len(claimed) == 1
+    assert Job.objects.get(pk=held[0].id).state == "running"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_refused_outcome_writes_nothing_and_claims_nothing():
+    enqueue(3)
+    [job] = claim(1)
+    # A state the table's check constraint refuses: the whole statement fails.
+    refused = Outcome(id=job.id, token=job.claim_token, state="bogus")  # type: ignore[arg-type]
+
+    with pytest.raises(DatabaseError):
+        queue.record_and_claim([refused], [ClaimRequest(NAME, 5)], scope=SCOPE, worker="w")
+
+    assert Job.objects.filter(state="running").count() == 1
+    assert Job.objects.filter(state="queued").count() == 2
+
+
+@pytest.mark.django_db
+def test_inside_a_transaction_it_joins_it():
+    enqueue(2)
+    [job] = claim(1)
+
+    with transaction.atomic():
+        queue.record_and_claim(
+            [Outcome.succeeded(job)], [ClaimRequest(NAME, 5)], scope=SCOPE, lease=timedelta(1)
+        )
+        transaction.set_rollback(True)
+
+    assert Job.objects.get(pk=job.id).state == "running"
+    assert Job.objects.filter(state="queued").count() == 1
