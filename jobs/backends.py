@@ -75,7 +75,7 @@ class PostgresBackend(BaseTaskBackend):
 
     # run_after is honoured: the job is not claimed before it.
     supports_defer = True
-    # async task functions run on an event loop in the worker's handler thread.
+    # async task functions run on the worker's shared event loop (jobs.worker.event_loop).
     supports_async_task = True
     # get_result() works from any process: results live in the jobs table.
     supports_get_result = True
