@@ -9,8 +9,8 @@ queue is claimed by the next pass, as before.
 
 The statement is :mod:`jobs.queue.outcomes`' CTEs and :mod:`jobs.queue.claim`'s, composed;
 their semantics (fencing, busy rows skipped, rows locked only as the claim's LIMIT pulls them)
-are theirs. The result is the claimed rows, then one row that carries the ids of the outcomes
-written and of those whose rows another session held locked.
+are theirs. The result is the claimed rows, then one row that carries the claim tokens of the
+outcomes written and of those whose rows another session held locked.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _CLAIMED_COLUMNS = 13
 _REPORT_ROW = (
     "SELECT "
     + ", ".join(["NULL"] * _CLAIMED_COLUMNS)
-    + ", (SELECT array_agg(id) FROM written), (SELECT array_agg(id) FROM busy)"
+    + ", (SELECT array_agg(token) FROM written), (SELECT array_agg(token) FROM busy)"
 )
 
 
@@ -60,10 +60,10 @@ def record_and_claim(
         ctes, update, params = parts
         sql = (
             f"WITH {OUTCOME_CTES},{ctes}, claimed AS ({update})\n"
-            f"SELECT *, NULL::bigint[], NULL::bigint[] FROM claimed\nUNION ALL\n{_REPORT_ROW}"
+            f"SELECT *, NULL::uuid[], NULL::uuid[] FROM claimed\nUNION ALL\n{_REPORT_ROW}"
         )
     with _db.bound_cursor(using) as cur:
-        cur.execute(sql, {**outcome_params(outcomes), **params})
+        cur.execute(sql, {**outcome_params(outcomes, using), **params})
         rows = cur.fetchall()
     # Claimed rows always have an id; the report row has none.
     [report_row] = [row for row in rows if row[0] is None]

@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from jobs.conf import NOTIFY_CHANNEL, jobs_settings
 from jobs.models import PRIORITY_MAX, PRIORITY_MIN, new_job_id
+from jobs.policy import MAX_ATTEMPTS_MAX
 from jobs.queue import _db, keys, text
 from jobs.queue.types import Enqueued, InvalidJob, NewJob, validate_key
 
@@ -149,9 +150,15 @@ def _row(job: NewJob, index: int) -> dict[str, Any]:
     max_attempts = (
         jobs_settings.DEFAULT_MAX_ATTEMPTS if job.max_attempts is None else job.max_attempts
     )
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+    if (
+        isinstance(max_attempts, bool)
+        or not isinstance(max_attempts, int)
+        or not 1 <= max_attempts <= MAX_ATTEMPTS_MAX
+    ):
         raise InvalidJob(
-            f"max_attempts must be a whole number of at least 1, got {max_attempts!r}", index=index
+            f"max_attempts must be a whole number from 1 to {MAX_ATTEMPTS_MAX:,}, "
+            f"got {max_attempts!r}",
+            index=index,
         )
     if job.run_after is not None and job.delay is not None:
         raise InvalidJob("give run_after or delay, not both", index=index)

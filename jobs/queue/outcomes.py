@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
+from uuid import UUID
 
-from django.db import DEFAULT_DB_ALIAS
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.utils import timezone
 
 from jobs.queue import _db, text
 from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay
@@ -32,7 +34,7 @@ o AS (
     ) AS o(id, token, state, code, detail, delay, at, attempts_delta, result)
 ),
 free AS (
-    SELECT j.id FROM jobs_job j JOIN o ON j.id = o.id
+    SELECT j.id, o.token FROM jobs_job j JOIN o ON j.id = o.id
     WHERE j.claim_token = o.token AND j.state = 'running'
     FOR UPDATE OF j SKIP LOCKED
 ),
@@ -53,14 +55,16 @@ written AS (
         key_held = (o.state = 'queued' OR j.keyed),
         -- A finished job keeps the identity of the worker that finished it.
         claimed_by = CASE WHEN o.state = 'queued' THEN '' ELSE j.claimed_by END
-    FROM o JOIN free ON free.id = o.id
+    -- By token too: a stale attempt's outcome in the same batch as the fresh one's must not
+    -- match the fresh one's row.
+    FROM o JOIN free ON free.id = o.id AND free.token = o.token
     WHERE j.id = o.id
-    RETURNING j.id
+    RETURNING j.id, o.token
 ),
 -- Held under their token but not written: another session holds the row locked.
 busy AS (
-    SELECT o.id FROM o
-    WHERE o.id NOT IN (SELECT id FROM written)
+    SELECT o.id, o.token FROM o
+    WHERE NOT EXISTS (SELECT 1 FROM written w WHERE w.token = o.token)
       AND EXISTS (
           SELECT 1 FROM jobs_job j
           WHERE j.id = o.id AND j.claim_token = o.token AND j.state = 'running'
@@ -69,7 +73,9 @@ busy AS (
 """
 
 _RECORD = (
-    "WITH " + OUTCOME_CTES + "SELECT id, TRUE FROM written UNION ALL SELECT id, FALSE FROM busy"
+    "WITH "
+    + OUTCOME_CTES
+    + "SELECT token, TRUE FROM written UNION ALL SELECT token, FALSE FROM busy"
 )
 
 # Error details are for people reading the admin; keep a runaway traceback from bloating rows.
@@ -85,19 +91,22 @@ def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> Out
     if not outcomes:
         return OutcomeReport((), ())
     with _db.bound_cursor(using) as cur:
-        cur.execute(_RECORD, outcome_params(outcomes))
+        cur.execute(_RECORD, outcome_params(outcomes, using))
         rows = cur.fetchall()
     return outcome_report(
         outcomes,
-        applied={id_ for id_, written in rows if written},
-        busy={id_ for id_, written in rows if not written},
+        applied={token for token, written in rows if written},
+        busy={token for token, written in rows if not written},
     )
 
 
-def outcome_params(outcomes: Sequence[Outcome]) -> dict[str, list[Any]]:
+def outcome_params(outcomes: Sequence[Outcome], using: str) -> dict[str, list[Any]]:
     """The parameters of the outcome write's CTEs (also for :mod:`jobs.queue.cycle`)."""
     # The Outcome constructors already made these storable; an Outcome built by hand is
-    # made so here, since one refused value would fail the whole batch.
+    # made so here, since one refused value would fail the whole batch. A naive retry time
+    # is read in the connection's time zone, as PostgreSQL reads a naive literal: the binary
+    # array takes every element as aware once one is.
+    zone = connections[using].timezone
     return {
         "ids": [o.id for o in outcomes],
         "tokens": [o.token for o in outcomes],
@@ -105,20 +114,25 @@ def outcome_params(outcomes: Sequence[Outcome]) -> dict[str, list[Any]]:
         "codes": [None if o.code is None else text.clean(o.code)[:32] for o in outcomes],
         "details": [None if o.detail is None else _bounded(o.detail) for o in outcomes],
         "delays": [clamp_delay(o.delay) for o in outcomes],
-        "ats": [o.at for o in outcomes],
+        "ats": [
+            o.at if o.at is None or timezone.is_aware(o.at) else timezone.make_aware(o.at, zone)
+            for o in outcomes
+        ],
         "deltas": [o.attempts_delta for o in outcomes],
         "results": [o.result_json for o in outcomes],
     }
 
 
 def outcome_report(
-    outcomes: Sequence[Outcome], *, applied: set[int], busy: set[int]
+    outcomes: Sequence[Outcome], *, applied: set[UUID], busy: set[UUID]
 ) -> OutcomeReport:
-    """Which outcomes were written, fenced (the token no longer holds) or busy, in order."""
+    """Which outcomes (by claim token) were written, fenced or busy, in the outcomes' order."""
     return OutcomeReport(
-        applied=tuple(o.id for o in outcomes if o.id in applied),
-        fenced=tuple(o.id for o in outcomes if o.id not in applied and o.id not in busy),
-        busy=tuple(o.id for o in outcomes if o.id in busy),
+        applied=tuple(o.id for o in outcomes if o.token in applied),
+        fenced=tuple(o.id for o in outcomes if o.token not in applied and o.token not in busy),
+        busy=tuple(o.id for o in outcomes if o.token in busy),
+        applied_tokens=frozenset(applied),
+        busy_tokens=frozenset(busy),
     )
 
 

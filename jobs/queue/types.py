@@ -235,11 +235,28 @@ def clamp_delay(delay: timedelta | float) -> float:
 @dataclass(frozen=True, slots=True)
 class OutcomeReport:
     """Which outcomes were written, which were fenced out (the lease was lost), and which
-    found their row locked by another session (``busy``: not written, try again)."""
+    found their row locked by another session (``busy``: not written, try again).
+
+    The id tuples follow the outcomes' order. One worker can hold two attempts of a job (a
+    stale one whose lease expired and a fresh claim) and report both in one batch: ask about
+    an outcome with :meth:`was_applied` / :meth:`was_busy` / :meth:`was_fenced`, which go by
+    its claim token.
+    """
 
     applied: tuple[int, ...]
     fenced: tuple[int, ...]
     busy: tuple[int, ...] = ()
+    applied_tokens: frozenset[UUID] = frozenset()
+    busy_tokens: frozenset[UUID] = frozenset()
+
+    def was_applied(self, outcome: Outcome) -> bool:
+        return outcome.token in self.applied_tokens
+
+    def was_busy(self, outcome: Outcome) -> bool:
+        return outcome.token in self.busy_tokens
+
+    def was_fenced(self, outcome: Outcome) -> bool:
+        return not self.was_applied(outcome) and not self.was_busy(outcome)
 
 
 @dataclass(frozen=True, slots=True)

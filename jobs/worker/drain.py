@@ -138,8 +138,13 @@ class Draining:
         try:
             with transaction.atomic():
                 report = queue.release([r.job for r in handed])
-                applied = set(report.applied)
-                sync_run_rows([(r, Outcome.released(r.job)) for r in handed if r.job.id in applied])
+                sync_run_rows(
+                    [
+                        (r, Outcome.released(r.job))
+                        for r in handed
+                        if r.job.claim_token in report.applied_tokens
+                    ]
+                )
         except Exception:
             logger.exception("could not release jobs at shutdown; their leases will expire")
             return

@@ -9,6 +9,7 @@ the database's message; if even that is refused, the job is given up to its leas
 from __future__ import annotations
 
 import logging
+from uuid import UUID
 
 from django.db import Error as DjangoDbError
 from django.db import transaction
@@ -29,6 +30,7 @@ def write_one_by_one(
     Returns the report and the outcomes as written (a refused one replaced).
     """
     results: dict[str, list[int]] = {"applied": [], "fenced": [], "busy": []}
+    tokens: dict[str, set[UUID]] = {"applied": set(), "fenced": set(), "busy": set()}
     written: list[tuple[Running, Outcome]] = []
     for running, outcome in outcomes:
         job = running.job
@@ -60,8 +62,15 @@ def write_one_by_one(
                 running.lost = True
                 continue
         results[result].append(job.id)
+        tokens[result].add(outcome.token)
         written.append((running, outcome))
-    report = OutcomeReport(*(tuple(results[k]) for k in ("applied", "fenced", "busy")))
+    report = OutcomeReport(
+        applied=tuple(results["applied"]),
+        fenced=tuple(results["fenced"]),
+        busy=tuple(results["busy"]),
+        applied_tokens=frozenset(tokens["applied"]),
+        busy_tokens=frozenset(tokens["busy"]),
+    )
     return report, written
 
 

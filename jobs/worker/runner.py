@@ -217,7 +217,7 @@ class Worker(Draining):
             claimed = []
         self._errors = 0
         if report is not None and report.busy:
-            acks, outcomes = self._defer_busy(acks, outcomes, set(report.busy))
+            acks, outcomes = self._defer_busy(acks, outcomes, report.busy_tokens)
         self._settle(acks, outcomes, report)
         self._dispatch(claimed)
 
@@ -225,10 +225,10 @@ class Worker(Draining):
         self,
         acks: list[tuple[Running, Outcome | None]],
         outcomes: list[tuple[Running, Outcome]],
-        busy: set[int],
+        busy: frozenset[UUID],
     ) -> tuple[list[tuple[Running, Outcome | None]], list[tuple[Running, Outcome]]]:
         """Outcomes whose row another session holds locked wait a poll interval, then retry."""
-        waiting = [(r, o) for r, o in acks if r.job.id in busy and o is not None]
+        waiting = [(r, o) for r, o in acks if o is not None and o.token in busy]
         for running, _ in waiting:
             logger.warning(
                 "outcome of job %s (%s) waits: another session holds its row locked",
@@ -239,8 +239,8 @@ class Worker(Draining):
         with self._lock:
             self._deferred.extend(waiting)
             self._deferred_at = time.monotonic() + self.config.poll_interval
-        keep = [(r, o) for r, o in acks if r.job.id not in busy or o is None]
-        return keep, [(r, o) for r, o in outcomes if r.job.id not in busy]
+        keep = [(r, o) for r, o in acks if o is None or o.token not in busy]
+        return keep, [(r, o) for r, o in outcomes if o.token not in busy]
 
     def _write_and_claim(
         self, outcomes: list[tuple[Running, Outcome]], requests: list[ClaimRequest]
@@ -254,8 +254,7 @@ class Worker(Draining):
         if any(r.job_type.policy.run_model is not None for r, _ in outcomes):
             with transaction.atomic():
                 report = queue.record([o for _, o in outcomes])
-                applied = set(report.applied)
-                sync_run_rows([(r, o) for r, o in outcomes if r.job.id in applied])
+                sync_run_rows([(r, o) for r, o in outcomes if report.was_applied(o)])
                 claimed = self._claim(requests) if requests else []
             return report, claimed
         with self._lock:
@@ -423,13 +422,12 @@ class Worker(Draining):
         outcomes: list[tuple[Running, Outcome]],
         report: OutcomeReport | None,
     ) -> None:
-        fenced = set(report.fenced) if report else set()
         with self._lock:
             for running, _ in acks:
                 self._held.pop((running.job.id, running.job.claim_token), None)
         for running, outcome in outcomes:
             job = running.job
-            if job.id in fenced:
+            if report is not None and report.was_fenced(outcome):
                 metrics.fenced_outcomes.labels(job.name).inc()
                 logger.warning(
                     "outcome of job %s (%s) discarded: this worker no longer holds it",

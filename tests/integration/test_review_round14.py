@@ -1,9 +1,11 @@
 """Review round 14: the claim scan (7eb023e), enqueue in autocommit (910bae5), the binding
 cursor (6505d90) and the worker's one-statement pass (record_and_claim).
 
-Tests named ``test_bug_...`` fail on the reviewed code (marked xfail, strict) and pass once
-the finding is fixed (two of them predate these commits, said in their reasons);
-``test_guard_...`` pass and pin behaviour a fix must keep. Every test
+Tests named ``test_bug_...`` failed on the reviewed code and pass since their fixes: a stale
+attempt's outcome in the same batch as the fresh one's is fenced by its token (a bug since the
+batched outcomes), a batch mixing naive and aware retry times is written, and max_attempts
+past the integer column is an InvalidJob; ``test_guard_...`` pin behaviour a fix must keep.
+Every test
 runs on real PostgreSQL; concurrent ones use real threads and poll with deadlines.
 """
 
@@ -57,12 +59,6 @@ def prepared_statements() -> int:
 # -- bugs -----------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="outcomes.py OUTCOME_CTES (since 550a6cb, now also record_and_claim): "
-    "`written` joins o to free on the id alone, so a stale "
-    "outcome of the same job in the batch can be written under the fresh claim's token",
-)
 @pytest.mark.django_db
 @pytest.mark.parametrize("stale_first", [True, False], ids=["stale-first", "fresh-first"])
 @pytest.mark.parametrize("write", ["record", "record_and_claim"])
@@ -88,11 +84,6 @@ def test_bug_a_stale_outcome_in_the_batch_is_fenced_by_its_token(stale_first, wr
     assert (report.applied, report.fenced) == ((fresh.id,), (fresh.id,))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="6505d90: the binary array dumper picks one datetime dumper for the whole `ats` "
-    "array, so a batch mixing naive and aware retry times raises TypeError",
-)
 @pytest.mark.django_db
 def test_bug_a_batch_mixing_naive_and_aware_retry_times_is_written():
     """Outcome's constructors promise one outcome cannot make a batch fail to write; the text
@@ -111,13 +102,6 @@ def test_bug_a_batch_mixing_naive_and_aware_retry_times_is_written():
     assert set(Job.objects.values_list("run_after", flat=True)) == {at.replace(tzinfo=UTC)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="enqueue.py _row (pre-existing): max_attempts has no upper bound, so a value "
-    "over PostgreSQL's "
-    "integer fails the INSERT (DataError, aborting the caller's transaction) instead of "
-    "raising InvalidJob before any statement",
-)
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("count", [1, 2], ids=["alone", "batch"])
 @pytest.mark.parametrize("value", [2**31, 2**63], ids=["int8", "numeric"])
