@@ -26,7 +26,7 @@ Measurements, each for both systems in turn (jobs, pgqueuer, jobs, pgqueuer, …
 measurement runs on each transport before the next), ``--runs`` times (default 3), median:
 
 - ``single``: ``--single`` jobs (2,000) enqueued one by one, each its own transaction
-  (``jobs.enqueue``, which opens one; pgqueuer's ``Queries.enqueue``, which autocommits);
+  (``jobs.enqueue`` and pgqueuer's ``Queries.enqueue``, each one autocommitted statement);
 - ``bulk``: ``--jobs`` (10,000) in one call (``jobs.enqueue_many``; ``Queries.enqueue`` of
   lists), jobs/s and client + PostgreSQL CPU µs per job;
 - ``drain``: ``--jobs`` jobs queued beforehand (in batches of 1,000, then VACUUM ANALYZE), run by
