@@ -80,7 +80,7 @@ class CancelEvent(threading.Event):
             hook()
 
 
-def _cancel_soon(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+def cancel_soon(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
     """Cancel ``task`` from any thread; never raises (the lease keeper calls this)."""
     try:
         loop.call_soon_threadsafe(task.cancel)
@@ -94,7 +94,7 @@ async def _run_handler(handler: Callable[..., Any], payload: object, ctx: JobCon
     task.set_name(f"job {ctx.job_id} ({ctx.name})")
     cancelled = ctx.cancelled
     if isinstance(cancelled, CancelEvent):
-        cancelled.on_set(partial(_cancel_soon, asyncio.get_running_loop(), task))
+        cancelled.on_set(partial(cancel_soon, asyncio.get_running_loop(), task))
     try:
         return await handler(payload, ctx)
     finally:
