@@ -19,9 +19,10 @@ cancelled by a draining worker     handed back (attempt returned)             (k
 lease lost meanwhile               nothing written (fenced)                   —
 =================================  =========================================  =================
 
-An ``async def`` handler runs on the worker's shared event loop (:mod:`jobs.worker.event_loop`)
-while its handler thread waits for it, so the table holds for it unchanged; its context's
-``cancelled`` also cancels its task, raising ``CancelledError`` at its current ``await``.
+An ``async def`` handler runs as a task on the worker's shared event loop
+(:mod:`jobs.worker.on_loop`), judged by the same :func:`judge`, so the table holds for it
+unchanged; its context's ``cancelled`` also cancels its task, raising ``CancelledError`` at
+its current ``await``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ One control thread owns the loop and its own database connection::
 
     ┌─▶ flush finished outcomes ─┐  one transaction, one commit
     │   claim up to free slots  ─┘  (rotating over names, each within its concurrency)
-    │   dispatch claimed jobs to the handler pool
+    │   dispatch claimed jobs: sync ones to the handler pool, async ones to the event loop
     │   every second: expired leases; every maintenance interval: exhausted jobs
     └── wait for: a finished handler, a NOTIFY of new work, the poll interval
         (after a database error: a backoff from the poll interval, doubling, capped)
