@@ -428,7 +428,8 @@ class Worker(Draining):
                 lease=self.config.lease_duration,
             )
         except BaseException as exc:  # a bug of ours, or the loop closing under the job
-            logger.exception("worker error running job %s", running.job.job_id)
+            if not running.lost:  # else abandoned at exit: the loop's close cancelled it
+                logger.exception("worker error running job %s", running.job.job_id)
             outcome = self._worker_failure(running, exc)
         finally:
             self._finished(running, outcome)
