@@ -6,18 +6,14 @@ outlive a job on it (a client's connection pool, a cache). With 100 handlers in 
 cost 400-500 µs of CPU a call, against 140-190 µs through the shared loop. The handler pool
 starts one :class:`HandlerLoop` with its threads and closes it after them.
 
-How an async job maps onto the worker's accounting: it holds one handler thread (one slot),
-exactly as a sync handler does, from the start of its attempt to its outcome. The thread
-schedules the coroutine on the shared loop and waits for it, through asgiref's
-``async_to_sync`` pointed at that loop (:meth:`HandlerLoop.bind`). While it waits, the
-thread runs the handler's thread-sensitive ``sync_to_async`` calls, which is what Django's
-ORM and its ``a…`` methods use: they run on the job's own handler thread, with that thread's
-connection, which the pool keeps, checks for open transactions and closes as for sync
-handlers. Slots, deadlines, lease renewal, drain and outcomes are therefore unchanged; only
-the coroutine's own steps run on the loop thread, which opens no database connection
-(Django refuses synchronous ORM calls there). The price is two thread hand-offs a job (a few
-milliseconds of latency with 100 in flight); running coroutines without a thread each would
-need the run loop to dispatch them to the loop itself.
+How an async job maps onto the worker's accounting: it holds one slot from claim to outcome
+but, dispatched by the run loop, no thread while it awaits (:mod:`jobs.worker.on_loop`); its
+synchronous steps, the ORM's thread-sensitive ``sync_to_async`` calls among them, run on one
+handler thread it borrows (:mod:`jobs.worker.job_thread`), whose connection the pool keeps,
+checks and closes as for sync handlers. The loop thread itself opens no database connection
+(Django refuses synchronous ORM calls there). :func:`run_async` (a thread waiting for the
+coroutine through asgiref's ``async_to_sync`` pointed at this loop, :meth:`HandlerLoop.bind`)
+remains for async handlers called outside that dispatch.
 
 Cancellation: the context of an async job carries a :class:`CancelEvent`. Setting it (the
 deadline passed, the lease was lost, a drain cancels) also cancels the job's task, so
@@ -80,7 +76,7 @@ class CancelEvent(threading.Event):
             hook()
 
 
-def _cancel_soon(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+def cancel_soon(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
     """Cancel ``task`` from any thread; never raises (the lease keeper calls this)."""
     try:
         loop.call_soon_threadsafe(task.cancel)
@@ -94,7 +90,7 @@ async def _run_handler(handler: Callable[..., Any], payload: object, ctx: JobCon
     task.set_name(f"job {ctx.job_id} ({ctx.name})")
     cancelled = ctx.cancelled
     if isinstance(cancelled, CancelEvent):
-        cancelled.on_set(partial(_cancel_soon, asyncio.get_running_loop(), task))
+        cancelled.on_set(partial(cancel_soon, asyncio.get_running_loop(), task))
     try:
         return await handler(payload, ctx)
     finally:

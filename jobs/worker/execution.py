@@ -19,9 +19,10 @@ cancelled by a draining worker     handed back (attempt returned)             (k
 lease lost meanwhile               nothing written (fenced)                   —
 =================================  =========================================  =================
 
-An ``async def`` handler runs on the worker's shared event loop (:mod:`jobs.worker.event_loop`)
-while its handler thread waits for it, so the table holds for it unchanged; its context's
-``cancelled`` also cancels its task, raising ``CancelledError`` at its current ``await``.
+An ``async def`` handler runs as a task on the worker's shared event loop
+(:mod:`jobs.worker.on_loop`), judged by the same :func:`judge`, so the table holds for it
+unchanged; its context's ``cancelled`` also cancels its task, raising ``CancelledError`` at
+its current ``await``.
 """
 
 from __future__ import annotations
@@ -107,62 +108,106 @@ def execute(
 
     Runs on a handler thread. Whatever the handler does (returns anything, raises any
     ``BaseException``, leaves a transaction open) ends in an outcome, or in None when the job
-    is no longer this worker's to report on.
+    is no longer this worker's to report on. :func:`jobs.worker.on_loop.execute_on_loop` is
+    the same for ``async def`` handlers, on the event loop.
     """
     job, job_type, ctx = running.job, running.job_type, running.ctx
+    decoded = decode(running)
+    if isinstance(decoded, Outcome):
+        return decoded
+    while True:
+        mark_running(running)
+        error, result, duration = _call(job_type, decoded.payload, ctx)
+        metrics.for_type(job.name).handler_duration.observe(duration)
+        verdict = judge(running, error, result, duration, close_open_transactions())
+        if not isinstance(verdict, WaitAndRetry):
+            return verdict
+        interrupted = _wait_in_process(running, verdict.delay, shutting_down)
+        if running.lost:
+            return None
+        if not interrupted:
+            attempt = count_next_attempt(running, lease)
+            if attempt is None:
+                return None
+            if attempt:
+                continue
+        return verdict.otherwise
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    payload: Any
+
+
+@dataclass(frozen=True, slots=True)
+class WaitAndRetry:
+    """A short RetryAfter: wait ``delay`` in process and run again, else ``otherwise``."""
+
+    delay: float
+    otherwise: Outcome
+
+
+def decode(running: Running) -> Decoded | Outcome:
+    """The decoded payload (noting the bound run row), or the invalid_payload outcome."""
+    job, job_type = running.job, running.job_type
     try:
         payload = job_type.decode(job.payload)
-        run_model = job_type.policy.run_model
-        if run_model is not None:
+        if job_type.policy.run_model is not None:
             running.run_pk = getattr(payload, job_type.policy.run_field)
     except BaseException as exc:  # any failure to decode is the payload's
         return Outcome.failed(job, code=ErrorCode.INVALID_PAYLOAD, detail=_payload_error(exc))
-    while True:
-        if run_model is not None:
-            with dbbounds.local():  # the worker's write on the handler's connection
-                runs.mark_running(run_model, running.run_pk, attempt=current_attempt(running))
-        error, result, duration = _call(job_type, payload, ctx)
-        metrics.for_type(job.name).handler_duration.observe(duration)
-        left_open = close_open_transactions()
-        if running.lost:
-            return None
-        if running.shutdown:
-            return Outcome.released(job)
-        if left_open:
-            detail = (
-                f"the handler left a transaction open on database {', '.join(left_open)}; "
-                "it was rolled back, so the handler's writes there were not saved"
-            )
-            if error is not None:
-                detail += "\n\n" + _describe(error)
-            return failure_outcome(running, ErrorCode.HANDLER_ERROR, detail)
-        if time.monotonic() > ctx.deadline:
-            return failure_outcome(
-                running,
-                ErrorCode.DEADLINE_EXCEEDED,
-                f"handler ran {duration:.3f}s, over its {ctx.timeout:g}s timeout",
-            )
-        if error is None:
-            return _succeeded(running, result)
-        kind = _classify(job_type, error)
-        detail = _describe(error)
-        if kind in ("reject", "permanent"):
-            return Outcome.failed(job, code=ErrorCode.REJECTED, detail=detail)
-        if kind == "retry_after" and isinstance(error, RetryAfter):  # always both
-            delay = clamp_delay(error.delay)
-            threshold = job_type.policy.in_process_limit().total_seconds()
-            if current_attempt(running) < job.max_attempts and delay <= threshold:
-                interrupted = _wait_in_process(running, delay, shutting_down)
-                if running.lost:
-                    return None
-                if not interrupted:
-                    attempt = _count_next_attempt(running, lease)
-                    if attempt is None:
-                        return None
-                    if attempt:
-                        continue
-            return failure_outcome(running, ErrorCode.HANDLER_ERROR, detail, delay=delay)
+    return Decoded(payload)
+
+
+def mark_running(running: Running) -> None:
+    """The bound run row (policy.run_model) enters this attempt; on the handler's thread."""
+    run_model = running.job_type.policy.run_model
+    if run_model is not None:
+        with dbbounds.local():  # the worker's write on the handler's connection
+            runs.mark_running(run_model, running.run_pk, attempt=current_attempt(running))
+
+
+def judge(
+    running: Running,
+    error: BaseException | None,
+    result: Any,
+    duration: float,
+    left_open: list[str],
+) -> Outcome | WaitAndRetry | None:
+    """The outcome of one call of the handler (the table in the module docstring)."""
+    job, job_type, ctx = running.job, running.job_type, running.ctx
+    if running.lost:
+        return None
+    if running.shutdown:
+        return Outcome.released(job)
+    if left_open:
+        detail = (
+            f"the handler left a transaction open on database {', '.join(left_open)}; "
+            "it was rolled back, so the handler's writes there were not saved"
+        )
+        if error is not None:
+            detail += "\n\n" + _describe(error)
         return failure_outcome(running, ErrorCode.HANDLER_ERROR, detail)
+    if time.monotonic() > ctx.deadline:
+        return failure_outcome(
+            running,
+            ErrorCode.DEADLINE_EXCEEDED,
+            f"handler ran {duration:.3f}s, over its {ctx.timeout:g}s timeout",
+        )
+    if error is None:
+        return _succeeded(running, result)
+    kind = _classify(job_type, error)
+    detail = _describe(error)
+    if kind in ("reject", "permanent"):
+        return Outcome.failed(job, code=ErrorCode.REJECTED, detail=detail)
+    if kind == "retry_after" and isinstance(error, RetryAfter):  # always both
+        delay = clamp_delay(error.delay)
+        otherwise = failure_outcome(running, ErrorCode.HANDLER_ERROR, detail, delay=delay)
+        threshold = job_type.policy.in_process_limit().total_seconds()
+        if current_attempt(running) < job.max_attempts and delay <= threshold:
+            return WaitAndRetry(delay, otherwise)
+        return otherwise
+    return failure_outcome(running, ErrorCode.HANDLER_ERROR, detail)
 
 
 def _call(
@@ -170,7 +215,7 @@ def _call(
 ) -> tuple[BaseException | None, Any, float]:
     started = time.monotonic()
     try:
-        if job_type.is_async:
+        if job_type.is_async:  # outside the worker's dispatch (which runs them on the loop)
             result = run_async(job_type.handler, payload, ctx)
         else:
             result = job_type.handler(payload, ctx)
@@ -245,7 +290,7 @@ def _wait_in_process(running: Running, delay: float, shutting_down: Callable[[],
     return ctx.sleep(delay) or shutting_down()
 
 
-def _count_next_attempt(running: Running, lease: timedelta | None) -> int | None:
+def count_next_attempt(running: Running, lease: timedelta | None) -> int | None:
     """Record the next attempt before running it; None if fenced, 0 if it could not be saved."""
     ctx = running.ctx
     try:

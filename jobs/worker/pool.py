@@ -43,6 +43,7 @@ class HandlerPool:
         self._lock = threading.Lock()
         self._stopping = False
         self._started = 0
+        self._busy = 0  # threads running a task now
         self._threads: list[threading.Thread] = []
         self.event_loop = HandlerLoop(f"{name}-loop")
         self.event_loop.start()
@@ -86,11 +87,15 @@ class HandlerPool:
         self.event_loop.bind()
         try:
             while (task := self._tasks.get()) is not None:
+                with self._lock:
+                    self._busy += 1
                 try:
                     task()
                 except BaseException:  # the task handles its own errors; this is a last guard
                     logger.exception("handler task crashed")
                 finally:
+                    with self._lock:
+                        self._busy -= 1
                     self._recycle(opened)
             stopped = True
         finally:
@@ -106,6 +111,12 @@ class HandlerPool:
         """Handler threads alive now (for tests and health)."""
         with self._lock:
             return sum(thread.is_alive() for thread in self._threads)
+
+    @property
+    def busy(self) -> int:
+        """Threads running a task now: a sync job, or the steps of an async one."""
+        with self._lock:
+            return self._busy
 
     def _recycle(self, opened: dict[str, tuple[int, float]]) -> None:
         """After a job: keep healthy connections, close broken, dirty or old ones."""

@@ -4,7 +4,7 @@ One control thread owns the loop and its own database connection::
 
     ┌─▶ flush finished outcomes ─┐  one transaction, one commit
     │   claim up to free slots  ─┘  (rotating over names, each within its concurrency)
-    │   dispatch claimed jobs to the handler pool
+    │   dispatch claimed jobs: sync ones to the handler pool, async ones to the event loop
     │   every second: expired leases; every maintenance interval: exhausted jobs
     └── wait for: a finished handler, a NOTIFY of new work, the poll interval
         (after a database error: a backoff from the poll interval, doubling, capped)
@@ -47,6 +47,7 @@ from jobs.worker.execution import (
 from jobs.worker.flush import one_line, refused_data, unreachable, write_one_by_one
 from jobs.worker.leases import LeaseKeeper
 from jobs.worker.maintenance import WorkerMaintenance
+from jobs.worker.on_loop import execute_on_loop
 from jobs.worker.pool import HandlerPool
 from jobs.worker.wakeup import NotifyListener
 
@@ -372,6 +373,7 @@ class Worker(Draining):
                 self._wake.set()  # a name held to its share may take the slots left over
 
     def _dispatch(self, claimed: list[ClaimedJob]) -> None:
+        on_loop: list[Running] = []
         for job in claimed:
             job_type = self.registry[job.name]
             running = Running(job, job_type, make_context(job, job_type))
@@ -383,7 +385,61 @@ class Worker(Draining):
             type_metrics.claimed.inc()
             type_metrics.queue_latency.observe(job.latency)
             metrics.running.inc()
-            self._pool.submit(partial(self._execute, running))
+            if job_type.is_async:
+                on_loop.append(running)
+            else:
+                self._pool.submit(partial(self._execute, running))
+        if on_loop:
+            self._to_loop(on_loop)
+
+    def _to_loop(self, batch: list[Running]) -> None:
+        """Async jobs go to the event loop in one hand-off a batch, not one a job."""
+        try:
+            self._pool.event_loop.loop.call_soon_threadsafe(self._start_tasks, batch)
+        except BaseException as exc:  # the loop is gone: a bug of ours, never a leaked slot
+            logger.exception("could not hand %d async jobs to the event loop", len(batch))
+            for running in batch:
+                self._finished(running, self._worker_failure(running, exc))
+
+    def _start_tasks(self, batch: list[Running]) -> None:
+        """On the loop thread: one task per job a drain has not handed back meanwhile."""
+        for running in batch:
+            with self._lock:
+                if running.handed_back:
+                    continue
+                running.started = True
+            try:
+                self._pool.event_loop.loop.create_task(
+                    self._execute_on_loop(running), name=f"worker of job {running.job.job_id}"
+                )
+            except BaseException as exc:
+                logger.exception("worker error starting job %s", running.job.job_id)
+                self._finished(running, self._worker_failure(running, exc))
+
+    async def _execute_on_loop(self, running: Running) -> None:
+        """An async job's task. Whatever happens in it, the slot is freed."""
+        outcome: Outcome | None = None
+        try:
+            outcome = await execute_on_loop(
+                running,
+                self._pool,
+                shutting_down=self._stopping.is_set,
+                lease=self.config.lease_duration,
+            )
+        except BaseException as exc:  # a bug of ours, or the loop closing under the job
+            if not running.lost:  # else abandoned at exit: the loop's close cancelled it
+                logger.exception("worker error running job %s", running.job.job_id)
+            outcome = self._worker_failure(running, exc)
+        finally:
+            self._finished(running, outcome)
+
+    @staticmethod
+    def _worker_failure(running: Running, exc: BaseException) -> Outcome | None:
+        if running.lost:
+            return None
+        return failure_outcome(
+            running, ErrorCode.HANDLER_ERROR, f"the worker failed running the job: {exc!r}"
+        )
 
     def _execute(self, running: Running) -> None:
         """Runs on a handler thread. Whatever happens in it, the slot is freed."""
@@ -398,10 +454,7 @@ class Worker(Draining):
             )
         except BaseException as exc:  # a bug of ours must not leak the slot
             logger.exception("worker error running job %s", running.job.job_id)
-            if not running.lost:
-                outcome = failure_outcome(
-                    running, ErrorCode.HANDLER_ERROR, f"the worker failed running the job: {exc!r}"
-                )
+            outcome = self._worker_failure(running, exc)
         finally:
             self._finished(running, outcome)
 

@@ -1,9 +1,9 @@
 """``async def`` handlers on the worker's one event loop, against real PostgreSQL.
 
-They share one long-lived loop on its own thread (jobs/worker/event_loop.py) while each job
-keeps its handler thread (its slot): many are in flight at once, deadlines, lost leases and
+They share one long-lived loop on its own thread (jobs/worker/event_loop.py), each job holding
+its slot (jobs/worker/on_loop.py): many are in flight at once, deadlines, lost leases and
 drains cancel their task, whatever they raise becomes an outcome, their ``sync_to_async``
-calls run on their own handler thread with its connection, and the loop closes at shutdown
+calls run on a handler thread the job borrows, with its connection, and the loop closes at shutdown
 with no task left pending.
 """
 

@@ -1,0 +1,213 @@
+"""Async jobs run as tasks on the worker's loop and borrow a handler thread only for sync steps.
+
+While they await they hold no handler thread; their run rows, in-process RetryAfter waits,
+open-transaction checks and ``sync_to_async`` ORM calls still run on a handler thread (one per
+job, with its own connection), and a bug in the dispatch to the loop leaks no slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.db import connection
+
+from jobs import JobContext, Payload, RetryAfter, enqueue
+from jobs.models import Job
+from jobs.registry import JobType, Policy, Registry
+from jobs.worker import runner
+from jobs.worker.config import WorkerConfig
+from jobs.worker.runner import Worker
+from tests.runapp.models import Delivery
+from tests.worker_support import FAST_BACKOFF
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Act(Payload, name="test.async.on_loop.v1"):
+    action: str = "ok"
+    run_id: int = 0
+
+
+class Seen:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.started = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.gate: asyncio.Event | None = None
+        self.contexts: list[JobContext] = []
+        self.orm: dict[str, list[dict]] = {}
+        self.rows: list[tuple[str, int]] = []
+        self.meet = threading.Barrier(2, timeout=10)
+
+
+def _backend() -> dict:
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_backend_pid()")
+        (pid,) = cur.fetchone()
+    return {"thread": threading.current_thread().name, "pid": pid}
+
+
+def _row(pk: int) -> tuple[str, int]:
+    row = Delivery.objects.get(pk=pk)
+    return row.state, row.attempts
+
+
+def handler(seen: Seen):
+    async def handle(payload: Act, ctx: JobContext):
+        with seen.lock:
+            seen.started += 1
+            seen.loop = asyncio.get_running_loop()
+            seen.contexts.append(ctx)
+            if seen.gate is None:
+                seen.gate = asyncio.Event()
+        if payload.action == "gate":
+            await asyncio.wait_for(seen.gate.wait(), timeout=20)
+        elif payload.action == "retry-after-once" and ctx.attempt == 1:
+            raise RetryAfter(0.05)
+        elif payload.action == "orm-twice":
+            first = await sync_to_async(_backend)()
+            await asyncio.to_thread(seen.meet.wait)  # both jobs are in flight at once
+            second = await sync_to_async(_backend)()
+            seen.orm[ctx.job_id] = [first, second]
+        elif payload.action == "bound":
+            seen.rows.append(await sync_to_async(_row)(payload.run_id))
+            if ctx.attempt == 1:
+                raise ConnectionError("smtp down")
+        elif payload.action == "leave-transaction-open":
+            await sync_to_async(lambda: connection.set_autocommit(False))()
+        elif payload.action == "orm":
+            return await sync_to_async(_backend)()
+        return "done"
+
+    return handle
+
+
+def registry(seen: Seen, **policy) -> Registry:
+    options = {"timeout": timedelta(seconds=10), "max_attempts": 2, "backoff": FAST_BACKOFF}
+    return Registry([JobType(Act, handler(seen), Policy(**{**options, **policy}))])
+
+
+def config(**options) -> WorkerConfig:
+    defaults = {
+        "concurrency": 4,
+        "poll_interval": 0.05,
+        "maintenance_interval": 0.5,
+        "shutdown_timeout": 1.0,
+        "install_signal_handlers": False,
+    }
+    return WorkerConfig(**{**defaults, **options})
+
+
+def wait_for(predicate, timeout=10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not met before the deadline")
+
+
+def run(registry: Registry, *ids: int, **options) -> Worker:
+    worker = Worker(registry, config(**options))
+    deadline = time.monotonic() + 15
+
+    def done(w: Worker) -> bool:
+        states = Job.objects.filter(pk__in=ids).values_list("state", flat=True)
+        finished = w.idle and all(s in ("succeeded", "failed") for s in states)
+        return finished or time.monotonic() > deadline
+
+    worker.run(until=done)
+    return worker
+
+
+def state(job) -> tuple[str, int, str]:
+    row = Job.objects.get(pk=job.id)
+    return row.state, row.attempts, row.last_error
+
+
+@pytest.fixture
+def seen():
+    return Seen()
+
+
+def test_fifty_async_jobs_awaiting_hold_no_handler_thread(seen):
+    jobs = [enqueue(Act(action="gate")) for _ in range(50)]
+    worker = Worker(registry(seen), config(concurrency=50))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: seen.started == 50, timeout=20)
+        time.sleep(0.1)
+        assert worker._pool.busy == 0, "every async job awaits on the loop, no thread waits"
+        assert worker._in_flight == 50, "each still holds its slot"
+        seen.loop.call_soon_threadsafe(seen.gate.set)
+        wait_for(lambda: all(state(j)[0] == "succeeded" for j in jobs), timeout=20)
+    finally:
+        worker.request_stop()
+        thread.join(15)
+
+
+def test_a_bound_async_job_type_marks_its_run_rows(seen):
+    row = Delivery.objects.create(job_id="async-d-1")
+    job = enqueue(Act(action="bound", run_id=row.pk))
+
+    run(registry(seen, run_model=Delivery, run_field="run_id"), job.id)
+
+    row.refresh_from_db()
+    assert seen.rows == [("running", 1), ("running", 2)]
+    assert (row.state, row.attempts, row.last_error) == ("succeeded", 2, "")
+    assert state(job) == ("succeeded", 2, "")
+
+
+def test_a_short_retry_after_is_waited_out_on_the_loop_and_the_attempt_recorded(seen):
+    job = enqueue(Act(action="retry-after-once"))
+
+    run(registry(seen), job.id)
+
+    first, second = seen.contexts
+    assert first is second, "same claim, same context: the queue was not involved"
+    assert second.attempt == 2
+    assert state(job) == ("succeeded", 2, "")
+
+
+def test_a_transaction_left_open_is_caught_and_the_thread_gets_a_fresh_connection(seen):
+    left = enqueue(Act(action="leave-transaction-open"))
+    after = enqueue(Act(action="orm"))
+
+    run(registry(seen, max_attempts=1), left.id, after.id, concurrency=1)
+
+    assert state(left)[:1] + state(left)[2:] == ("failed", "handler_error")
+    assert "left a transaction open" in Job.objects.get(pk=left.id).error_detail
+    assert state(after)[0] == "succeeded"
+
+
+def test_orm_calls_of_two_concurrent_async_jobs_run_on_their_own_threads(seen):
+    jobs = [enqueue(Act(action="orm-twice")) for _ in range(2)]
+
+    run(registry(seen), *(j.id for j in jobs), concurrency=2)
+
+    assert {state(j)[0] for j in jobs} == {"succeeded"}
+    one, two = seen.orm.values()
+    # Each job's calls share one handler thread and its connection; the two jobs do not.
+    assert one[0] == one[1] and two[0] == two[1]
+    assert one[0]["thread"] != two[0]["thread"] and one[0]["pid"] != two[0]["pid"]
+    assert all(c["thread"].startswith("jobs-handler-") for c in one + two)
+
+
+def test_a_bug_in_the_loop_dispatch_leaks_no_slot(seen, monkeypatch):
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(runner, "execute_on_loop", broken)
+    jobs = [enqueue(Act()) for _ in range(3)]
+
+    worker = run(registry(seen, max_attempts=1), *(j.id for j in jobs), concurrency=2)
+
+    assert {state(j)[0] for j in jobs} == {"failed"}
+    assert "the worker failed running the job" in Job.objects.get(pk=jobs[0].id).error_detail
+    assert worker.idle and worker._in_flight == 0
