@@ -2,14 +2,15 @@
 
 One control thread owns the loop and its own database connection::
 
-    ┌─▶ flush finished outcomes ─┐  one transaction, one commit
+    ┌─▶ flush finished outcomes ─┐  one statement, one commit (jobs.queue.record_and_claim)
     │   claim up to free slots  ─┘  (rotating over names, each within its concurrency)
     │   dispatch claimed jobs: sync ones to the handler pool, async ones to the event loop
     │   every second: expired leases; every maintenance interval: exhausted jobs
     └── wait for: a finished handler, a NOTIFY of new work, the poll interval
         (after a database error: a backoff from the poll interval, doubling, capped)
 
-Handlers run in a thread pool; the lease keeper renews held leases on its own thread. A
+Sync handlers run in a thread pool, async ones as tasks on the worker's event loop; the lease
+keeper renews held leases on its own thread. A
 refused outcome batch is written one by one (:mod:`jobs.worker.flush`). On SIGTERM/SIGINT
 the worker drains (:mod:`jobs.worker.drain`). Outcomes already decided are always flushed
 before exit.
