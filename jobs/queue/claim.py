@@ -63,47 +63,43 @@ RETURNING j.id, j.job_id, j.name, j.payload, j.tenant, j.queue, j.priority, j.at
           picked.ord, EXTRACT(EPOCH FROM j.run_after)::float8
 """
 
-# PostgreSQL 18 skips through the claim index by itself: one ordered scan of the due range.
-_DUE_SCAN = """
-        SELECT j.id FROM jobs_job j
-        WHERE j.state = 'queued'
-          AND j.name = w.name
-          AND j.run_after <= statement_timestamp()
-          AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
-          AND {scope}
-        ORDER BY j.priority DESC, j.run_after, j.id
-        LIMIT w.lim
-        FOR UPDATE SKIP LOCKED
+# The due rows of one name (of one priority in the walk), in claim order, locked as pulled.
+_DUE_ROWS = """
+SELECT j.id FROM jobs_job j
+WHERE j.state = 'queued'
+  AND j.name = w.name{priority}
+  AND j.run_after <= statement_timestamp()
+  AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
+  AND {scope}
+ORDER BY j.priority DESC, j.run_after, j.id
+LIMIT w.lim
+FOR UPDATE SKIP LOCKED
 """
 
+# PostgreSQL 18 skips through the claim index by itself: one ordered scan of the due range.
+_DUE_SCAN = _DUE_ROWS.replace("{priority}", "")
+
 # Before 18: walk the priorities that have queued rows and read the due range of each.
-_DUE_WALK = """
-        -- The priorities this name has queued rows at, highest first: one hop down the claim
-        -- index each, evaluated only as far as the claim below asks.
-        WITH RECURSIVE levels(priority) AS (
-            (SELECT j.priority FROM jobs_job j WHERE j.state = 'queued' AND j.name = w.name
-             ORDER BY j.priority DESC LIMIT 1)
-            UNION ALL
-            SELECT (SELECT j.priority FROM jobs_job j
-                    WHERE j.state = 'queued' AND j.name = w.name AND j.priority < l.priority
-                    ORDER BY j.priority DESC LIMIT 1)
-            FROM levels l WHERE l.priority IS NOT NULL
-        )
-        SELECT due.id FROM levels l
-        CROSS JOIN LATERAL (
-            SELECT j.id FROM jobs_job j
-            WHERE j.state = 'queued'
-              AND j.name = w.name
-              AND j.priority = l.priority
-              AND j.run_after <= statement_timestamp()
-              AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
-              AND {scope}
-            ORDER BY j.priority DESC, j.run_after, j.id
-            LIMIT w.lim
-            FOR UPDATE SKIP LOCKED
-        ) due
-        LIMIT w.lim
+_DUE_WALK = (
+    """
+-- The priorities this name has queued rows at, highest first: one hop down the claim index
+-- each, evaluated only as far as the claim below asks.
+WITH RECURSIVE levels(priority) AS (
+    (SELECT j.priority FROM jobs_job j WHERE j.state = 'queued' AND j.name = w.name
+     ORDER BY j.priority DESC LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.priority FROM jobs_job j
+            WHERE j.state = 'queued' AND j.name = w.name AND j.priority < l.priority
+            ORDER BY j.priority DESC LIMIT 1)
+    FROM levels l WHERE l.priority IS NOT NULL
+)
+SELECT due.id FROM levels l
+CROSS JOIN LATERAL ("""
+    + _DUE_ROWS.replace("{priority}", "\n  AND j.priority = l.priority")
+    + """) due
+LIMIT w.lim
 """
+)
 
 
 def claim_sql(
