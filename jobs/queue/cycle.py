@@ -9,21 +9,22 @@ queue is claimed by the next pass, as before.
 
 The statement is :mod:`jobs.queue.outcomes`' CTEs and :mod:`jobs.queue.claim`'s, composed;
 their semantics (fencing, busy rows skipped, rows locked only as the claim's LIMIT pulls them)
-are theirs. The result is the claimed rows, then one row that carries the claim tokens of the
-outcomes written and of those whose rows another session held locked.
+are theirs. A pass with nothing to write is the claim alone, one with nothing to claim the
+outcome write alone. The composed statement's result is the claimed rows, then one row that
+carries the claim tokens of the outcomes written and of those whose rows another session
+held locked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS
 
 from jobs.queue import _db
-from jobs.queue.claim import claim_parts, claimed_jobs
-from jobs.queue.outcomes import OUTCOME_CTES, outcome_params, outcome_report
+from jobs.queue.claim import claim, claim_parts, claimed_jobs
+from jobs.queue.outcomes import OUTCOME_CTES, outcome_params, outcome_report, record
 from jobs.queue.types import ClaimedJob, ClaimRequest, Outcome, OutcomeReport, Scope
 
 # The claimed rows' columns (see the claim's RETURNING list), padded for the report row.
@@ -52,16 +53,17 @@ def record_and_claim(
     report and the claimed jobs are what :func:`~jobs.queue.record` and
     :func:`~jobs.queue.claim` would return.
     """
+    if not outcomes:  # a claim-only pass (an idle worker's pickup): no outcome CTEs to plan
+        jobs = claim(requests, scope=scope, limit=limit, lease=lease, worker=worker, using=using)
+        return OutcomeReport((), ()), jobs
     parts = claim_parts(requests, scope=scope, limit=limit, lease=lease, worker=worker, using=using)
-    params: dict[str, Any] = {}
     if parts is None:
-        sql = f"WITH {OUTCOME_CTES}\n{_REPORT_ROW}"
-    else:
-        ctes, update, params = parts
-        sql = (
-            f"WITH {OUTCOME_CTES},{ctes}, claimed AS ({update})\n"
-            f"SELECT *, NULL::uuid[], NULL::uuid[] FROM claimed\nUNION ALL\n{_REPORT_ROW}"
-        )
+        return record(outcomes, using=using), []
+    ctes, update, params = parts
+    sql = (
+        f"WITH {OUTCOME_CTES},{ctes}, claimed AS ({update})\n"
+        f"SELECT *, NULL::uuid[], NULL::uuid[] FROM claimed\nUNION ALL\n{_REPORT_ROW}"
+    )
     with _db.bound_cursor(using) as cur:
         cur.execute(sql, {**outcome_params(outcomes, using), **params})
         rows = cur.fetchall()

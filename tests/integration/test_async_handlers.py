@@ -406,7 +406,7 @@ def test_async_django_tasks_run_on_the_same_loop():
 
 def test_the_watcher_warns_with_the_stack_when_code_blocks_the_loop(caplog):
     def blocking_handler_code() -> None:
-        time.sleep(0.8)
+        time.sleep(0.8)  # noqa: fixed-sleep  (blocking the loop is the scenario)
 
     async def blocks() -> None:
         blocking_handler_code()
