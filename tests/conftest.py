@@ -12,6 +12,20 @@ import pytest
 from django.db import connection
 
 
+def pytest_collection_modifyitems(config, items):
+    """In a later leg of scripts/test's matrix, leave out the tests marked ``once``.
+
+    They do not depend on the Django version (the package build, the demo script, the scale
+    bench), so the first leg runs them and the others save the minutes.
+    """
+    if not os.environ.get("JOBS_TEST_LATER_LEG"):
+        return
+    kept = [item for item in items if item.get_closest_marker("once") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
+
+
 @pytest.fixture(scope="session")
 def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix, django_db_blocker):
     """Before the test database is created, drop those left by runs that were killed."""

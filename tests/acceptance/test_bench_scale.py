@@ -20,7 +20,8 @@ from urllib.parse import quote
 import pytest
 from django.db import connection
 
-pytestmark = [pytest.mark.acceptance, pytest.mark.slow]
+# once: the same on every Django version, so scripts/test runs it in the first leg only.
+pytestmark = [pytest.mark.acceptance, pytest.mark.slow, pytest.mark.once]
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The state rows of a quick run (sizes divided as ``Sizes.quick`` does).

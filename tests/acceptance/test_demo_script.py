@@ -30,7 +30,8 @@ from django.db import connection
 
 from tests.acceptance.conftest import wait_for
 
-pytestmark = [pytest.mark.acceptance, pytest.mark.slow]
+# once: the same on every Django version, so scripts/test runs it in the first leg only.
+pytestmark = [pytest.mark.acceptance, pytest.mark.slow, pytest.mark.once]
 
 ROOT = Path(__file__).resolve().parents[2]
 BANNER = re.compile(

@@ -42,6 +42,9 @@ import jobs
 from tests.acceptance.conftest import wait_for
 from tests.conftest import _alive
 
+# The same on every Django version: scripts/test runs it in the first leg only.
+pytestmark = pytest.mark.once
+
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE_PROJECT = ROOT / "tests" / "package_smoke"
 # Dependency wheels, filled from the index once and reused offline by later runs.
