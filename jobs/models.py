@@ -83,11 +83,26 @@ class Job(RunContract):
     result = models.JSONField(_("result"), null=True, blank=True)
     replayed_at = models.DateTimeField(_("replayed at"), null=True, blank=True)
     replayed_by = models.CharField(_("replayed by"), max_length=150, blank=True, default="")
+    # An operator asked the running attempt to stop; the worker learns of it at its next
+    # lease renewal and the attempt ends cancelled.
+    cancel_requested_at = models.DateTimeField(_("cancel requested at"), null=True, blank=True)
+    cancel_requested_by = models.CharField(
+        _("cancel requested by"), max_length=150, blank=True, db_default=""
+    )
+    attempt_log = models.JSONField(
+        _("attempts"),
+        db_default=models.Value([], output_field=models.JSONField()),
+        editable=False,
+        help_text=_("Every finished attempt: start, end, worker, outcome, error."),
+    )
 
     class Meta:
         verbose_name = _("job")
         verbose_name_plural = _("jobs")
-        permissions = [("replay_job", _("Can replay failed jobs"))]
+        permissions = [
+            ("replay_job", _("Can replay failed jobs")),
+            ("cancel_job", _("Can cancel queued and running jobs")),
+        ]
         constraints = [
             models.UniqueConstraint(
                 fields=["tenant", "job_id"],
@@ -214,6 +229,11 @@ class JobHistory(RunContract):
     result = models.JSONField(_("result"), null=True, blank=True)
     replayed_at = models.DateTimeField(_("replayed at"), null=True, blank=True)
     replayed_by = models.CharField(_("replayed by"), max_length=150, blank=True, default="")
+    attempt_log = models.JSONField(
+        _("attempts"),
+        db_default=models.Value([], output_field=models.JSONField()),
+        editable=False,
+    )
     archived_at = models.DateTimeField(_("archived at"), db_default=Now(), editable=False)
     # Finished rows are never retried in place.
     next_retry_at = None
@@ -274,6 +294,76 @@ class TenantOverride(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant} → {self.component}"
+
+
+class PauseKind(models.TextChoices):
+    JOB_TYPE = "job_type", _("job type")
+    QUEUE = "queue", _("queue")
+    TENANT = "tenant", _("tenant")
+
+
+class Pause(models.Model):
+    """A paused job type, queue or tenant: no worker claims its jobs until the row is deleted.
+
+    The claim reads this table in the same statement, so a pause holds on every worker of
+    every host from its commit on. Written only by :mod:`jobs.queue`.
+    """
+
+    kind = models.CharField(_("kind"), max_length=16, choices=PauseKind.choices)
+    value = models.CharField(_("paused"), max_length=200)
+    reason = models.CharField(_("reason"), max_length=200, blank=True, default="")
+    paused_at = models.DateTimeField(_("paused at"), db_default=Now(), editable=False)
+    paused_by = models.CharField(_("paused by"), max_length=150, blank=True, default="")
+
+    class Meta:
+        verbose_name = _("pause")
+        verbose_name_plural = _("pauses")
+        permissions = [("pause_work", _("Can pause and resume job types, queues and tenants"))]
+        constraints = [
+            models.UniqueConstraint(fields=["kind", "value"], name="jobs_pause_once"),
+            models.CheckConstraint(
+                condition=Q(kind__in=PauseKind.values), name="jobs_pause_kind_valid"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.get_kind_display()} {self.value}"
+
+
+class ProcessComponent(models.TextChoices):
+    WORKER = "worker", _("worker")
+    SCHEDULER = "scheduler", _("scheduler")
+
+
+class Process(models.Model):
+    """A running ``runworker`` or ``runscheduler`` process, as it last reported itself.
+
+    The row is refreshed by the statement the process already makes every lease third (the
+    worker's lease renewal, the scheduler's tick) and deleted on a clean stop. A row whose
+    ``expires_at`` passed belongs to a process that died or lost the database: it is shown as
+    gone, and the maintenance pass deletes it later. Written only by :mod:`jobs.queue`.
+    """
+
+    identity = models.CharField(_("identity"), max_length=200, primary_key=True)
+    component = models.CharField(_("component"), max_length=16, choices=ProcessComponent.choices)
+    host = models.CharField(_("host"), max_length=200)
+    pid = models.IntegerField(_("pid"))
+    version = models.CharField(_("version"), max_length=40)
+    scope = models.CharField(_("scope"), max_length=200, blank=True, default="")
+    concurrency = models.IntegerField(_("concurrency"), null=True, blank=True)
+    held = models.IntegerField(_("jobs held"), default=0)
+    draining = models.BooleanField(_("draining"), default=False)
+    leader = models.BooleanField(_("leader"), default=False)
+    started_at = models.DateTimeField(_("started at"), db_default=Now())
+    last_seen_at = models.DateTimeField(_("last seen at"), db_default=Now())
+    expires_at = models.DateTimeField(_("gone after"))
+
+    class Meta:
+        verbose_name = _("process")
+        verbose_name_plural = _("processes")
+
+    def __str__(self) -> str:
+        return f"{self.component} {self.identity}"
 
 
 class ScheduleSlot(models.Model):

@@ -55,7 +55,7 @@ _NAME = re.compile(rf"^{PARENT}_(?P<state>[a-z]+)_(?P<start>\d{{10}})_(?P<end>\d
 COLUMNS = (
     "id, state, attempts, heartbeat_at, last_error, error_detail, created_at, finished_at, "
     "job_id, name, payload, tenant, queue, priority, max_attempts, run_after, claimed_by, "
-    "started_at, keyed, result, replayed_at, replayed_by"
+    "started_at, keyed, result, replayed_at, replayed_by, attempt_log"
 )
 
 # One batch of one state: rows that let their key go, or (``held``) whose window has passed.
