@@ -21,7 +21,7 @@ them writes the jobs table itself.
 """
 
 from jobs.queue import history
-from jobs.queue.claim import claim, claim_sql, next_attempt, renew, renew_tokens
+from jobs.queue.claim import claim, claim_sql, next_attempt, renew, renew_leases, renew_tokens
 from jobs.queue.cycle import record_and_claim
 from jobs.queue.enqueue import enqueue, enqueue_many
 from jobs.queue.maintenance import (
@@ -50,6 +50,8 @@ from jobs.queue.types import (
     OnlyTenant,
     Outcome,
     OutcomeReport,
+    ProcessBeat,
+    Renewal,
     ReplayReport,
     Scope,
     SweepRow,
@@ -72,6 +74,8 @@ __all__ = [
     "OnlyTenant",
     "Outcome",
     "OutcomeReport",
+    "ProcessBeat",
+    "Renewal",
     "ReplayReport",
     "Scope",
     "SweepRow",
@@ -93,6 +97,7 @@ __all__ = [
     "record_and_claim",
     "release",
     "renew",
+    "renew_leases",
     "renew_tokens",
     "replay",
     "requeue_expired",

@@ -27,8 +27,8 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS
 
 from jobs.conf import jobs_settings
-from jobs.queue import _db
-from jobs.queue.types import ClaimedJob, ClaimRequest, Scope
+from jobs.queue import _db, processes
+from jobs.queue.types import ClaimedJob, ClaimRequest, ProcessBeat, Renewal, Scope
 
 # The claim's CTEs: what each name asks for, and the rows picked for it (locked as the
 # outer LIMIT pulls them). ``{due}`` is one of the two forms below.
@@ -231,13 +231,28 @@ def renew_tokens(
     Like :func:`renew`, by token: one worker can briefly hold two claims of one job (its
     stale attempt and a fresh one after the lease expired), and only the stale one is lost.
     """
-    if not jobs:
-        return set()
+    return set(renew_leases(jobs, lease=lease, using=using).lost)
+
+
+def renew_leases(
+    jobs: Sequence[ClaimedJob],
+    *,
+    lease: timedelta | None = None,
+    beat: ProcessBeat | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> Renewal:
+    """Extend the leases of held jobs and refresh the process's row, in one statement.
+
+    Reports, by claim token, the leases lost and the attempts an operator asked to stop
+    (:func:`jobs.queue.cancel`). With no jobs, only the beat is written (an idle worker).
+    """
+    if not jobs and beat is None:
+        return Renewal()
     # Rows another session has locked (an operator's open transaction) are skipped, not
     # waited for: their renewal waits for the next round, and they are not reported lost.
     with _db.bound_cursor(using) as cur:
         cur.execute(
-            """
+            f"""
             WITH held AS (
                 SELECT * FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[]) AS l(id, token)
             ),
@@ -252,20 +267,27 @@ def renew_tokens(
                     heartbeat_at = statement_timestamp()
                 FROM free WHERE j.id = free.id
                 RETURNING j.id
-            )
-            SELECT held.token FROM held
-            WHERE NOT EXISTS (
-                SELECT 1 FROM jobs_job j
-                WHERE j.id = held.id AND j.claim_token = held.token AND j.state = 'running'
-            )
+            ),
+            {processes.BEAT_CTE}
+            -- (A data-modifying CTE runs whether or not the query reads it.)
+            SELECT held.token, j.id IS NULL, j.cancel_requested_at IS NOT NULL
+            FROM held
+            LEFT JOIN jobs_job j
+              ON j.id = held.id AND j.claim_token = held.token AND j.state = 'running'
+            WHERE j.id IS NULL OR j.cancel_requested_at IS NOT NULL
             """,
             {
                 "ids": [job.id for job in jobs],
                 "tokens": [job.claim_token for job in jobs],
                 "lease": _db.seconds(lease or jobs_settings.LEASE),
+                **processes.beat_params(beat),
             },
         )
-        return {token for (token,) in cur.fetchall()}
+        rows = cur.fetchall()
+    return Renewal(
+        lost=frozenset(token for token, lost, _ in rows if lost),
+        cancel_requested=frozenset(token for token, lost, asked in rows if asked and not lost),
+    )
 
 
 def next_attempt(

@@ -233,6 +233,33 @@ def clamp_delay(delay: timedelta | float) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class ProcessBeat:
+    """What a live process reports of itself with each lease renewal (see ``jobs_process``).
+
+    ``expires_in`` is how long the row counts as live without another beat.
+    """
+
+    identity: str
+    held: int
+    draining: bool
+    expires_in: float
+    leader: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Renewal:
+    """What one lease renewal learned, by claim token.
+
+    ``lost``: the lease is gone (token no longer matches, or the job left ``running``): the
+    handler must stop and write no outcome. ``cancel_requested``: still held, but an operator
+    asked the attempt to stop; it ends ``cancelled``.
+    """
+
+    lost: frozenset[UUID] = frozenset()
+    cancel_requested: frozenset[UUID] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
 class OutcomeReport:
     """Which outcomes were written, which were fenced out (the lease was lost), and which
     found their row locked by another session (``busy``: not written, try again).
