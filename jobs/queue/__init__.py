@@ -8,9 +8,13 @@ Job states and who moves them::
     ┌──────────▶ queued ─────────────────────────────▶ running ──complete──▶ succeeded
     │  replay       │  ▲                                 │  │
     │               │  └─ retry(delay) / release ────────┘  ├──fail──────────▶ failed
-    │            cancel  └─ requeue_expired (lease lost) ───┘  └─fail_exhausted─▶ failed
-    │               ▼
-    └────────── cancelled / failed
+    │            cancel  └─ requeue_expired (lease lost) ───┘  ├─fail_exhausted─▶ failed
+    │               ▼                                       │
+    └────────── cancelled / failed ◀── cancel_running ──────┘  (at the worker's next renewal)
+
+A claim skips job types, queues and tenants that are paused (``pause`` / ``resume``, the
+pauses table). Every statement that ends an attempt appends it to the row's attempt log
+(:mod:`jobs.queue.attempts`) in the same statement.
 
 A finished row that holds no key leaves for the history table (``history.archive``); retention
 drops history partitions whole (``history.drop_expired``). Every outcome write is fenced by the
@@ -20,7 +24,7 @@ The worker, the scheduler, the admin and management commands call these function
 them writes the jobs table itself.
 """
 
-from jobs.queue import history
+from jobs.queue import attempts, history, pauses, processes
 from jobs.queue.claim import claim, claim_sql, next_attempt, renew, renew_leases, renew_tokens
 from jobs.queue.cycle import record_and_claim
 from jobs.queue.enqueue import enqueue, enqueue_many
@@ -32,8 +36,9 @@ from jobs.queue.maintenance import (
     requeue_expired,
     table_health,
 )
-from jobs.queue.operations import cancel, replay, run_now
+from jobs.queue.operations import cancel, cancel_running, replay, run_now
 from jobs.queue.outcomes import complete, fail, record, release, retry
+from jobs.queue.pauses import pause, paused, resume
 from jobs.queue.types import (
     BACKLOG_CAP,
     RESULT_MAX,
@@ -80,8 +85,10 @@ __all__ = [
     "Scope",
     "SweepRow",
     "TableHealth",
+    "attempts",
     "backlog",
     "cancel",
+    "cancel_running",
     "claim",
     "claim_sql",
     "complete",
@@ -91,7 +98,11 @@ __all__ = [
     "fail_exhausted",
     "history",
     "next_attempt",
+    "pause",
+    "paused",
+    "pauses",
     "pending",
+    "processes",
     "prune",
     "record",
     "record_and_claim",
@@ -101,6 +112,7 @@ __all__ = [
     "renew_tokens",
     "replay",
     "requeue_expired",
+    "resume",
     "retry",
     "run_now",
     "table_health",

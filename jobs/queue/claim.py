@@ -27,15 +27,21 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS
 
 from jobs.conf import jobs_settings
-from jobs.queue import _db, processes
+from jobs.queue import _db, attempts, pauses, processes, text
 from jobs.queue.types import ClaimedJob, ClaimRequest, ProcessBeat, Renewal, Scope
 
-# The claim's CTEs: what each name asks for, and the rows picked for it (locked as the
-# outer LIMIT pulls them). ``{due}`` is one of the two forms below.
-_CLAIM_CTES = """
+# The claim's CTEs: what is paused, what each name asks for (paused names left out), and the
+# rows picked for it (locked as the outer LIMIT pulls them). ``{due}`` is one of the two
+# forms below.
+_CLAIM_CTES = (
+    pauses.PAUSED_CTE
+    + """,
 wanted AS (
     SELECT * FROM unnest(%(names)b::text[], %(limits)b::int[], %(caps)b::int[])
         WITH ORDINALITY AS w(name, lim, cap, ord)
+    WHERE """
+    + pauses.PAUSED_NAMES
+    + """
 ),
 picked AS (
     SELECT c.id, w.cap, w.ord
@@ -45,6 +51,7 @@ picked AS (
     LIMIT %(total)s
 )
 """
+)
 
 _CLAIM_UPDATE = """
 UPDATE jobs_job j
@@ -71,6 +78,7 @@ WHERE j.state = 'queued'
   AND j.run_after <= statement_timestamp()
   AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
   AND {scope}
+  AND {paused}
 ORDER BY j.priority DESC, j.run_after, j.id
 LIMIT w.lim
 FOR UPDATE SKIP LOCKED
@@ -118,7 +126,7 @@ def _claim_ctes(scope: Scope, walk: bool | None, using: str) -> tuple[str, dict[
     if walk is None:
         walk = _db.server_version(using) < 180000
     scope_sql, scope_params = scope.sql("j")
-    due = (_DUE_WALK if walk else _DUE_SCAN).format(scope=scope_sql)
+    due = (_DUE_WALK if walk else _DUE_SCAN).format(scope=scope_sql, paused=pauses.PAUSED_ROWS)
     return _CLAIM_CTES.replace("{due}", due), scope_params
 
 
@@ -294,29 +302,38 @@ def next_attempt(
     job: ClaimedJob,
     *,
     lease: timedelta | None = None,
+    code: str = "",
+    detail: str = "",
     using: str = DEFAULT_DB_ALIAS,
 ) -> int | None:
     """Count another attempt of a held job before it runs again in the same claim.
 
     A short ``RetryAfter`` is waited out in the worker; the attempt after it is recorded
     here, fenced by the claim token and renewing the lease, so a worker that dies during the
-    wait cannot let the job run past its ``max_attempts``. Returns the job's attempts now, or
-    None when the lease was lost (the handler must not run again).
+    wait cannot let the job run past its ``max_attempts``. The attempt that ended is logged
+    as a retry with ``code`` and ``detail``. Returns the job's attempts now, or None when the
+    lease was lost (the handler must not run again).
     """
     with _db.bound_cursor(using) as cur:
         cur.execute(
-            """
-            UPDATE jobs_job
-            SET attempts = attempts + 1,
+            f"""
+            UPDATE jobs_job j
+            SET attempts = j.attempts + 1,
                 lease_expires_at = statement_timestamp() + make_interval(secs => %(lease)s),
-                heartbeat_at = statement_timestamp()
-            WHERE id = %(id)s AND claim_token = %(token)s AND state = 'running'
-            RETURNING attempts
+                heartbeat_at = statement_timestamp(),
+                started_at = statement_timestamp(),
+                attempt_log = j.attempt_log || {
+                attempts.entry_sql(row="j", outcome="'retry'", code="%(code)s", error="%(detail)s")
+            }
+            WHERE j.id = %(id)s AND j.claim_token = %(token)s AND j.state = 'running'
+            RETURNING j.attempts
             """,
             {
                 "id": job.id,
                 "token": job.claim_token,
                 "lease": _db.seconds(lease or jobs_settings.LEASE),
+                "code": text.clean(code)[:32],
+                "detail": text.clean(detail),
             },
         )
         row = cur.fetchone()

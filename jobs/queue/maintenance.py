@@ -24,7 +24,7 @@ from django.db import DEFAULT_DB_ALIAS
 from django.db.backends.utils import CursorWrapper
 
 from jobs.conf import jobs_settings
-from jobs.queue import _db, history
+from jobs.queue import _db, attempts, history
 from jobs.queue.types import (
     BACKLOG_CAP,
     AllTenants,
@@ -36,6 +36,13 @@ from jobs.queue.types import (
 from jobs.runs import TERMINAL_STATES, ErrorCode
 
 _NOW = "COALESCE(%(now)s::timestamptz, statement_timestamp())"
+# The attempt a dead or stalled worker never reported on, as its log entry.
+_EXPIRED_ENTRY = attempts.entry_sql(
+    row="j",
+    outcome="'lease_expired'",
+    code=f"'{ErrorCode.LEASE_EXPIRED}'",
+    error="'lease expired while held by ' || j.claimed_by",
+)
 
 
 def requeue_expired(
@@ -47,13 +54,15 @@ def requeue_expired(
 ) -> list[SweepRow]:
     """Return running jobs whose lease expired, with attempts left, to the queue (due now).
 
-    Their old claim token is cleared, so the stalled worker's late outcome is fenced out.
+    Their old claim token is cleared, so the stalled worker's late outcome is fenced out. A
+    job an operator asked to stop (:func:`jobs.queue.cancel_running`) ends ``cancelled``
+    instead. Either way the attempt is logged as ``lease_expired``.
     """
     scope_sql, scope_params = (scope or AllTenants()).sql("j")
     return _sweep(
         f"""
         WITH expired AS (
-            SELECT j.id FROM jobs_job j
+            SELECT j.id, j.cancel_requested_at IS NOT NULL AS asked FROM jobs_job j
             WHERE j.state = 'running' AND j.lease_expires_at < {_NOW}
               AND j.attempts < j.max_attempts AND {scope_sql}
             ORDER BY j.lease_expires_at
@@ -61,13 +70,28 @@ def requeue_expired(
             FOR UPDATE SKIP LOCKED
         )
         UPDATE jobs_job j
-        SET state = 'queued', run_after = {_NOW}, last_error = %(code)s,
-            error_detail = 'lease expired while held by ' || j.claimed_by,
-            claim_token = NULL, lease_expires_at = NULL, claimed_by = ''
+        SET state = CASE WHEN asked THEN 'cancelled' ELSE 'queued' END,
+            run_after = CASE WHEN asked THEN j.run_after ELSE {_NOW} END,
+            finished_at = CASE WHEN asked THEN {_NOW} END,
+            key_held = NOT asked OR j.keyed,
+            last_error = CASE WHEN asked THEN %(cancelled)s ELSE %(code)s END,
+            error_detail = CASE WHEN asked
+                THEN 'cancelled by ' || j.cancel_requested_by
+                     || '; the lease expired while held by ' || j.claimed_by
+                ELSE 'lease expired while held by ' || j.claimed_by END,
+            attempt_log = j.attempt_log || {_EXPIRED_ENTRY},
+            claim_token = NULL, lease_expires_at = NULL,
+            claimed_by = CASE WHEN asked THEN j.claimed_by ELSE '' END
         FROM expired WHERE j.id = expired.id
         RETURNING j.id, j.job_id, j.name, j.tenant, j.state, j.last_error
         """,
-        {"limit": limit, "now": now, "code": ErrorCode.LEASE_EXPIRED, **scope_params},
+        {
+            "limit": limit,
+            "now": now,
+            "code": ErrorCode.LEASE_EXPIRED,
+            "cancelled": ErrorCode.CANCELLED,
+            **scope_params,
+        },
         using,
     )
 
@@ -145,6 +169,8 @@ def fail_exhausted_sql(
             error_detail = CASE WHEN j.state = 'running'
                 THEN 'lease expired on the last attempt while held by ' || j.claimed_by
                 ELSE 'no attempts left (' || j.attempts || ' used)' END,
+            attempt_log = CASE WHEN j.state = 'running' THEN j.attempt_log || {_EXPIRED_ENTRY}
+                               ELSE j.attempt_log END,
             state = 'failed', finished_at = {_NOW}, key_held = j.keyed,
             claim_token = NULL, lease_expires_at = NULL, claimed_by = ''
         FROM exhausted WHERE j.id = exhausted.id

@@ -1,4 +1,5 @@
-"""Operator actions on jobs: replay failed work, cancel queued work, run delayed work now.
+"""Operator actions on jobs: replay failed work, cancel queued or running work, run delayed
+work now.
 
 Each action is one conditional statement over a set of ids that only touches eligible rows,
 so a double click or two operators at once act once: the second statement finds nothing left
@@ -29,7 +30,8 @@ WITH target AS (
 UPDATE jobs_job j
 SET state = 'queued', attempts = 0, run_after = statement_timestamp(), key_held = TRUE,
     started_at = NULL, finished_at = NULL, heartbeat_at = NULL, result = NULL,
-    replayed_at = statement_timestamp(), replayed_by = %(by)s
+    replayed_at = statement_timestamp(), replayed_by = %(by)s,
+    cancel_requested_at = NULL, cancel_requested_by = ''
 FROM target WHERE j.id = target.id
 RETURNING j.id
 """
@@ -109,6 +111,33 @@ def cancel(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> lis
         done = sorted(id_ for (id_,) in cur.fetchall())
         binding.cancelled(done, by=by, using=using)
         return done
+
+
+def cancel_running(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> list[int]:
+    """Ask running jobs to stop; returns the ids asked (running, and not asked before).
+
+    The worker holding a job learns of it at its next lease renewal (a third of the lease at
+    most), sets the handler's cancellation flag, and the attempt ends ``cancelled``: not
+    retried, its key kept through ``FAILURE_WINDOW`` as after a failure. A handler that ignores
+    the flag holds its slot until it returns, as one that overran its deadline does; its
+    outcome is still ``cancelled``. If the worker died meanwhile, the expired lease ends the
+    job ``cancelled`` instead of retrying it. An attempt that finished before its worker
+    learned keeps its outcome (the work was done, or failed for good).
+    """
+    wanted = sorted(set(ids))
+    if not wanted:
+        return []
+    with _db.cursor(using) as cur:
+        cur.execute(
+            """
+            UPDATE jobs_job
+            SET cancel_requested_at = statement_timestamp(), cancel_requested_by = %(by)s
+            WHERE id = ANY(%(ids)s) AND state = 'running' AND cancel_requested_at IS NULL
+            RETURNING id
+            """,
+            {"ids": wanted, "by": by[:150]},
+        )
+        return sorted(id_ for (id_,) in cur.fetchall())
 
 
 def run_now(ids: Iterable[int], *, using: str = DEFAULT_DB_ALIAS) -> list[int]:

@@ -20,12 +20,16 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
-from jobs.queue import _db, text
+from jobs.queue import _db, attempts, text
 from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay
+
+# What a stopped attempt's error says (the row's columns before the write).
+_STOPPED_DETAIL = "('cancelled while running, asked by ' || j.cancel_requested_by)"
 
 # The outcome write's CTEs: the outcomes, the rows still held under their tokens (rows another
 # session holds locked are skipped and reported busy, never waited for), and the write.
-OUTCOME_CTES = """
+OUTCOME_CTES = (
+    """
 o AS (
     SELECT * FROM unnest(
         %(ids)b::bigint[], %(tokens)b::uuid[], %(states)b::text[], %(codes)b::text[],
@@ -34,30 +38,48 @@ o AS (
     ) AS o(id, token, state, code, detail, delay, at, attempts_delta, result)
 ),
 free AS (
-    SELECT j.id, o.token FROM jobs_job j JOIN o ON j.id = o.id
+    -- An attempt an operator asked to stop is not retried or handed back: it ends cancelled.
+    SELECT j.id, o.token,
+           CASE WHEN j.cancel_requested_at IS NOT NULL AND o.state = 'queued'
+                THEN 'cancelled' ELSE o.state END AS state,
+           j.cancel_requested_at IS NOT NULL
+               AND (o.state IN ('queued', 'cancelled')) AS stopped
+    FROM jobs_job j JOIN o ON j.id = o.id
     WHERE j.claim_token = o.token AND j.state = 'running'
     FOR UPDATE OF j SKIP LOCKED
 ),
 written AS (
     UPDATE jobs_job j
-    SET state = o.state,
+    SET state = f.state,
         attempts = j.attempts + o.attempts_delta,
-        run_after = CASE WHEN o.state = 'queued'
+        run_after = CASE WHEN f.state = 'queued'
                          THEN COALESCE(o.at, statement_timestamp() + make_interval(secs => o.delay))
                          ELSE j.run_after END,
-        finished_at = CASE WHEN o.state = 'queued' THEN NULL ELSE statement_timestamp() END,
-        last_error = COALESCE(o.code, j.last_error),
-        error_detail = COALESCE(o.detail, j.error_detail),
+        finished_at = CASE WHEN f.state = 'queued' THEN NULL ELSE statement_timestamp() END,
+        last_error = CASE WHEN f.stopped THEN 'cancelled' ELSE COALESCE(o.code, j.last_error) END,
+        error_detail = CASE WHEN f.stopped THEN """
+    + _STOPPED_DETAIL
+    + """ ELSE COALESCE(o.detail, j.error_detail) END,
         result = o.result,
         claim_token = NULL,
         lease_expires_at = NULL,
         -- A generated job_id is never submitted again: a finished keyless job lets it go.
-        key_held = (o.state = 'queued' OR j.keyed),
+        key_held = (f.state = 'queued' OR j.keyed),
         -- A finished job keeps the identity of the worker that finished it.
-        claimed_by = CASE WHEN o.state = 'queued' THEN '' ELSE j.claimed_by END
+        claimed_by = CASE WHEN f.state = 'queued' THEN '' ELSE j.claimed_by END,
+        -- A hand-back (attempts_delta < 0) ran nothing: not an attempt.
+        attempt_log = CASE WHEN o.attempts_delta < 0 THEN j.attempt_log
+            ELSE j.attempt_log || """
+    + attempts.entry_sql(
+        row="j",
+        outcome="CASE WHEN f.state = 'queued' THEN 'retry' ELSE f.state END",
+        code="CASE WHEN f.stopped THEN 'cancelled' ELSE o.code END",
+        error="CASE WHEN f.stopped THEN " + _STOPPED_DETAIL + " ELSE o.detail END",
+    )
+    + """ END
     -- By token too: a stale attempt's outcome in the same batch as the fresh one's must not
     -- match the fresh one's row.
-    FROM o JOIN free ON free.id = o.id AND free.token = o.token
+    FROM o JOIN free f ON f.id = o.id AND f.token = o.token
     WHERE j.id = o.id
     RETURNING j.id, o.token
 ),
@@ -71,6 +93,7 @@ busy AS (
       )
 )
 """
+)
 
 _RECORD = (
     "WITH "

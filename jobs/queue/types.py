@@ -10,7 +10,7 @@ from typing import Any
 from uuid import UUID
 
 from jobs.queue import text
-from jobs.runs import RunState
+from jobs.runs import ErrorCode, RunState
 
 _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 
@@ -217,6 +217,14 @@ class Outcome:
     @classmethod
     def failed(cls, job: ClaimedJob, *, code: str, detail: str = "") -> Outcome:
         return cls(job.id, job.claim_token, RunState.FAILED, text.clean(code), text.clean(detail))
+
+    @classmethod
+    def cancelled(cls, job: ClaimedJob) -> Outcome:
+        """End the attempt cancelled: an operator asked it to stop (:func:`jobs.queue.cancel`).
+
+        The write records who asked; the job is not retried.
+        """
+        return cls(job.id, job.claim_token, RunState.CANCELLED, ErrorCode.CANCELLED, "")
 
     @classmethod
     def released(cls, job: ClaimedJob) -> Outcome:

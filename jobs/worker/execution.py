@@ -15,6 +15,9 @@ JSON
 RetryAfter(delay)                  waited out in the worker when short (the   handler_error
                                    next attempt recorded first), else queued
                                    with that delay; failed on last
+cancelled by an operator while     cancelled, not retried (the handler's      cancelled
+running (learned at the next       cancellation flag is set; whatever it
+lease renewal)                     returns or raises after that)
 cancelled by a draining worker     handed back (attempt returned)             (kept)
 lease lost meanwhile               nothing written (fenced)                   —
 =================================  =========================================  =================
@@ -71,6 +74,7 @@ class Running:
     started: bool = False  # a handler thread took the job
     finished: bool = False  # the handler returned; the outcome may wait for the next flush
     handed_back: bool = False  # released by a drain before any handler thread took it
+    cancel_requested: bool = False  # an operator asked this attempt to stop: it ends cancelled
     shutdown: bool = False  # cancelled by a drain: hand the job back whatever happens
     claimed_at: float = field(default_factory=time.monotonic)
     attempt: int = 0  # the attempt the queue recorded last (claim or next_attempt)
@@ -126,7 +130,7 @@ def execute(
         if running.lost:
             return None
         if not interrupted:
-            attempt = count_next_attempt(running, lease)
+            attempt = count_next_attempt(running, lease, verdict.otherwise)
             if attempt is None:
                 return None
             if attempt:
@@ -178,6 +182,8 @@ def judge(
     job, job_type, ctx = running.job, running.job_type, running.ctx
     if running.lost:
         return None
+    if running.cancel_requested:  # whatever the handler did since: the operator said stop
+        return Outcome.cancelled(job)
     if running.shutdown:
         return Outcome.released(job)
     if left_open:
@@ -290,12 +296,18 @@ def _wait_in_process(running: Running, delay: float, shutting_down: Callable[[],
     return ctx.sleep(delay) or shutting_down()
 
 
-def count_next_attempt(running: Running, lease: timedelta | None) -> int | None:
-    """Record the next attempt before running it; None if fenced, 0 if it could not be saved."""
+def count_next_attempt(running: Running, lease: timedelta | None, ended: Outcome) -> int | None:
+    """Record the next attempt before running it; None if fenced, 0 if it could not be saved.
+
+    ``ended`` is the retry the attempt that just ended would have been: its code and detail
+    go to the attempt log.
+    """
     ctx = running.ctx
     try:
         with dbbounds.local():
-            attempt = queue.next_attempt(running.job, lease=lease)
+            attempt = queue.next_attempt(
+                running.job, lease=lease, code=ended.code or "", detail=ended.detail or ""
+            )
     except Exception:
         logger.warning(
             "could not record the next attempt of job %s; retrying it through the queue",

@@ -8,7 +8,8 @@ that never returns holds its slot and its job until the process exits. A job who
 finds its token gone has been taken away (a stall let the lease expire and a maintenance pass
 or another worker moved it): the handler is told to stop and no outcome will be written. A
 job whose handler already returned is not reported lost: its outcome write, which may have
-just committed, says whether it was applied or fenced.
+just committed, says whether it was applied or fenced. The same statement refreshes the
+process's row in ``jobs_process``, also when no job is held, so an idle worker stays live.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
+from uuid import UUID
 
 from django.db import connection
 
 from jobs import dbbounds, queue, runs
 from jobs.conf import as_timedelta
+from jobs.queue import ProcessBeat
 from jobs.worker import metrics
 from jobs.worker.execution import Running
 
@@ -39,8 +42,11 @@ class LeaseKeeper:
         *,
         lease_seconds: float,
         tick: float = 0.1,
+        beat: Callable[[], ProcessBeat | None] | None = None,
     ) -> None:
         self._held = held
+        # The process's row rides in every renewal, held jobs or none (jobs.worker.presence).
+        self._beat = beat
         self._lease = lease_seconds
         self._every = lease_seconds / 3
         self._tick = min(tick, self._every)
@@ -100,15 +106,18 @@ class LeaseKeeper:
         """Renew the leases of every held job; returns the ids of running handlers' lost leases."""
         now = time.monotonic() if now is None else now
         renewable = [r for r in self._held() if not r.lost]
-        if not renewable:
+        beat = self._process_beat()
+        if not renewable and beat is None:
             self._last_renewal = now
             return set()
         try:
-            lost_tokens = queue.renew_tokens(
-                [r.job for r in renewable], lease=timedelta(seconds=self._lease)
+            renewal = queue.renew_leases(
+                [r.job for r in renewable], lease=timedelta(seconds=self._lease), beat=beat
             )
+            lost_tokens: set[UUID] | frozenset[UUID] = renewal.lost
         except Exception as exc:
-            logger.warning(
+            logger.log(  # an idle worker's beat: the run loop reports the outage already
+                logging.WARNING if renewable else logging.DEBUG,
                 "lease renewal of %d jobs failed (%s: %s)",
                 len(renewable),
                 type(exc).__name__,
@@ -121,6 +130,10 @@ class LeaseKeeper:
                 lost_tokens = {r.job.claim_token for r in renewable}
             else:
                 return set()
+        else:
+            self._stop_cancelled(
+                [r for r in renewable if r.job.claim_token in renewal.cancel_requested]
+            )
         self._last_renewal = now
         self._beat_run_rows([r for r in renewable if r.job.claim_token not in lost_tokens])
         # Read after the renewal: an outcome is written only once its handler finished, so
@@ -142,6 +155,35 @@ class LeaseKeeper:
                 },
             )
         return {r.job.id for r in losers}
+
+    def _stop_cancelled(self, asked: list[Running]) -> None:
+        """An operator asked these attempts to stop: tell their handlers; they end cancelled."""
+        for running in asked:
+            if running.finished or running.cancel_requested:
+                continue
+            running.cancel_requested = True
+            with contextlib.suppress(Exception):
+                running.ctx.cancelled.set()
+            logger.warning(
+                "job %s (%s) was cancelled by an operator; asking its handler to stop",
+                running.job.job_id,
+                running.job.name,
+                extra={
+                    "job_id": running.job.job_id,
+                    "job_type": running.job.name,
+                    "action": "cancel_requested",
+                },
+            )
+
+    def _process_beat(self) -> ProcessBeat | None:
+        """The beat for this renewal; a failing provider must not stop the leases' renewal."""
+        if self._beat is None:
+            return None
+        try:
+            return self._beat()
+        except Exception:
+            logger.exception("could not build the process beat; renewing leases without it")
+            return None
 
     def _beat_run_rows(self, kept: list[Running]) -> None:
         """Bound run rows (policy.run_model) share their job's heartbeat."""

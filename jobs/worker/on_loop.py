@@ -123,7 +123,7 @@ async def execute_on_loop(
                     return None
                 if not (interrupted or shutting_down()):
                     attempt = await loop.run_in_executor(
-                        thread, partial(count_next_attempt, running, lease)
+                        thread, partial(count_next_attempt, running, lease, verdict.otherwise)
                     )
                     if attempt is None:
                         return None

@@ -1,0 +1,124 @@
+"""The pauses table: job types, queues and tenants no worker claims from until resumed.
+
+The claim reads the table in its own statement (:data:`PAUSED_CTE`), so a pause holds on
+every worker of every host from the moment it commits, and a worker keeps no pause state in
+memory. A paused job type drops out of the claim's requests before any row is read; a paused
+queue or tenant is a filter on the rows a claim reads (see docs/operations.md for what that
+costs when the paused rows lie ahead of the ones that may run). Paused jobs stay ``queued``:
+their backlog is visible and keeps growing, and jobs already running finish normally.
+Resuming notifies the workers that run the affected job types, so idle ones claim at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import DEFAULT_DB_ALIAS, transaction
+
+from jobs.conf import NOTIFY_CHANNEL, jobs_settings
+from jobs.models import PauseKind
+from jobs.queue import _db, text
+
+# The claim's view of the table: what is paused, read once per claim statement. Empty arrays
+# when nothing is (``x <> ALL('{}')`` holds for every x).
+PAUSED_CTE = """
+paused AS (
+    SELECT COALESCE(array_agg(p.value::text) FILTER (WHERE p.kind = 'job_type'), '{}') AS names,
+           COALESCE(array_agg(p.value::text) FILTER (WHERE p.kind = 'queue'), '{}') AS queues,
+           COALESCE(array_agg(p.value::text) FILTER (WHERE p.kind = 'tenant'), '{}') AS tenants
+    FROM jobs_pause p
+)"""
+#: The filter a claim applies to the rows it reads (``j`` is the jobs table).
+PAUSED_ROWS = " AND ".join(
+    f"j.{column} <> ALL((SELECT {array} FROM paused)::text[])"
+    for column, array in (("queue", "queues"), ("tenant", "tenants"))
+)
+#: The filter a claim applies to the job types it is asked for (``w.name``).
+PAUSED_NAMES = "w.name <> ALL((SELECT names FROM paused)::text[])"
+
+VALUE_MAX = 200
+
+
+@dataclass(frozen=True, slots=True)
+class PauseRow:
+    kind: str
+    value: str
+    reason: str
+    paused_at: datetime
+    paused_by: str
+
+
+def validate(kind: str, value: str) -> None:
+    """Raise ValueError for a kind that is not one of :class:`~jobs.models.PauseKind`'s or a
+    value that could never name anything."""
+    if kind not in PauseKind.values:
+        raise ValueError(f"cannot pause a {kind!r}: pause a {', '.join(PauseKind.values)}")
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"name the {kind} to pause")
+    if len(value) > VALUE_MAX:
+        raise ValueError(f"a {kind} name has at most {VALUE_MAX} characters")
+    if (why := text.problem(value)) is not None:
+        raise ValueError(f"the {kind} name {why}")
+
+
+def pause(
+    kind: str, value: str, *, by: str, reason: str = "", using: str = DEFAULT_DB_ALIAS
+) -> bool:
+    """Pause a job type, queue or tenant; False when it was paused already (nothing changes)."""
+    validate(kind, value)
+    with _db.cursor(using) as cur:
+        cur.execute(
+            """
+            INSERT INTO jobs_pause (kind, value, reason, paused_by)
+            VALUES (%(kind)s, %(value)s, %(reason)s, %(by)s)
+            ON CONFLICT (kind, value) DO NOTHING
+            RETURNING 1
+            """,
+            {"kind": kind, "value": value, "reason": text.clean(reason)[:200], "by": by[:150]},
+        )
+        return cur.fetchone() is not None
+
+
+# Queued job types, one hop down the claim index each (a loose index scan): the names a
+# resumed queue or tenant may have work for, without reading its backlog.
+_WAKE = f"""
+WITH RECURSIVE names(name) AS (
+    (SELECT j.name FROM jobs_job j WHERE j.state = 'queued' ORDER BY j.name LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.name FROM jobs_job j WHERE j.state = 'queued' AND j.name > n.name
+            ORDER BY j.name LIMIT 1)
+    FROM names n WHERE n.name IS NOT NULL
+)
+SELECT count(pg_notify('{NOTIFY_CHANNEL}', name)) FROM names WHERE name IS NOT NULL
+"""
+
+
+def resume(kind: str, value: str, *, using: str = DEFAULT_DB_ALIAS) -> bool:
+    """Resume a paused job type, queue or tenant; False when it was not paused.
+
+    Idle workers of the affected job types are notified when the deletion commits.
+    """
+    validate(kind, value)
+    with transaction.atomic(using=using), _db.cursor(using) as cur:
+        cur.execute(
+            "DELETE FROM jobs_pause WHERE kind = %(kind)s AND value = %(value)s RETURNING 1",
+            {"kind": kind, "value": value},
+        )
+        resumed = cur.fetchone() is not None
+        if resumed and jobs_settings.NOTIFY:
+            if kind == PauseKind.JOB_TYPE:
+                cur.execute(f"SELECT pg_notify('{NOTIFY_CHANNEL}', %s)", [value])
+            else:
+                cur.execute(_WAKE)
+    return resumed
+
+
+def paused(*, using: str = DEFAULT_DB_ALIAS) -> list[PauseRow]:
+    """Every pause, oldest first."""
+    with _db.cursor(using) as cur:
+        cur.execute(
+            "SELECT kind, value, reason, paused_at, paused_by FROM jobs_pause "
+            "ORDER BY paused_at, id"
+        )
+        return [PauseRow(*row) for row in cur.fetchall()]

@@ -1,0 +1,326 @@
+"""Pause and resume, cancel of running jobs, and the attempt log, through the queue and an
+in-process worker on real PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import psycopg
+import pytest
+from django.db import connection
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jobs import enqueue, queue
+from jobs.conf import NOTIFY_CHANNEL
+from jobs.models import Job, Pause
+from jobs.queue import ClaimRequest, NewJob, Outcome, attempts
+from jobs.queue.types import AllTenants
+from jobs.worker.config import WorkerConfig
+from jobs.worker.runner import Worker
+from tests.acceptance.conftest import wait_for
+from tests.factories import JobFactory
+from tests.worker_support import Recorder, Step, registry
+
+NOOP = "test.noop.v1"
+
+
+def claim(names=(NOOP,), limit=100):
+    return queue.claim([ClaimRequest(n, limit) for n in names], scope=AllTenants(), worker="w1")
+
+
+@pytest.mark.django_db
+class TestPause:
+    def test_a_paused_job_type_is_not_claimed_and_its_backlog_stays_queued(self):
+        queue.enqueue_many([NewJob(NOOP), NewJob(NOOP), NewJob("test.other.v1")])
+        assert queue.pause("job_type", NOOP, by="alice", reason="incident 42") is True
+
+        claimed = claim((NOOP, "test.other.v1"))
+
+        assert [j.name for j in claimed] == ["test.other.v1"]
+        assert Job.objects.filter(name=NOOP, state="queued").count() == 2
+        queue.enqueue(NewJob(NOOP))  # the backlog keeps growing while paused
+        assert Job.objects.filter(name=NOOP, state="queued").count() == 3
+        assert queue.resume("job_type", NOOP) is True
+        assert len(claim()) == 3
+
+    @pytest.mark.parametrize("kind,field", [("queue", "queue"), ("tenant", "tenant")])
+    def test_a_paused_queue_or_tenant_is_skipped_within_a_job_type(self, kind, field, claim_form):
+        for value in ("a", "b", "a", "b"):
+            queue.enqueue(NewJob(NOOP, **{field: value}))
+        queue.pause(kind, "a", by="alice")
+
+        claimed = claim()
+
+        assert sorted(getattr(j, field) for j in claimed) == ["b", "b"]
+        queue.resume(kind, "a")
+        assert sorted(getattr(j, field) for j in claim()) == ["a", "a"]
+
+    def test_pause_twice_and_resume_twice_change_nothing_the_second_time(self):
+        assert queue.pause("queue", "emails", by="alice") is True
+        assert queue.pause("queue", "emails", by="bob", reason="again") is False
+        row = Pause.objects.get()
+        assert (row.kind, row.value, row.paused_by) == ("queue", "emails", "alice")
+        assert [p.value for p in queue.paused()] == ["emails"]
+        assert queue.resume("queue", "emails") is True
+        assert queue.resume("queue", "emails") is False
+        assert not Pause.objects.exists()
+
+    @pytest.mark.parametrize(
+        "kind,value,message",
+        [
+            ("host", "x", "cannot pause a 'host'"),
+            ("queue", "", "name the queue"),
+            ("queue", "   ", "name the queue"),
+            ("tenant", "x" * 201, "at most 200"),
+            ("job_type", "a\x00b", "job_type name"),
+        ],
+    )
+    def test_bad_input_is_refused_with_a_clear_message(self, kind, value, message):
+        with pytest.raises(ValueError, match=message):
+            queue.pause(kind, value, by="alice")
+        assert not Pause.objects.exists()
+
+    def test_running_jobs_of_a_paused_type_still_report_their_outcome(self):
+        queue.enqueue(NewJob(NOOP))
+        [job] = claim()
+        queue.pause("job_type", NOOP, by="alice")
+        assert queue.complete(job) is True
+        assert Job.objects.get(pk=job.id).state == "succeeded"
+
+    @settings(
+        max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
+    @given(
+        jobs=st.lists(
+            st.tuples(st.sampled_from("ab"), st.sampled_from("xy"), st.sampled_from("mn")),
+            min_size=1,
+            max_size=12,
+        ),
+        paused=st.sets(
+            st.sampled_from(
+                [("job_type", "t.a"), ("job_type", "t.b"), ("queue", "x"), ("tenant", "m")]
+            ),
+        ),
+    )
+    def test_a_claim_takes_exactly_the_due_jobs_no_pause_covers(self, jobs, paused):
+        Job.objects.all().delete()
+        Pause.objects.all().delete()
+        for name, queue_, tenant in jobs:
+            queue.enqueue(NewJob(f"t.{name}", queue=queue_, tenant=tenant))
+        for kind, value in paused:
+            queue.pause(kind, value, by="prop")
+
+        claimed = claim(("t.a", "t.b"))
+
+        def allowed(name, queue_, tenant):
+            return not (
+                ("job_type", f"t.{name}") in paused
+                or ("queue", queue_) in paused
+                or ("tenant", tenant) in paused
+            )
+
+        expected = sorted((f"t.{n}", q, t) for n, q, t in jobs if allowed(n, q, t))
+        assert sorted((j.name, j.queue, j.tenant) for j in claimed) == expected
+
+
+@pytest.mark.django_db
+class TestCancelRunning:
+    def test_a_running_job_is_asked_once_and_its_renewal_reports_it(self):
+        queue.enqueue(NewJob(NOOP))
+        [job] = claim()
+
+        assert queue.cancel_running([job.id], by="alice") == [job.id]
+        assert queue.cancel_running([job.id], by="bob") == []  # asked already
+
+        row = Job.objects.get(pk=job.id)
+        assert (row.state, row.cancel_requested_by) == ("running", "alice")
+        renewal = queue.renew_leases([job])
+        assert renewal.cancel_requested == {job.claim_token} and not renewal.lost
+
+    def test_queued_and_finished_jobs_are_not_asked(self):
+        queued = JobFactory()
+        done = JobFactory(succeeded=True)
+        assert queue.cancel_running([queued.pk, done.pk], by="alice") == []
+
+    @pytest.mark.parametrize("outcome", ["retry", "released", "cancelled"])
+    def test_an_asked_attempt_that_would_go_back_to_the_queue_ends_cancelled(self, outcome):
+        queue.enqueue(NewJob(NOOP, job_id="k1"))
+        [job] = claim()
+        queue.cancel_running([job.id], by="alice")
+
+        made = {
+            "retry": lambda: Outcome.retry(job, code="handler_error"),
+            "released": lambda: Outcome.released(job),
+            "cancelled": lambda: Outcome.cancelled(job),
+        }[outcome]()
+        assert queue.record([made]).applied == (job.id,)
+
+        row = Job.objects.get(pk=job.id)
+        assert (row.state, row.last_error) == ("cancelled", "cancelled")
+        assert row.error_detail == "cancelled while running, asked by alice"
+        assert row.key_held is True  # kept through FAILURE_WINDOW, as after a failure
+        assert row.finished_at is not None and row.claim_token is None
+
+    def test_an_attempt_that_finished_before_its_worker_learned_keeps_its_outcome(self):
+        queue.enqueue(NewJob(NOOP))
+        [job] = claim()
+        queue.cancel_running([job.id], by="alice")
+        assert queue.complete(job, {"done": True}) is True
+        assert Job.objects.get(pk=job.id).state == "succeeded"
+
+    def test_a_stale_workers_cancelled_outcome_is_fenced(self):
+        queue.enqueue(NewJob(NOOP))
+        [job] = claim()
+        queue.cancel_running([job.id], by="alice")
+        Job.objects.filter(pk=job.id).update(
+            lease_expires_at=Job.objects.get(pk=job.id).started_at - timedelta(seconds=1)
+        )
+        [swept] = queue.requeue_expired()
+        assert swept.state == "cancelled"  # asked to stop: not retried after the lease expired
+        report = queue.record([Outcome.cancelled(job)])
+        assert report.fenced == (job.id,)
+        row = Job.objects.get(pk=job.id)
+        assert row.last_error == "cancelled"
+        assert row.error_detail.startswith("cancelled by alice; the lease expired")
+        assert [a.outcome for a in attempts.read(row.attempt_log)] == ["lease_expired"]
+
+    def test_replay_of_a_cancelled_job_clears_the_request(self):
+        queue.enqueue(NewJob(NOOP))
+        [job] = claim()
+        queue.cancel_running([job.id], by="alice")
+        queue.record([Outcome.cancelled(job)])
+        assert queue.replay([job.id], by="bob").replayed == (job.id,)
+        row = Job.objects.get(pk=job.id)
+        assert (row.state, row.cancel_requested_at, row.cancel_requested_by) == ("queued", None, "")
+        [again] = claim()
+        assert not queue.renew_leases([again]).cancel_requested
+
+
+@pytest.mark.django_db
+class TestAttemptLog:
+    def test_each_attempt_is_logged_with_start_end_worker_outcome_and_error(self):
+        queue.enqueue(NewJob(NOOP, max_attempts=3))
+        [first] = claim()
+        queue.retry(first, code="handler_error", detail="boom\n" * 10, delay=0)
+        [second] = claim()
+        queue.complete(second, {"ok": 1})
+
+        log = attempts.read(Job.objects.get(pk=first.id).attempt_log)
+
+        assert [(a.attempt, a.outcome, a.code, a.worker) for a in log] == [
+            (1, "retry", "handler_error", "w1"),
+            (2, "succeeded", "", "w1"),
+        ]
+        assert log[0].error == ("boom\n" * 10)
+        assert log[1].error == ""
+        assert all(a.started_at <= a.ended_at for a in log)
+        assert all(a.duration is not None and a.duration >= 0 for a in log)
+
+    def test_a_long_error_keeps_its_end(self):
+        queue.enqueue(NewJob(NOOP))
+        [job] = claim()
+        queue.fail(job, code="handler_error", detail="x" * 5000 + "the last line")
+        [entry] = attempts.read(Job.objects.get(pk=job.id).attempt_log)
+        assert len(entry.error) == attempts.ERROR_MAX
+        assert entry.error.endswith("the last line")
+
+    def test_a_hand_back_is_not_an_attempt(self):
+        queue.enqueue(NewJob(NOOP))
+        [job] = claim()
+        queue.release([job])
+        row = Job.objects.get(pk=job.id)
+        assert (row.attempts, row.attempt_log) == (0, [])
+
+    def test_an_in_process_retry_logs_the_attempt_it_ends(self):
+        queue.enqueue(NewJob(NOOP, max_attempts=3))
+        [job] = claim()
+        assert queue.next_attempt(job, code="handler_error", detail="slow down") == 2
+        queue.complete(job)
+        log = attempts.read(Job.objects.get(pk=job.id).attempt_log)
+        assert [(a.attempt, a.outcome, a.error) for a in log] == [
+            (1, "retry", "slow down"),
+            (2, "succeeded", ""),
+        ]
+
+    def test_the_log_moves_to_the_history_and_back(self):
+        queue.enqueue(NewJob(NOOP))
+        [job] = claim()
+        queue.fail(job, code="handler_error", detail="boom")
+        Job.objects.filter(pk=job.id).update(
+            key_held=False, finished_at=Job.objects.get(pk=job.id).finished_at - timedelta(days=1)
+        )
+        queue.history.archive()
+        from jobs.models import JobHistory
+
+        moved = JobHistory.objects.get(pk=job.id)
+        assert [a.outcome for a in attempts.read(moved.attempt_log)] == ["failed"]
+        queue.replay([job.id], by="alice")
+        assert [a.error for a in attempts.read(Job.objects.get(pk=job.id).attempt_log)] == ["boom"]
+
+    def test_malformed_entries_are_skipped_when_read(self):
+        assert attempts.read(None) == []
+        log = [1, "x", {"attempt": "nope"}, {"attempt": 2, "outcome": "failed"}]
+        assert [(a.attempt, a.outcome) for a in attempts.read(log)] == [(2, "failed")]
+
+
+@pytest.mark.django_db(transaction=True)
+class TestWorker:
+    def test_cancel_of_a_running_job_stops_its_handler_and_ends_it_cancelled(self):
+        recorder = Recorder()
+        job = enqueue(Step(plan=("slow",), seconds=30))
+        config = WorkerConfig(lease=timedelta(seconds=0.6), install_signal_handlers=False)
+        worker = Worker(registry(recorder), config)
+        thread = threading.Thread(target=worker.run)
+        thread.start()
+        try:
+            wait_for(lambda: recorder.calls, what="the handler started")
+            asked = time.monotonic()
+            assert queue.cancel_running([job.id], by="alice") == [job.id]
+            wait_for(
+                lambda: Job.objects.get(pk=job.id).state == "cancelled",
+                timeout=10,
+                what="the job ended cancelled",
+            )
+            # Learned at the next renewal: a third of the lease, plus a flush.
+            assert time.monotonic() - asked < 0.6 + 1.0
+            assert recorder.calls[0][1].cancelled.is_set()
+        finally:
+            worker.request_stop()
+            thread.join(10)
+        row = Job.objects.get(pk=job.id)
+        assert (row.attempts, row.last_error, row.claim_token) == (1, "cancelled", None)
+        assert [a.outcome for a in attempts.read(row.attempt_log)] == ["cancelled"]
+
+    def test_resume_notifies_the_resumed_types_at_commit(self):
+        queue.enqueue(NewJob(NOOP, queue="q1"))
+        queue.pause("queue", "q1", by="alice")
+        params = connection.get_connection_params()
+        params.pop("cursor_factory", None)
+        params.pop("context", None)
+        with psycopg.connect(**params, autocommit=True) as listener:
+            listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            queue.resume("queue", "q1")
+            got = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
+        assert got == [NOOP]
+
+    def test_a_paused_type_waits_and_resume_wakes_an_idle_worker_at_once(self):
+        recorder = Recorder()
+        queue.pause("job_type", Step.job_name, by="alice")
+        job = enqueue(Step(plan=("ok",)))
+        config = WorkerConfig(poll_interval=60, install_signal_handlers=False)
+        worker = Worker(registry(recorder), config)
+        thread = threading.Thread(target=worker.run)
+        thread.start()
+        try:
+            wait_for(lambda: worker.listening and worker.idle, what="an idle, listening worker")
+            assert Job.objects.get(pk=job.id).state == "queued"
+            resumed = time.monotonic()
+            queue.resume("job_type", Step.job_name)
+            wait_for(lambda: Job.objects.get(pk=job.id).state == "succeeded", timeout=10)
+            assert time.monotonic() - resumed < 2  # not the 60 s poll
+        finally:
+            worker.request_stop()
+            thread.join(10)
