@@ -35,12 +35,12 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
 from jobs import queue
+from jobs.control.checks import check_run_tables
+from jobs.control.failures import MAX_ROWS
+from jobs.control.replays import REPLAY_ALL_LIMIT
 from jobs.models import Job, JobHistory, TenantOverride
 from jobs.monitor import overview, views
-from jobs.monitor.checks import check_run_tables
 from jobs.monitor.modeladmin import InputFilter, RunTableAdmin
-from jobs.monitor.query import MAX_ROWS
-from jobs.monitor.replay import REPLAY_ALL_LIMIT
 from jobs.registry import get_registry
 from jobs.runs import RunState
 

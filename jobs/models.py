@@ -1,6 +1,8 @@
-"""The jobs table and the tenant-overrides table.
+"""The jobs table, its history, and the small tables beside them (overrides, pauses, slots).
 
 Every state change of these rows goes through :mod:`jobs.queue`; nothing else writes them.
+The models import nothing above them: replaying a job is :func:`jobs.queue.replay`, and
+:mod:`jobs.control` dispatches the jobs tables' replay there.
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ class Job(RunContract):
     )
     # Running jobs are recovered through their leases and retry policy, not stale reaping.
     reaped_when_stale = False
+    # Jobs replay through jobs.queue.replay (jobs.control dispatches there), not a method
+    # here: the models sit below the queue.
+    replay_description = _(
+        "Queue the same job again with fresh attempts (same id, job_id and payload)."
+    )
     result = models.JSONField(_("result"), null=True, blank=True)
     replayed_at = models.DateTimeField(_("replayed at"), null=True, blank=True)
     replayed_by = models.CharField(_("replayed by"), max_length=150, blank=True, default="")
@@ -192,17 +199,6 @@ class Job(RunContract):
         pks = list(pks)
         return sorted({*super().eligible_for_replay(pks), *JobHistory.eligible_for_replay(pks)})
 
-    @classmethod
-    def replay(cls, pks: Iterable[int], *, by: str) -> int:
-        """Queue the same job again with fresh attempts (same id, job_id and payload).
-
-        Delegates to :func:`jobs.queue.replay`, the one place that moves jobs back to queued;
-        it brings a row the archive moved back from the history first.
-        """
-        from jobs import queue
-
-        return len(queue.replay(pks, by=by).replayed)
-
 
 class JobHistory(RunContract):
     """A finished job that no longer holds its key, moved out of the jobs table.
@@ -252,13 +248,6 @@ class JobHistory(RunContract):
 
     def __str__(self) -> str:
         return f"{self.name} {self.job_id} ({self.state})"
-
-    @classmethod
-    def replay(cls, pks: Iterable[int], *, by: str) -> int:
-        """Queue the same job again with fresh attempts, back in the jobs table."""
-        from jobs import queue
-
-        return len(queue.replay(pks, by=by).replayed)
 
     @classmethod
     def replay_permission(cls) -> str:

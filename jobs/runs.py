@@ -92,7 +92,7 @@ class RunContract(models.Model):
     # leases and the retry policy), so the generic stale reaping skips them.
     reaped_when_stale: ClassVar[bool] = True
 
-    # How the failure monitor (jobs.monitor) reads this table. A field name that the table
+    # How the failure monitor (jobs.control) reads this table. A field name that the table
     # does not have counts as None, so the defaults (the jobs table's own names) are harmless
     # elsewhere; a table whose ``name`` or ``tenant`` column means something else sets None.
     # Where a column is None, the monitor filter on it leaves this table out while it is set.

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 from django import forms
 from django.http import QueryDict
 from django.utils.translation import gettext_lazy as _
 
-from jobs.monitor.tables import Filters, RunTable
+from jobs.control.tables import AGES, Filters, RunTable
 from jobs.runs import ErrorCode, RunState
 
 ALL_STATES = "all"
-AGES: dict[str, tuple[timedelta, Any]] = {
-    "1h": (timedelta(hours=1), _("Last hour")),
-    "24h": (timedelta(hours=24), _("Last 24 hours")),
-    "7d": (timedelta(days=7), _("Last 7 days")),
-    "30d": (timedelta(days=30), _("Last 30 days")),
-}
 FILTER_KEYS = ("module", "state", "job_type", "tenant", "error", "age", "q")
 
 

@@ -21,9 +21,9 @@ from django.utils.functional import cached_property
 from django.utils.http import urlencode
 from django.utils.translation import gettext_lazy as _
 
-from jobs.monitor.query import MAX_ROWS
-from jobs.monitor.replay import REPLAY_ALL_LIMIT
-from jobs.monitor.tables import RunTable
+from jobs.control.failures import MAX_ROWS
+from jobs.control.replays import REPLAY_ALL_LIMIT
+from jobs.control.tables import RunTable
 from jobs.monitor.views import confirmation
 from jobs.runs import RunContract
 

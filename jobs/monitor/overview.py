@@ -30,8 +30,8 @@ from django.utils.formats import number_format
 from django.utils.translation import gettext as _
 
 from jobs import queue
+from jobs.control.tables import RunTable
 from jobs.models import Job, JobHistory
-from jobs.monitor.tables import RunTable
 from jobs.monitor.views import age
 from jobs.queue import BacklogRow
 from jobs.registry import get_registry

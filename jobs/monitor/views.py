@@ -25,16 +25,16 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.utils.translation import gettext as _
 from django.views.decorators.http import require_http_methods
 
-from jobs.monitor import query
-from jobs.monitor.forms import FilterForm, filter_query, link_filters
-from jobs.monitor.replay import (
+from jobs.control import failures
+from jobs.control.replays import (
     REPLAY_ALL_LIMIT,
     check_permission,
     parse_tokens,
     replay,
     summary,
 )
-from jobs.monitor.tables import Filters, Row, RunTable, run_tables, visible_tables
+from jobs.control.tables import Filters, Row, RunTable, run_tables, visible_tables
+from jobs.monitor.forms import FilterForm, filter_query, link_filters
 from jobs.registry import get_registry
 from jobs.runs import RunState
 from jobs.scheduler.clock import database_now
@@ -45,7 +45,7 @@ def monitor(request: HttpRequest, *, site: AdminSite) -> HttpResponse:
     tables = _visible(request)
     filters = FilterForm(request.GET, tables).filters()
     now = database_now()
-    page = query.fetch_page(tables, filters, _page_number(request), now=now)
+    page = failures.fetch_page(tables, filters, _page_number(request), now=now)
     may_replay = {t.label for t in tables if t.can_replay(request.user)}
     params = filter_query(request.GET)
     rows = [
@@ -76,7 +76,7 @@ def groups(request: HttpRequest, *, site: AdminSite) -> HttpResponse:
     """Failures counted by cause and by job type over the last hour, day and week."""
     tables = _visible(request)
     now = database_now()
-    by_cause, by_type = query.failure_groups(tables, now=now)
+    by_cause, by_type = failures.failure_groups(tables, now=now)
     base = reverse(f"{site.name}:jobs_monitor")
     context = {
         **site.each_context(request),
@@ -93,7 +93,7 @@ def groups(request: HttpRequest, *, site: AdminSite) -> HttpResponse:
                 "lines": [_group(g, "job_type", now, base) for g in by_type],
             },
         ],
-        "windows": [name for name, _window in query.WINDOWS],
+        "windows": [name for name, _window in failures.WINDOWS],
         "now": now,
     }
     return TemplateResponse(request, "admin/jobs/monitor/groups.html", context)
@@ -195,7 +195,7 @@ def _confirm_all(request: HttpRequest, site: AdminSite, back: str) -> HttpRespon
     filters = form.filters()
     if filters.module:  # one table named: the user must be allowed to replay that one
         check_permission(request.user, [t for t in visible if t.label == filters.module])
-    rows, matching, capped = query.eligible_rows(
+    rows, matching, capped = failures.eligible_rows(
         tables, filters, REPLAY_ALL_LIMIT, now=database_now()
     )
     targets: dict[RunTable, list[Any]] = {}
@@ -213,7 +213,7 @@ def _confirm_all(request: HttpRequest, site: AdminSite, back: str) -> HttpRespon
     )
 
 
-def _group(group: query.Group, key: str, now: datetime, base: str) -> dict[str, Any]:
+def _group(group: failures.Group, key: str, now: datetime, base: str) -> dict[str, Any]:
     """A grouped-view line, each count linking to the monitor filtered down to its rows."""
     params = QueryDict(mutable=True)
     params.update({"module": group.module, key: group.key, "state": RunState.FAILED})
@@ -224,7 +224,7 @@ def _group(group: query.Group, key: str, now: datetime, base: str) -> dict[str, 
 
     return {
         "group": group,
-        "counts": [(group.counts.get(name, 0), link(name)) for name, _w in query.WINDOWS],
+        "counts": [(group.counts.get(name, 0), link(name)) for name, _w in failures.WINDOWS],
         "first": age(group.first, now),
         "last": age(group.last, now),
     }

@@ -3,7 +3,7 @@
 A failure of an example app shows twice in the monitor: the failed job (``jobs.job``) and the
 domain's row (a delivery, a dead letter, a curation run). Whichever of the two an operator
 replays, once the worker has redone the work neither is offered as an open failure any more.
-Each test replays through the monitor's own dispatch (``jobs.monitor.replay``, as the admin
+Each test replays through the monitor's own dispatch (``jobs.control.replays``, as the admin
 and ``manage.py replay`` do), then runs the real worker.
 """
 
@@ -13,10 +13,10 @@ import pytest
 from django.contrib.auth import get_user_model
 
 import jobs
+from jobs.control import replays as replay
+from jobs.control.failures import fetch_page
+from jobs.control.tables import Filters, run_tables
 from jobs.models import Job
-from jobs.monitor import replay
-from jobs.monitor.query import fetch_page
-from jobs.monitor.tables import Filters, run_tables
 from jobs.runs import ErrorCode, RunState
 from jobs.testing import JobFailed, run_worker
 from project.curation import passes

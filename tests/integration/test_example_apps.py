@@ -6,6 +6,7 @@ import pytest
 from django.core.management import call_command
 
 import jobs
+from jobs.control.tables import RunTable
 from jobs.models import Job
 from jobs.runs import ErrorCode, RunState
 from jobs.testing import JobFailed, run_worker
@@ -188,7 +189,7 @@ class TestCuration:
 
 def test_the_jobs_table_replays_the_same_row():
     job = JobFactory(failed=True, attempts=5)
-    assert Job.replay([job.pk], by="alice") == 1
+    assert RunTable(Job).replay([job.pk], by="alice") == 1
     row = Job.objects.get(pk=job.pk)
     assert (row.state, row.attempts, row.replayed_by) == (RunState.QUEUED, 0, "alice")
     assert Job.objects.count() == 1

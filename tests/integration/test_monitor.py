@@ -9,9 +9,9 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from jobs.monitor import query
-from jobs.monitor.query import failure_groups, fetch_page
-from jobs.monitor.tables import Filters, run_tables, summarize
+from jobs.control import failures
+from jobs.control.failures import failure_groups, fetch_page
+from jobs.control.tables import Filters, run_tables, summarize
 from jobs.runs import ErrorCode, RunState, run_contract_models
 from jobs.scheduler.clock import database_now
 from tests.factories import JobFactory
@@ -134,7 +134,7 @@ def test_the_monitor_page_runs_the_same_queries_for_few_or_many_rows():
 
 
 def test_counts_stop_at_the_cap(monkeypatch):
-    monkeypatch.setattr(query, "MAX_ROWS", 3)
+    monkeypatch.setattr(failures, "MAX_ROWS", 3)
     for _ in range(5):
         DeliveryFactory()
 
@@ -275,7 +275,7 @@ def _job_pks():
 
 
 def test_system_checks_pass_for_the_project_and_name_a_missing_permission(monkeypatch):
-    from jobs.monitor.checks import check_run_tables
+    from jobs.control.checks import check_run_tables
     from project.mail.models import Delivery
 
     assert check_run_tables() == []
@@ -299,7 +299,7 @@ def test_ages_are_measured_on_the_database_clock(monkeypatch):
 
 def test_a_system_check_refuses_two_tables_with_one_label(monkeypatch):
     """Replay tokens and the module filter name tables by label: one label, one table."""
-    from jobs.monitor.checks import check_run_tables
+    from jobs.control.checks import check_run_tables
     from project.curation.models import CurationRun
 
     monkeypatch.setattr(CurationRun, "monitor_label", "mail.delivery")

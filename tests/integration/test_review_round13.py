@@ -23,9 +23,9 @@ from django.test import override_settings
 from django.urls import reverse
 
 from jobs import queue
+from jobs.control.replays import replay as monitor_replay
+from jobs.control.tables import RunTable
 from jobs.models import Job, JobHistory, ScheduleSlot
-from jobs.monitor.replay import replay as monitor_replay
-from jobs.monitor.tables import RunTable
 from jobs.queue import AllTenants, ClaimRequest, NewJob, OnlyTenant, history
 from jobs.queue.history import HOUR, _floor
 from jobs.scheduler.clock import database_now
@@ -180,7 +180,7 @@ def test_manage_py_replay_by_id_replays_a_job_that_was_archived():
 def test_a_history_replay_records_only_the_rows_it_replayed():
     """FINDING (medium): a key-taken history row is reported and logged as replayed.
 
-    ``JobHistory.replay`` returns a count; with a partial count ``_which`` asks which rows are
+    The history's replay returns a count; with a partial count ``_which`` asks which rows are
     "no longer eligible" by reading the history. RESTORE moved every failed row back to
     ``jobs_job`` first, including the one whose key a newer job holds (it stays failed there),
     so that row has left the history too and is counted as replayed: the operator reads

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 from jobs import queue
 from jobs.admin import ACTION_LIMIT
-from jobs.monitor.replay import REPLAY_ALL_LIMIT
+from jobs.control.replays import REPLAY_ALL_LIMIT
 from jobs.testing import run_worker
 
 

@@ -13,10 +13,17 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from jobs.monitor.forms import AGES
-from jobs.monitor.query import eligible_rows
-from jobs.monitor.replay import REPLAY_ALL_LIMIT, denial, parse_tokens, replay, summary
-from jobs.monitor.tables import Filters, run_tables
+from jobs.control import (
+    AGES,
+    REPLAY_ALL_LIMIT,
+    Filters,
+    denial,
+    eligible_rows,
+    parse_tokens,
+    replay,
+    run_tables,
+    summary,
+)
 from jobs.runs import RunState
 
 

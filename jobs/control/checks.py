@@ -15,7 +15,7 @@ from typing import Any
 from django.apps import apps
 from django.core.checks import CheckMessage, Error, Warning
 
-from jobs.monitor.tables import RunTable, run_tables
+from jobs.control.tables import RunTable, run_tables
 
 REQUIRED_FIELDS = ("job_id", "state", "created_at")
 

@@ -1,4 +1,4 @@
-"""The monitor's reads: a merged page over every run table, and failures grouped by cause.
+"""Failures across run tables: a merged page over every table, and failures grouped by cause.
 
 Time windows ("last hour") are measured on PostgreSQL's clock unless a test passes ``now``.
 
@@ -21,7 +21,7 @@ from typing import Any
 from django.db.models import Count, F, Max, Min, Q, Value
 from django.db.models.functions import Now
 
-from jobs.monitor.tables import Filters, Row, RunTable
+from jobs.control.tables import Filters, Row, RunTable
 from jobs.runs import RunState
 
 PER_PAGE = 50

@@ -1,13 +1,18 @@
-"""How the monitor sees one run table: its label, the columns it has, and filtered queries.
+"""How operators see one run table: its label, the columns it has, filtered queries, replay.
 
 Every concrete :class:`~jobs.runs.RunContract` model is a :class:`RunTable`. The monitor's
 class attributes on the model (``monitor_label``, ``monitor_job_type_field``,
 ``monitor_job_type``, ``monitor_tenant_field``) say which columns exist; a filter on a column
 a table does not have leaves that table out while the filter is set.
+
+Replay goes to each table's own meaning: ``Model.replay`` for domain tables, and
+:func:`jobs.queue.replay` for the jobs table and its history, which the models may not call
+themselves (they sit below the queue).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cached_property
@@ -25,10 +30,32 @@ from django.db.models import (
 )
 from django.db.models.functions import Now, Right, Substr
 from django.urls import NoReverseMatch, reverse
+from django.utils.translation import gettext_lazy as _
 
+from jobs import queue
+from jobs.models import Job, JobHistory
 from jobs.runs import TERMINAL_STATES, RunContract, run_contract_models
 
 SUMMARY_CHARS = 240  # error detail is cut in SQL, so a long traceback is never loaded
+# The age filter's choices ("newer than"), shared by the admin and ``manage.py replay``.
+AGES: dict[str, tuple[timedelta, Any]] = {
+    "1h": (timedelta(hours=1), _("Last hour")),
+    "24h": (timedelta(hours=24), _("Last 24 hours")),
+    "7d": (timedelta(days=7), _("Last 7 days")),
+    "30d": (timedelta(days=30), _("Last 30 days")),
+}
+
+
+def _replay_jobs(pks: Iterable[Any], *, by: str) -> int:
+    """Queue the same jobs again: the queue brings rows back from the history first."""
+    return len(queue.replay(pks, by=by).replayed)
+
+
+# Tables whose replay is the queue's, not a method of their model.
+JOB_TABLES: dict[type[RunContract], Callable[..., int]] = {
+    Job: _replay_jobs,
+    JobHistory: _replay_jobs,
+}
 
 
 class Operator(Protocol):
@@ -109,11 +136,23 @@ class RunTable:
     def verbose_name(self) -> str:
         return str(self.opts.verbose_name_plural)
 
+    @property
+    def is_jobs(self) -> bool:
+        """The jobs table or its history: rows of :mod:`jobs.queue`, not of a domain."""
+        return self.model in JOB_TABLES
+
     @cached_property
     def supports_replay(self) -> bool:
-        """False while the model still has the contract's NotImplementedError replay()."""
+        """False while a domain model still has the contract's NotImplementedError replay()."""
+        if self.is_jobs:
+            return True
         # mypy sees a classmethod read from its class as a plain callable, without __func__.
         return self.model.replay.__func__ is not RunContract.replay.__func__  # type: ignore[attr-defined]
+
+    def replay(self, pks: list[Any], *, by: str) -> int:
+        """Redo these rows' work in the table's own way; returns how many were replayed."""
+        replay = JOB_TABLES.get(self.model, self.model.replay)
+        return replay(pks, by=by)
 
     @property
     def replay_permission(self) -> str:

@@ -2,8 +2,9 @@
 
 The admin (per-row button, bulk action, "all matching") and ``manage.py replay`` both come
 here. For each table: check the replay permission, keep the rows the table calls eligible,
-call ``Model.replay(pks, by=username)`` once, and write one ``LogEntry`` per replayed row, all
-in one transaction. Replays are conditional updates in each domain, so a double click or two
+replay them once in the table's own way (``Model.replay(pks, by=username)``; the jobs tables
+through :func:`jobs.queue.replay`), and write one ``LogEntry`` per replayed row, all in one
+transaction. Replays are conditional updates in each domain, so a double click or two
 operators at once replay a row once; only the request that replayed it records it.
 """
 
@@ -19,7 +20,7 @@ from django.db import transaction
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
-from jobs.monitor.tables import Operator, RunTable
+from jobs.control.tables import Operator, RunTable
 
 REPLAY_ALL_LIMIT = 500  # rows one "replay all matching" may replay; narrow the filter for more
 
@@ -91,7 +92,7 @@ def _replay_table(user: Operator, table: RunTable, pks: list[Any], via: str) -> 
         eligible = table.eligible_pks(pks)
         replayed: list[Any] = []
         if eligible:
-            count = table.model.replay(eligible, by=user.get_username())
+            count = table.replay(eligible, by=user.get_username())
             replayed = _which(table, eligible, count)
             if replayed:
                 LogEntry.objects.log_actions(
