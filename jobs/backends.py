@@ -156,11 +156,8 @@ class PostgresBackend(BaseTaskBackend):
             args=list(payload.args),
             kwargs=dict(payload.kwargs),
             backend=self.alias,
-            # Django lists the errors of every attempt; the row keeps the last one, which
-            # also explains a retry that is waiting (READY) or that then succeeded.
-            errors=_errors(job) if job.last_error else [],
-            # Only the last worker is kept: one entry per attempt, naming it.
-            worker_ids=[job.claimed_by or "unknown"] * job.attempts,
+            errors=_errors(job),
+            worker_ids=_worker_ids(job),
         )
         object.__setattr__(result, "_return_value", job.result)
         return result
@@ -418,17 +415,48 @@ _GROUP_HEADERS = (
 
 
 def _errors(job: Any) -> list[TaskError]:
-    """The failure as Django's ``TaskError``: the exception class read from the traceback.
+    """An error per failed attempt, from the job's attempt log, oldest first.
+
+    The last failure reads the row's own detail (kept longer than a log entry's). A row with
+    no log (written before the log existed, or failed without running) reports the row's
+    last error alone, which also explains a retry that is waiting or that then succeeded.
+    """
+    from jobs.queue import attempts
+
+    failed = [a for a in attempts.read(job.attempt_log) if a.code]
+    if not failed:
+        return [_task_error(job.last_error, job.error_detail or "")] if job.last_error else []
+    errors = [_task_error(a.code, a.error) for a in failed[:-1]]
+    last = failed[-1]
+    same = last.code == job.last_error and (job.error_detail or "").endswith(last.error)
+    errors.append(_task_error(last.code, job.error_detail if same else last.error))
+    return errors
+
+
+def _task_error(code: str, detail: str) -> TaskError:
+    """One error as Django's ``TaskError``: the exception class read from the traceback.
 
     Details that are not a traceback (a deadline, an expired lease, a cancellation) are
-    reported as ``"<last_error>: <detail>"`` with a class chosen by ``_CODE_CLASSES``.
+    reported as ``"<code>: <detail>"`` with a class chosen by ``_CODE_CLASSES``.
     """
-    detail = job.error_detail or ""
     path = _raised_class(detail)
     if path is None:
-        path = _CODE_CLASSES.get(job.last_error, "builtins.Exception")
-        detail = f"{job.last_error}: {detail}" if detail else job.last_error
-    return [TaskError(exception_class_path=path, traceback=detail)]
+        path = _CODE_CLASSES.get(code, "builtins.Exception")
+        detail = f"{code}: {detail}" if detail else code
+    return TaskError(exception_class_path=path, traceback=detail)
+
+
+def _worker_ids(job: Any) -> list[str]:
+    """The worker of each attempt, from the attempt log, and of the one running now."""
+    from jobs.queue import attempts
+
+    logged = attempts.read(job.attempt_log)
+    if not logged:  # a row from before the log: the last worker, once per attempt
+        return [job.claimed_by or "unknown"] * job.attempts
+    ids = [a.worker or "unknown" for a in logged]
+    if job.state == "running":
+        ids.append(job.claimed_by or "unknown")
+    return ids
 
 
 def _raised_class(detail: str) -> str | None:

@@ -94,8 +94,11 @@ def test_retries_apply_to_tasks_like_native_jobs(tmp_path):
     assert result.status == TaskResultStatus.SUCCESSFUL
     assert result.return_value == "second time lucky"
     assert result.attempts == 2
-    # A success clears the job's error: errors lists no earlier attempt.
-    assert result.errors == []
+    # Every attempt is kept: the failed first one is listed even though the task succeeded.
+    [error] = result.errors
+    assert error.exception_class_path == "builtins.ConnectionError"
+    assert error.traceback.endswith("ConnectionError: first attempt fails")
+    assert len(result.worker_ids) == 2 and "unknown" not in result.worker_ids
 
 
 def test_takes_context_receives_the_task_result():
@@ -524,3 +527,34 @@ def test_arguments_round_trip_as_json_does_with_non_string_keys():
     run_worker()
     result.refresh()
     assert result.return_value == expected
+
+
+def test_get_result_lists_the_error_and_the_worker_of_every_attempt():
+    from jobs import queue
+    from jobs.queue import ClaimRequest
+    from jobs.queue.types import AllTenants
+
+    result = tasks.add.enqueue(1, 2)
+    Job.objects.filter(pk=result.id).update(max_attempts=3)
+    for attempt, worker in enumerate(("host-a:1", "host-b:2", "host-a:3"), start=1):
+        Job.objects.filter(pk=result.id).update(run_after=timezone.now() - timedelta(seconds=1))
+        [job] = queue.claim([ClaimRequest("django.task.v1", 1)], scope=AllTenants(), worker=worker)
+        detail = (
+            'Traceback (most recent call last):\n  File "x.py", line 1, in add\n'
+            f"ValueError: attempt {attempt}"
+        )
+        if attempt < 3:
+            queue.retry(job, code="handler_error", detail=detail)
+        else:
+            queue.fail(job, code="handler_error", detail=detail)
+
+    result.refresh()
+
+    assert result.status == TaskResultStatus.FAILED
+    assert [e.exception_class_path for e in result.errors] == ["builtins.ValueError"] * 3
+    assert [e.traceback.rsplit(": ", 1)[-1] for e in result.errors] == [
+        "attempt 1",
+        "attempt 2",
+        "attempt 3",
+    ]
+    assert result.worker_ids == ["host-a:1", "host-b:2", "host-a:3"]
