@@ -29,9 +29,13 @@ paused AS (
            COALESCE(array_agg(p.value::text) FILTER (WHERE p.kind = 'tenant'), '{}') AS tenants
     FROM jobs_pause p
 )"""
-#: The filter a claim applies to the rows it reads (``j`` is the jobs table).
+#: The filter a claim applies to the rows it reads (``j`` is the jobs table). It compares an
+#: expression (``|| ''``), not the column: the planner cannot see the array, and with the
+#: column's statistics a queue column holding one value would make it expect no row to pass,
+#: and read and sort a type's whole backlog instead of walking the claim index (25 ms
+#: instead of 0.7 ms for 10 of 100,000 jobs, bench/pause_claim.py).
 PAUSED_ROWS = " AND ".join(
-    f"j.{column} <> ALL((SELECT {array} FROM paused)::text[])"
+    f"NOT (j.{column} || '' = ANY((SELECT {array} FROM paused)::text[]))"
     for column, array in (("queue", "queues"), ("tenant", "tenants"))
 )
 #: The filter a claim applies to the job types it is asked for (``w.name``).

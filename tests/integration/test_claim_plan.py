@@ -49,6 +49,23 @@ def test_claim_uses_the_claim_index(scope, claim_form):
 
     assert "jobs_job_claim" in plan, plan
     assert "Seq Scan on jobs_job" not in plan, plan
+    # In index order, LIMIT pulling rows: never the whole due range read and sorted (which
+    # a filter the planner misjudges, like the pauses', would make it choose).
+    assert "Bitmap Heap Scan" not in plan and "Sort" not in plan, plan
+
+
+def test_pauses_do_not_turn_the_claim_into_a_sort_of_the_backlog(claim_form):
+    from jobs import queue
+
+    with connection.cursor() as cur:
+        cur.execute(FILL, {"state": "queued", "count": 20000})
+        cur.execute("ANALYZE jobs_job")
+    for kind, value in [("queue", "elsewhere"), ("tenant", "other"), ("job_type", "x.v1")]:
+        queue.pause(kind, value, by="plan")
+
+    plan = explain(AllTenants())
+
+    assert "Bitmap Heap Scan" not in plan and "Sort" not in plan, plan
 
 
 DELAYED = """
