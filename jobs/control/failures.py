@@ -6,6 +6,9 @@ Per page and per table: one capped ``COUNT`` and, for tables that have matching 
 ``SELECT … ORDER BY <time> DESC, pk DESC LIMIT <page end>`` projecting only the common
 columns (error detail cut in SQL). ``heapq.merge`` interleaves the sorted streams. Nothing
 loads a whole table, and no query runs per row. Pages stop at ``MAX_ROWS`` rows deep.
+
+A run row driven by a job that the same list shows is left out of its table's queries (see
+:func:`jobs.control.links.fold`): one failure, one line, counted once.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 from django.db.models import Count, F, Max, Min, Q, Value
 from django.db.models.functions import Now
 
+from jobs.control.links import fold, foldable
 from jobs.control.tables import Filters, Row, RunTable
 from jobs.runs import RunState
 
@@ -42,6 +46,8 @@ class Page:
     per_page: int
     counts: dict[str, int]
     capped: bool
+    # Tables whose rows are shown on their job's line when that job is listed too.
+    folded: tuple[str, ...] = ()
 
     @property
     def total(self) -> int:
@@ -69,7 +75,7 @@ def fetch_page(
     now: datetime | None = None,
 ) -> Page:
     """Page ``number`` (from 1) of the rows matching ``filters`` in every table, newest first."""
-    queries = [(t, qs) for t in tables if (qs := t.filtered(filters, now=now)) is not None]
+    queries = fold([(t, qs) for t in tables if (qs := t.filtered(filters, now=now)) is not None])
     counts = {t.label: t.count(qs, MAX_ROWS) for t, qs in queries}
     total = min(sum(counts.values()), MAX_ROWS)
     num_pages = max(1, math.ceil(total / per_page))
@@ -80,7 +86,7 @@ def fetch_page(
     ]
     rows = merged(streams, start, end)
     capped = any(count >= MAX_ROWS for count in counts.values())
-    return Page(rows, number, per_page, counts, capped)
+    return Page(rows, number, per_page, counts, capped, tuple(foldable(t for t, _ in queries)))
 
 
 def merged(streams: Sequence[Sequence[Row]], start: int, end: int) -> list[Row]:
@@ -92,10 +98,13 @@ def merged(streams: Sequence[Sequence[Row]], start: int, end: int) -> list[Row]:
 def eligible_rows(
     tables: Sequence[RunTable], filters: Filters, limit: int, *, now: datetime | None = None
 ) -> tuple[list[Row], int, bool]:
-    """The newest ``limit`` replayable rows matching ``filters``, their count, and if capped."""
-    queries = [
-        (t, qs) for t in tables if (qs := t.filtered(filters, now=now, eligible=True)) is not None
-    ]
+    """The newest ``limit`` replayable rows matching ``filters``, their count, and if capped.
+
+    A run row whose job is among them is left out: replaying the job requeues its row.
+    """
+    queries = fold(
+        [(t, qs) for t in tables if (qs := t.filtered(filters, now=now, eligible=True)) is not None]
+    )
     counts = [t.count(qs, MAX_ROWS) for t, qs in queries]
     pairs = zip(queries, counts, strict=True)
     streams = [t.rows(qs, filters, min(limit, n)) for (t, qs), n in pairs if n]

@@ -22,8 +22,9 @@ from django.utils.http import urlencode
 from django.utils.translation import gettext_lazy as _
 
 from jobs.control.failures import MAX_ROWS
+from jobs.control.links import Link, link_of
 from jobs.control.replays import REPLAY_ALL_LIMIT
-from jobs.control.tables import RunTable
+from jobs.control.tables import RunTable, visible_tables
 from jobs.monitor.views import confirmation
 from jobs.runs import RunContract
 
@@ -168,7 +169,17 @@ class RunTableAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         extra = dict(extra_context or {})
         extra["replay_url"] = self.replay_url(request, object_id)
         extra["replay_description"] = self.run_table.replay_description
+        extra["linked"] = self.linked(request, object_id)
+        extra["is_jobs"] = self.run_table.is_jobs
         return super().change_view(request, object_id, form_url, extra)
+
+    def linked(self, request: HttpRequest, object_id: str) -> Link | None:
+        """The other home of this row's work (its job, or the run row the job drives)."""
+        try:
+            pk = self.run_table.to_pk(object_id)
+        except ValidationError:  # a malformed id: the change view answers it
+            return None
+        return link_of(self.run_table, pk, visible_tables(request.user))
 
     def replay_url(self, request: HttpRequest, object_id: str) -> str | None:
         """The confirmation URL for replaying this row, if it is eligible and allowed."""

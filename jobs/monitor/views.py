@@ -25,7 +25,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.utils.translation import gettext as _
 from django.views.decorators.http import require_http_methods
 
-from jobs.control import failures
+from jobs.control import failures, links
 from jobs.control.replays import (
     REPLAY_ALL_LIMIT,
     check_permission,
@@ -41,18 +41,23 @@ from jobs.scheduler.clock import database_now
 
 
 def monitor(request: HttpRequest, *, site: AdminSite) -> HttpResponse:
-    """Every run table's rows in one list: filters, job_id search, newest first, paginated."""
+    """Every run table's rows in one list: filters, job_id search, newest first, paginated.
+
+    A job and the run row it drives are one line, the job's, linking to the row.
+    """
     tables = _visible(request)
     filters = FilterForm(request.GET, tables).filters()
     now = database_now()
     page = failures.fetch_page(tables, filters, _page_number(request), now=now)
     may_replay = {t.label for t in tables if t.can_replay(request.user)}
     params = filter_query(request.GET)
+    linked = links.links_for(page.rows, tables)
     rows = [
         {
             "row": row,
             "age": age(row.at, now),
             "replayable": row.replayable and row.table.label in may_replay,
+            "link": linked.get(row.token),
         }
         for row in page.rows
     ]
@@ -150,8 +155,12 @@ def confirmation(
         qs = table.model._default_manager.filter(pk__in=pks)
         rows += table.rows(qs, Filters(state=""), len(pks))
     eligible = [row for row in rows if row.replayable]
+    linked = links.links_for(eligible, visible_tables(request.user))
     sections = [
-        {"table": table, "rows": [row for row in eligible if row.table is table]}
+        {
+            "table": table,
+            "rows": [(row, linked.get(row.token)) for row in eligible if row.table is table],
+        }
         for table in targets
     ]
     context = {

@@ -1,4 +1,5 @@
-"""End to end in headless Chromium: an operator finds a failed job in the monitor, replays it.
+"""End to end in headless Chromium: an operator finds a failed job in the monitor, replays it,
+and follows a job to the run row it drives and back.
 
 Drives the real admin on a live server with Playwright and Debian's Chromium
 (``scripts/test`` installs it when it can). Saves ``tests/artifacts/monitor.png``.
@@ -25,6 +26,7 @@ from tests.integration.test_admin_factories import (
     ago,
     operator,
 )
+from tests.runapp.models import Delivery as RunDelivery
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -107,3 +109,39 @@ def test_an_operator_replays_a_failed_job_from_the_monitor(live_server, chromium
     row = Job.objects.get(pk=job.pk)
     assert (row.state, row.replayed_by) == (RunState.QUEUED, "ops")
     assert LogEntry.objects.filter(object_id=str(job.pk)).count() == 1
+
+
+def test_an_operator_reads_a_job_and_its_run_row_as_one_failure(live_server, chromium, monkeypatch):
+    """The monitor shows a bound job and its run row on one line; their pages link each way."""
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    operator("ops", "jobs.view_job", "runapp.view_delivery", password="correct horse")
+    row = RunDelivery.objects.create(
+        job_id="welcome-bob", state=RunState.FAILED, finished_at=ago(minutes=2)
+    )
+    RunDelivery.objects.filter(pk=row.pk).update(created_at=ago(minutes=3))
+    job = JobFactory(
+        failed=True,
+        name="runapp.deliver.v1",
+        payload={"run_id": row.pk},
+        finished_at=ago(minutes=2),
+    )
+    page = chromium.new_page(viewport={"width": 1400, "height": 900})
+    page.set_default_timeout(TIMEOUT_MS)
+
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/jobs/job/monitor/")
+    page.fill("#id_username", "ops")
+    page.fill("#id_password", "correct horse")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#result_list")
+    assert page.locator("#result_list tbody tr").count() == 1  # one failure, one line
+    line = page.locator(f"tr[data-row='jobs.job:{job.pk}']")
+    assert "runapp.delivery: 0" in page.inner_text(".jobs-summary")
+    assert page.locator(".jobs-folded").count() == 1
+
+    line.locator(f".jobs-link a:text-is('runapp.delivery #{row.pk}')").click()
+    page.wait_for_url(f"**/admin/runapp/delivery/{row.pk}/change/")
+    assert "This row is driven by job" in page.inner_text("#linked-work")
+
+    page.click(f"#linked-work a:text-is('jobs.job #{job.pk}')")
+    page.wait_for_url(f"**/admin/jobs/job/{job.pk}/change/")
+    assert f"runapp.delivery #{row.pk}" in page.inner_text("#linked-work")
