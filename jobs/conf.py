@@ -77,6 +77,9 @@ DEFAULTS: dict[str, Any] = {
     # Recorded cron slots are deleted this long after their slot time (each schedule's latest
     # slot is always kept: it is where the next tick starts).
     "SLOT_RETENTION": timedelta(days=30),
+    # A process row (jobs_process) whose process stopped beating is shown as gone, then deleted
+    # this long after it went gone, by the scheduler's retention pass.
+    "PROCESS_RETENTION": timedelta(hours=1),
 }
 
 DURATION_KEYS = frozenset(key for key, value in DEFAULTS.items() if isinstance(value, timedelta))
@@ -126,6 +129,7 @@ class JobsSettings:
     DB_LOCK_TIMEOUT: timedelta
     DB_NETWORK_TIMEOUT: timedelta
     SLOT_RETENTION: timedelta
+    PROCESS_RETENTION: timedelta
 
     def __init__(self) -> None:
         self._cache: dict[str, Any] = {}

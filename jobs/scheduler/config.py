@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -11,6 +9,7 @@ from datetime import timedelta
 from django.core.exceptions import ImproperlyConfigured
 
 from jobs.conf import jobs_settings
+from jobs.process import process_identity
 from jobs.scheduler.retention import ArchiveConfig, RetentionConfig
 from jobs.scheduler.schedules import Schedule
 from jobs.scheduler.watchdog import WatchdogConfig
@@ -26,8 +25,8 @@ INTERVALS = (
 
 
 def default_identity() -> str:
-    """host:pid, shown in logs, in slot rows and in ``pg_stat_activity.application_name``."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """host:pid:nonce, shown in logs, in slot rows and in ``pg_stat_activity.application_name``."""
+    return process_identity()
 
 
 @dataclass(frozen=True)

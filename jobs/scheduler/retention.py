@@ -8,6 +8,8 @@
   row a partition may hold is past its state's retention (``DROP TABLE``, no row deletes).
 * Recorded cron slots after ``SLOT_RETENTION``, except each schedule's latest slot, which the
   next tick needs to know what it missed.
+* Rows of processes gone (``jobs_process``: no beat before their ``expires_at``, a process
+  killed outright) for ``PROCESS_RETENTION``.
 
 Run outside a transaction: each batch commits on its own, so no statement holds locks long.
 """
@@ -24,6 +26,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 
 from jobs import queue
 from jobs.conf import jobs_settings
+from jobs.queue import processes
 from jobs.scheduler import metrics, slots
 from jobs.scheduler.clock import database_now
 
@@ -35,6 +38,7 @@ class RetentionConfig:
     batch_size: int | None = None  # rows per statement; None: JOBS["PRUNE_BATCH_SIZE"]
     max_batches: int = 10  # statements per table and state per pass
     slot_retention: timedelta | None = None  # None: JOBS["SLOT_RETENTION"]
+    process_retention: timedelta | None = None  # None: JOBS["PROCESS_RETENTION"]
 
     def __post_init__(self) -> None:
         if (self.batch_size is not None and self.batch_size < 1) or self.max_batches < 1:
@@ -120,6 +124,9 @@ class Retention:
                 counts["jobs.scheduleslot:recorded"] += count
                 if count < batch_size:
                     break
+        counts["jobs.process:gone"] += processes.prune_gone(
+            older_than=self.config.process_retention, limit=batch_size, now=now, using=self.using
+        )
         counts = +counts  # drop zeros
         for key, count in counts.items():
             table, state = key.split(":")

@@ -9,7 +9,9 @@ own thread and connection, and a stall guard watches the loop from a third::
     │              (cron every tick, watchdog, retention, gauges): prove leadership →
     │              run_once(now)
     │            export schedule status gauges after each cron tick
-    └── wait for the next duty or attempt (at most 1 s), or a stop signal
+    │   both:    every third of the leader timeout, and when leadership changes: beat the
+    │            process's row in jobs_process (registered at start, deleted on a clean stop)
+    └── wait for the next duty, attempt or beat (at most 1 s), or a stop signal
 
     guard: the loop has not moved (no pass, no statement started or finished) for
            SCHEDULER_LEADER_TIMEOUT ──▶ step down, abort the loop's connection (the stuck call
@@ -39,7 +41,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from jobs import dbbounds
 from jobs.dbbounds import StallGuard
-from jobs.process import install_stop_signals, restore_signals, start_http
+from jobs.process import Presence, install_stop_signals, restore_signals, start_http
 from jobs.registry import Registry, get_registry
 from jobs.scheduler import metrics
 from jobs.scheduler.clock import database_now
@@ -116,6 +118,17 @@ class Scheduler:
         self._next_attempt = 0.0
         self._status_failing = False
         self._activity: str | None = None  # what the loop is doing, for a stall's report
+        # The row in jobs_process, refreshed every third of the leader timeout and whenever
+        # leadership changes; a stuck loop stops beating and shows as gone.
+        self.presence = Presence(
+            config.identity,
+            component="scheduler",
+            expires_in=config.leader_duration.total_seconds(),
+            logger=logger,
+        )
+        self._beat_every = config.leader_duration.total_seconds() / 3
+        self._next_beat = 0.0
+        self._beat_leader = False
         self._db: BaseDatabaseWrapper | None = None  # the loop thread's (bounded) connection
 
     def run(self, *, until: Callable[[Scheduler], bool] | None = None) -> int:
@@ -145,14 +158,20 @@ class Scheduler:
             with dbbounds.bounded(connection) as db, db.execute_wrapper(guard):
                 self._db = db
                 guard.start()
-                while not self._stop.is_set():
-                    self.alive_at = time.monotonic()
-                    guard.moved()
-                    self._pass()
-                    if until is not None and until(self):
-                        break
-                    with guard.waiting():
-                        self._stop.wait(self._wait_time())
+                self._activity = "registering in jobs_process"
+                if self.presence.register():
+                    self._next_beat = time.monotonic() + self._beat_every
+                try:
+                    while not self._stop.is_set():
+                        self.alive_at = time.monotonic()
+                        guard.moved()
+                        self._pass()
+                        if until is not None and until(self):
+                            break
+                        with guard.waiting():
+                            self._stop.wait(self._wait_time())
+                finally:  # on the bounded connection; kill -9 leaves the row to show as gone
+                    self.presence.unregister()
             return 0
         finally:
             guard.stop()
@@ -224,6 +243,20 @@ class Scheduler:
             self._lead()
         else:
             self.gauges.withdraw()  # a standby's figures would be stale: the leader's count
+        self._beat()
+
+    def _beat(self) -> None:
+        """One small UPDATE every third of the leader timeout, and when leadership changes.
+
+        It is a statement of its own: the one every scheduler makes often, the leadership
+        proof, runs on the lock session, where a failing beat would cost leadership.
+        """
+        now, leading = time.monotonic(), self.leadership.leading
+        if now < self._next_beat and leading == self._beat_leader:
+            return
+        self._activity = "beating in jobs_process"
+        self._next_beat, self._beat_leader = now + self._beat_every, leading
+        self.presence.send(leader=leading)  # a failure is logged; the next beat tries again
 
     def _lead(self) -> None:
         due = [duty for duty in self.duties if time.monotonic() >= duty.next_at]
@@ -279,6 +312,7 @@ class Scheduler:
             target = min(duty.next_at for duty in self.duties)
         else:
             target = self._next_attempt
+        target = min(target, self._next_beat)
         return max(0.0, min(target - time.monotonic(), 1.0))
 
 

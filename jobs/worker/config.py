@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -11,6 +10,7 @@ from datetime import timedelta
 from django.core.exceptions import ImproperlyConfigured
 
 from jobs.conf import jobs_settings
+from jobs.process import process_identity
 from jobs.queue.types import AllTenantsExcept, OnlyTenant, Scope
 
 #: The component name base workers use for tenant overrides unless told otherwise.
@@ -18,7 +18,8 @@ DEFAULT_COMPONENT = "worker"
 
 
 def default_identity() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """``host:pid:nonce``: this process's ``claimed_by`` and the key of its processes row."""
+    return process_identity()
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from jobs.worker.leases import LeaseKeeper
 from jobs.worker.maintenance import WorkerMaintenance
 from jobs.worker.on_loop import execute_on_loop
 from jobs.worker.pool import HandlerPool
+from jobs.worker.presence import worker_presence
 from jobs.worker.wakeup import NotifyListener
 
 logger = logging.getLogger("jobs.worker")
@@ -111,7 +112,12 @@ class Worker(Draining):
             )
         previous = install_stop_signals(self.request_stop, self.config.install_signal_handlers)
         pool = self._pool = HandlerPool(self.config.concurrency)
-        keeper = LeaseKeeper(self._held_snapshot, lease_seconds=self._lease_seconds)
+        presence = worker_presence(self.config)
+        keeper = LeaseKeeper(
+            self._held_snapshot,
+            lease_seconds=self._lease_seconds,
+            beat=lambda: presence.beat(held=self._busy(), draining=self._stopping.is_set()),
+        )
         listener = self._listener = NotifyListener(self._names, self._work_arrived)
         server = start_http(
             self.config.http_host,
@@ -128,6 +134,7 @@ class Worker(Draining):
         bounds = contextlib.ExitStack()
         bounds.enter_context(dbbounds.bounded(connection))
         try:
+            presence.register()  # refused (no database yet): the keeper's next beat retries
             self.ready = True
             metrics.ready.set(1)
             while not self._stopping.is_set():
@@ -142,6 +149,7 @@ class Worker(Draining):
             self.ready = False
             metrics.ready.set(0)
             keeper.stop()
+            presence.unregister()  # a clean stop; kill -9 leaves the row to show as gone
             listener.stop()
             if server is not None:
                 server.shutdown()
