@@ -1,0 +1,202 @@
+"""The processes page: every ``runworker`` and ``runscheduler`` process, live or gone.
+
+Read-only: rows are written by the processes themselves (:mod:`jobs.queue.processes`), so
+nobody adds, changes or deletes one here; ``jobs.view_process`` lets a user see the page.
+States and ages are judged by PostgreSQL's clock, which wrote every beat::
+
+    ready     beating, claiming (a scheduler: standing by or leading)
+    draining  beating, stopping: claims nothing, finishing what it holds
+    gone      no beat before expires_at: killed, stalled or cut off; pruned later
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.contrib import admin
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.formats import date_format
+from django.utils.html import format_html, format_html_join
+from django.utils.translation import gettext
+from django.utils.translation import gettext_lazy as _
+
+from jobs.models import Process
+from jobs.queue import processes
+
+_STATE_LABELS = {"ready": _("ready"), "draining": _("draining"), "gone": _("gone")}
+
+
+class StateFilter(admin.SimpleListFilter):
+    title = _("state")
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return list(_STATE_LABELS.items())
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value == "gone":
+            return queryset.filter(gone=True)
+        if value in ("ready", "draining"):
+            return queryset.filter(gone=False, draining=value == "draining")
+        return queryset
+
+
+# django-stubs declare ModelAdmin generic; Django's takes no type arguments at run time.
+class ProcessAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """The processes list and, on each process's page, the jobs it holds now."""
+
+    list_display = (
+        "identity",
+        "component",
+        "host",
+        "pid",
+        "version",
+        "scope",
+        "concurrency",
+        "held",
+        "free_display",
+        "state_display",
+        "leader",
+        "started_display",
+        "last_seen_display",
+    )
+    list_filter = (StateFilter, "component", "leader", "host")
+    search_fields = ("identity", "host")
+    ordering = ("-component", "host", "started_at")
+    fieldsets = (
+        (None, {"fields": ("identity", "component", "host", "pid", "version", "scope")}),
+        (
+            _("Now"),
+            {
+                "fields": (
+                    "state_display",
+                    "leader",
+                    "concurrency",
+                    "held",
+                    "free_display",
+                    "held_jobs",
+                )
+            },
+        ),
+        (
+            _("Timestamps"),
+            {"fields": ("started_display", "last_seen_display", "expires_display")},
+        ),
+    )
+    readonly_fields = (
+        "identity",
+        "component",
+        "host",
+        "pid",
+        "version",
+        "scope",
+        "concurrency",
+        "held",
+        "leader",
+        "free_display",
+        "state_display",
+        "held_jobs",
+        "started_display",
+        "last_seen_display",
+        "expires_display",
+    )
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Process]:
+        return processes.listing(using=self.model.objects.db)
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    @admin.display(description=_("state"), ordering="expires_at")
+    def state_display(self, obj: Process) -> str:
+        state = "gone" if getattr(obj, "gone", False) else "draining" if obj.draining else "ready"
+        return format_html('<span class="jobs-process-{}">{}</span>', state, _STATE_LABELS[state])
+
+    @admin.display(description=_("free slots"))
+    def free_display(self, obj: Process) -> str:
+        if obj.concurrency is None:
+            return "—"
+        if getattr(obj, "gone", False) or obj.draining:
+            return "0"
+        return str(max(0, obj.concurrency - obj.held))
+
+    @admin.display(description=_("started"), ordering="started_at")
+    def started_display(self, obj: Process) -> str:
+        return _second(obj.started_at)
+
+    @admin.display(description=_("last seen"), ordering="last_seen_at")
+    def last_seen_display(self, obj: Process) -> str:
+        ago: timedelta | None = getattr(obj, "seen_ago", None)
+        if ago is None:
+            return _second(obj.last_seen_at)
+        return gettext("%(time)s (%(age)s ago)") % {
+            "time": _second(obj.last_seen_at),
+            "age": duration(ago.total_seconds()),
+        }
+
+    @admin.display(description=_("gone after"))
+    def expires_display(self, obj: Process) -> str:
+        return _second(obj.expires_at)
+
+    @admin.display(description=_("jobs held"))
+    def held_jobs(self, obj: Process) -> str:
+        """The running jobs whose claim names this process, oldest first, read now."""
+        found = processes.status(obj.identity, using=self.model.objects.db)
+        jobs = found[0].jobs if found else ()
+        if not jobs:
+            return "—"
+        rows = format_html_join(
+            "",
+            '<tr><td><a href="{}">{}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>',
+            (
+                (
+                    reverse(f"{self.admin_site.name}:jobs_job_change", args=[job.id]),
+                    job.job_id,
+                    job.name,
+                    job.tenant,
+                    job.attempts,
+                    duration(job.elapsed) if job.elapsed is not None else "—",
+                )
+                for job in jobs
+            ),
+        )
+        return format_html(
+            '<table class="jobs-held"><thead><tr><th>{}</th><th>{}</th><th>{}</th><th>{}</th>'
+            "<th>{}</th></tr></thead><tbody>{}</tbody></table>",
+            _("job id"),
+            _("job type"),
+            _("tenant"),
+            _("attempt"),
+            _("running for"),
+            rows,
+        )
+
+
+def duration(seconds: float) -> str:
+    """An age to the second: "42s", "3m 05s", "2h 03m", "4d 02h"."""
+    whole = max(0, int(seconds))
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours:02d}h"
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    if minutes:
+        return f"{minutes}m {secs:02d}s"
+    return f"{secs}s"
+
+
+def _second(value: Any) -> str:
+    return date_format(timezone.localtime(value), "Y-m-d H:i:s") if value else "—"

@@ -1,0 +1,84 @@
+"""The processes admin page (jobs.monitor.processes): read-only, states by the database clock."""
+
+from __future__ import annotations
+
+import types
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.urls import path, reverse
+
+from jobs.models import Job, Process
+from jobs.queue import ProcessBeat, processes
+from jobs.scheduler.clock import database_now
+from tests.integration.test_processes import claim_for, register, shift
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class TestAdmin:
+    @pytest.fixture
+    def viewer(self, client):
+        user = User.objects.create_user("viewer", password="pw", is_staff=True)
+        user.user_permissions.add(Permission.objects.get(codename="view_process"))
+        client.force_login(user)
+        return client
+
+    @pytest.fixture(autouse=True)
+    def registered(self, settings):
+        """Until jobs/admin.py registers the page, register it here, with URLs built anew."""
+        from django.contrib import admin
+
+        from jobs.monitor.processes import ProcessAdmin
+
+        if admin.site.is_registered(Process):
+            yield
+            return
+        admin.site.register(Process, ProcessAdmin)
+        urls = types.ModuleType("process_admin_urls")
+        urls.urlpatterns = [path("admin/", admin.site.urls)]  # type: ignore[attr-defined]
+        settings.ROOT_URLCONF = urls
+        try:
+            yield
+        finally:
+            admin.site.unregister(Process)
+
+    def test_the_list_shows_state_capacity_and_last_seen_to_the_second(self, viewer):
+        register("w1:1:aa", concurrency=4)
+        register("gone:2:bb", concurrency=4)
+        shift("gone:2:bb", expires_at=20, last_seen_at=20)
+        processes.beat(ProcessBeat("w1:1:aa", 1, False, expires_in=10))
+
+        page = viewer.get(reverse("admin:jobs_process_changelist")).content.decode()
+
+        assert "w1:1:aa" in page and "gone:2:bb" in page
+        assert 'class="jobs-process-ready"' in page and 'class="jobs-process-gone"' in page
+        assert "(20s ago)" in page or "(21s ago)" in page
+        gone_only = viewer.get(reverse("admin:jobs_process_changelist") + "?state=gone")
+        assert "w1:1:aa" not in gone_only.content.decode()
+
+    def test_the_change_page_lists_the_held_jobs_with_their_elapsed_time(self, viewer):
+        register("w1:1:aa")
+        [job] = claim_for("w1:1:aa")
+        Job.objects.filter(pk=job.id).update(started_at=database_now() - timedelta(seconds=125))
+        url = reverse("admin:jobs_process_change", args=["w1:1:aa"])
+
+        page = viewer.get(url).content.decode()
+
+        assert reverse("admin:jobs_job_change", args=[job.id]) in page
+        assert "2m 05s" in page or "2m 06s" in page
+
+    def test_no_add_change_or_delete_only_view(self, viewer):
+        register("w1:1:aa")
+        assert viewer.get(reverse("admin:jobs_process_add")).status_code == 403
+        delete = reverse("admin:jobs_process_delete", args=["w1:1:aa"])
+        assert viewer.post(delete, {"post": "yes"}).status_code == 403
+        change = reverse("admin:jobs_process_change", args=["w1:1:aa"])
+        assert viewer.post(change, {"identity": "x"}).status_code == 403
+        assert Process.objects.filter(identity="w1:1:aa").exists()
+
+    def test_without_the_view_permission_the_page_is_refused(self, client):
+        user = User.objects.create_user("nobody", password="pw", is_staff=True)
+        client.force_login(user)
+        assert client.get(reverse("admin:jobs_process_changelist")).status_code == 403
