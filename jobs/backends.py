@@ -415,21 +415,17 @@ _GROUP_HEADERS = (
 
 
 def _errors(job: Any) -> list[TaskError]:
-    """An error per failed attempt, from the job's attempt log, oldest first.
+    """An error per failed attempt, oldest first (:func:`jobs.queue.attempts.of`).
 
-    The last failure reads the row's own detail (kept longer than a log entry's). A row with
-    no log (written before the log existed, or failed without running) reports the row's
-    last error alone, which also explains a retry that is waiting or that then succeeded.
+    The last attempt's error is the row's own detail, which also explains a retry that is
+    waiting. A row whose attempts were not recorded (written before the attempt log, or by
+    hand) reports its last error alone.
     """
     from jobs.queue import attempts
 
-    failed = [a for a in attempts.read(job.attempt_log) if a.code]
-    if not failed:
-        return [_task_error(job.last_error, job.error_detail or "")] if job.last_error else []
-    errors = [_task_error(a.code, a.error) for a in failed[:-1]]
-    last = failed[-1]
-    same = last.code == job.last_error and (job.error_detail or "").endswith(last.error)
-    errors.append(_task_error(last.code, job.error_detail if same else last.error))
+    errors = [_task_error(a.code, a.error) for a in attempts.of(job) if a.code]
+    if not errors and job.last_error:
+        errors = [_task_error(job.last_error, job.error_detail or "")]
     return errors
 
 
@@ -447,16 +443,13 @@ def _task_error(code: str, detail: str) -> TaskError:
 
 
 def _worker_ids(job: Any) -> list[str]:
-    """The worker of each attempt, from the attempt log, and of the one running now."""
+    """The worker of each attempt, the running one included."""
     from jobs.queue import attempts
 
-    logged = attempts.read(job.attempt_log)
-    if not logged:  # a row from before the log: the last worker, once per attempt
+    listed = attempts.of(job)
+    if not listed:  # attempts not recorded: the last worker, once per attempt
         return [job.claimed_by or "unknown"] * job.attempts
-    ids = [a.worker or "unknown" for a in logged]
-    if job.state == "running":
-        ids.append(job.claimed_by or "unknown")
-    return ids
+    return [a.worker or "unknown" for a in listed]
 
 
 def _raised_class(detail: str) -> str | None:

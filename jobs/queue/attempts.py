@@ -1,17 +1,22 @@
-"""The attempt log: one JSON entry per finished attempt, kept in the job's row.
+"""Every attempt of a job: the earlier ones in the row's log, the last one in its columns.
 
-Every statement that ends an attempt (an outcome write, the next in-process attempt, a lease
-that expired) appends the entry in the same statement, so the history costs no commit of its
-own; it moves to the history table and is pruned with its job, as Oban's ``errors`` and
-River's ``errors``/``attempted_by`` do. An entry::
+A job's latest attempt is described by the row itself (``started_at``, ``finished_at``,
+``claimed_by``, ``state``, ``last_error``, ``error_detail``) until another attempt replaces
+it. So the statements that end an attempt *without* ending the job (a retry, the next
+in-process attempt, an expired lease that requeues it) append that attempt to
+``attempt_log`` in the same statement, and a replay appends the run's last attempt before it
+clears the columns; an attempt that ends the job writes nothing more. The common job, run
+once, costs no extra byte, and the log moves to the history table and is pruned with its job,
+as Oban's ``errors`` and River's ``errors``/``attempted_by`` do. An entry::
 
     {"attempt": 2, "started_at": "…", "ended_at": "…", "worker": "host:pid",
      "outcome": "retry", "code": "handler_error", "error": "Traceback …"}
 
-``outcome`` is ``succeeded``, ``failed``, ``cancelled``, ``retry`` (the job went back to the
-queue) or ``lease_expired`` (nobody reported: the worker died or stalled). ``code`` and
+``outcome`` is ``retry`` (back to the queue), ``lease_expired`` (nobody reported: the worker
+died or stalled) or, for the run before a replay, the state it ended in. ``code`` and
 ``error`` are left out when empty; ``error`` keeps the last :data:`ERROR_MAX` characters.
-A hand-back by a draining worker is not an attempt and writes no entry.
+A hand-back by a draining worker is not an attempt and writes no entry. :func:`of` reads
+both halves back as one list.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from django.utils.dateparse import parse_datetime
 ERROR_MAX = 2000
 
 
-def entry_sql(*, row: str, outcome: str, code: str, error: str) -> str:
-    """A JSON array of one entry for the attempt ``row`` holds, as of this statement.
+def entry_sql(
+    *, row: str, outcome: str, code: str, error: str, ended: str = "statement_timestamp()"
+) -> str:
+    """A JSON array of one entry for the attempt ``row`` holds, ending at ``ended``.
 
     ``row`` is the jobs table's alias as it was before the statement (its ``attempts``,
     ``started_at`` and ``claimed_by`` describe the attempt that is ending); the others are
@@ -35,9 +42,17 @@ def entry_sql(*, row: str, outcome: str, code: str, error: str) -> str:
     """
     return f"""jsonb_build_array(jsonb_strip_nulls(jsonb_build_object(
         'attempt', {row}.attempts, 'started_at', {row}.started_at,
-        'ended_at', statement_timestamp(), 'worker', NULLIF({row}.claimed_by, ''),
+        'ended_at', {ended}, 'worker', NULLIF({row}.claimed_by, ''),
         'outcome', {outcome}, 'code', NULLIF({code}, ''),
         'error', NULLIF(right({error}, {ERROR_MAX}), ''))))"""
+
+
+def unlogged_last_sql(row: str) -> str:
+    """True when ``row``'s latest attempt is in its columns only, not yet in its log."""
+    return (
+        f"({row}.attempts > 0 AND {row}.started_at IS NOT NULL AND NOT COALESCE("
+        f"({row}.attempt_log -> -1 ->> 'ended_at')::timestamptz > {row}.started_at, FALSE))"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +73,35 @@ class Attempt:
         if self.started_at is None or self.ended_at is None:
             return None
         return (self.ended_at - self.started_at).total_seconds()
+
+
+def of(job: Any) -> list[Attempt]:
+    """Every attempt of a job row (a ``Job`` or ``JobHistory``), oldest first.
+
+    The log's entries, then the latest attempt from the row's columns unless the log holds
+    it already (its last entry ended after the latest attempt started). A running job's
+    current attempt has no end and the outcome ``running``; a queued job's attempts are all in
+    the log (going back to the queue logs the attempt; a hand-back was none).
+    """
+    attempts = read(job.attempt_log)
+    started = job.started_at
+    if job.state == "queued" or job.attempts <= 0 or started is None:
+        return attempts
+    if attempts and attempts[-1].ended_at is not None and attempts[-1].ended_at > started:
+        return attempts
+    finished = job.state not in ("queued", "running")
+    attempts.append(
+        Attempt(
+            attempt=job.attempts,
+            started_at=started,
+            ended_at=job.finished_at if finished else None,
+            worker=job.claimed_by or "",
+            outcome=job.state if finished else "running",
+            code=job.last_error if finished and job.state != "succeeded" else "",
+            error=job.error_detail if finished and job.state != "succeeded" else "",
+        )
+    )
+    return attempts
 
 
 def read(log: Any) -> list[Attempt]:

@@ -36,7 +36,7 @@ from jobs.queue.types import (
 from jobs.runs import TERMINAL_STATES, ErrorCode
 
 _NOW = "COALESCE(%(now)s::timestamptz, statement_timestamp())"
-# The attempt a dead or stalled worker never reported on, as its log entry.
+# The attempt a dead or stalled worker never reported on, as its log entry (requeued jobs).
 _EXPIRED_ENTRY = attempts.entry_sql(
     row="j",
     outcome="'lease_expired'",
@@ -56,7 +56,7 @@ def requeue_expired(
 
     Their old claim token is cleared, so the stalled worker's late outcome is fenced out. A
     job an operator asked to stop (:func:`jobs.queue.cancel_running`) ends ``cancelled``
-    instead. Either way the attempt is logged as ``lease_expired``.
+    instead. A requeued job's attempt is logged as ``lease_expired``.
     """
     scope_sql, scope_params = (scope or AllTenants()).sql("j")
     return _sweep(
@@ -79,7 +79,8 @@ def requeue_expired(
                 THEN 'cancelled by ' || j.cancel_requested_by
                      || '; the lease expired while held by ' || j.claimed_by
                 ELSE 'lease expired while held by ' || j.claimed_by END,
-            attempt_log = j.attempt_log || {_EXPIRED_ENTRY},
+            attempt_log = CASE WHEN asked THEN j.attempt_log
+                               ELSE j.attempt_log || {_EXPIRED_ENTRY} END,
             claim_token = NULL, lease_expires_at = NULL,
             claimed_by = CASE WHEN asked THEN j.claimed_by ELSE '' END
         FROM expired WHERE j.id = expired.id
@@ -169,10 +170,10 @@ def fail_exhausted_sql(
             error_detail = CASE WHEN j.state = 'running'
                 THEN 'lease expired on the last attempt while held by ' || j.claimed_by
                 ELSE 'no attempts left (' || j.attempts || ' used)' END,
-            attempt_log = CASE WHEN j.state = 'running' THEN j.attempt_log || {_EXPIRED_ENTRY}
-                               ELSE j.attempt_log END,
             state = 'failed', finished_at = {_NOW}, key_held = j.keyed,
-            claim_token = NULL, lease_expires_at = NULL, claimed_by = ''
+            claim_token = NULL, lease_expires_at = NULL,
+            -- The last attempt's worker stays with it (jobs.queue.attempts).
+            claimed_by = CASE WHEN j.state = 'running' THEN j.claimed_by ELSE '' END
         FROM exhausted WHERE j.id = exhausted.id
         RETURNING j.id, j.job_id, j.name, j.tenant, j.state, j.last_error
         """

@@ -13,11 +13,12 @@ from collections.abc import Iterable
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, transaction
 
 from jobs import binding
-from jobs.queue import _db, history, keys
+from jobs.queue import _db, attempts, history, keys
 from jobs.queue.types import ReplayReport
 from jobs.runs import ErrorCode
 
-_REPLAY = """
+_REPLAY = (
+    """
 WITH target AS (
     SELECT j.id FROM jobs_job j
     WHERE j.id = ANY(%(ids)s) AND j.state IN ('failed', 'cancelled')
@@ -31,10 +32,25 @@ UPDATE jobs_job j
 SET state = 'queued', attempts = 0, run_after = statement_timestamp(), key_held = TRUE,
     started_at = NULL, finished_at = NULL, heartbeat_at = NULL, result = NULL,
     replayed_at = statement_timestamp(), replayed_by = %(by)s,
-    cancel_requested_at = NULL, cancel_requested_by = ''
+    cancel_requested_at = NULL, cancel_requested_by = '',
+    -- The run's last attempt is in the columns cleared here: keep it in the log.
+    attempt_log = CASE WHEN """
+    + attempts.unlogged_last_sql("j")
+    + """
+        THEN j.attempt_log || """
+    + attempts.entry_sql(
+        row="j",
+        outcome="j.state",
+        code="j.last_error",
+        error="j.error_detail",
+        ended="j.finished_at",
+    )
+    + """
+        ELSE j.attempt_log END
 FROM target WHERE j.id = target.id
 RETURNING j.id
 """
+)
 
 
 def replay(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> ReplayReport:

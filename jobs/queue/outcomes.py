@@ -67,16 +67,12 @@ written AS (
         key_held = (f.state = 'queued' OR j.keyed),
         -- A finished job keeps the identity of the worker that finished it.
         claimed_by = CASE WHEN f.state = 'queued' THEN '' ELSE j.claimed_by END,
-        -- A hand-back (attempts_delta < 0) ran nothing: not an attempt.
-        attempt_log = CASE WHEN o.attempts_delta < 0 THEN j.attempt_log
-            ELSE j.attempt_log || """
-    + attempts.entry_sql(
-        row="j",
-        outcome="CASE WHEN f.state = 'queued' THEN 'retry' ELSE f.state END",
-        code="CASE WHEN f.stopped THEN 'cancelled' ELSE o.code END",
-        error="CASE WHEN f.stopped THEN " + _STOPPED_DETAIL + " ELSE o.detail END",
-    )
-    + """ END
+        -- An attempt that sends the job back to the queue goes to the log; one that ends
+        -- the job stays in the columns (jobs.queue.attempts). A hand-back ran nothing.
+        attempt_log = CASE WHEN f.state = 'queued' AND o.attempts_delta >= 0
+            THEN j.attempt_log || """
+    + attempts.entry_sql(row="j", outcome="'retry'", code="o.code", error="o.detail")
+    + """ ELSE j.attempt_log END
     -- By token too: a stale attempt's outcome in the same batch as the fresh one's must not
     -- match the fresh one's row.
     FROM o JOIN free f ON f.id = o.id AND f.token = o.token

@@ -185,7 +185,8 @@ class TestCancelRunning:
         row = Job.objects.get(pk=job.id)
         assert row.last_error == "cancelled"
         assert row.error_detail.startswith("cancelled by alice; the lease expired")
-        assert [a.outcome for a in attempts.read(row.attempt_log)] == ["lease_expired"]
+        [attempt] = attempts.of(row)
+        assert (attempt.outcome, attempt.code) == ("cancelled", "cancelled")
 
     def test_replay_of_a_cancelled_job_clears_the_request(self):
         queue.enqueue(NewJob(NOOP))
@@ -199,16 +200,25 @@ class TestCancelRunning:
         assert not queue.renew_leases([again]).cancel_requested
 
 
+def attempts_of(job_id: int) -> list[attempts.Attempt]:
+    return attempts.of(Job.objects.get(pk=job_id))
+
+
+def expire(job_id: int) -> None:
+    row = Job.objects.get(pk=job_id)
+    Job.objects.filter(pk=job_id).update(lease_expires_at=row.started_at - timedelta(seconds=1))
+
+
 @pytest.mark.django_db
 class TestAttemptLog:
-    def test_each_attempt_is_logged_with_start_end_worker_outcome_and_error(self):
+    def test_each_attempt_is_kept_with_start_end_worker_outcome_and_error(self):
         queue.enqueue(NewJob(NOOP, max_attempts=3))
         [first] = claim()
         queue.retry(first, code="handler_error", detail="boom\n" * 10, delay=0)
         [second] = claim()
         queue.complete(second, {"ok": 1})
 
-        log = attempts.read(Job.objects.get(pk=first.id).attempt_log)
+        log = attempts_of(first.id)
 
         assert [(a.attempt, a.outcome, a.code, a.worker) for a in log] == [
             (1, "retry", "handler_error", "w1"),
@@ -216,13 +226,24 @@ class TestAttemptLog:
         ]
         assert log[0].error == ("boom\n" * 10)
         assert log[1].error == ""
-        assert all(a.started_at <= a.ended_at for a in log)
+        assert log[0].ended_at <= log[1].started_at
         assert all(a.duration is not None and a.duration >= 0 for a in log)
 
-    def test_a_long_error_keeps_its_end(self):
+    def test_a_job_run_once_writes_nothing_to_the_log(self):
         queue.enqueue(NewJob(NOOP))
         [job] = claim()
-        queue.fail(job, code="handler_error", detail="x" * 5000 + "the last line")
+        assert [a.outcome for a in attempts_of(job.id)] == ["running"]
+        queue.complete(job)
+        row = Job.objects.get(pk=job.id)
+        assert row.attempt_log == []  # the columns describe the one attempt
+        [only] = attempts.of(row)
+        assert (only.attempt, only.outcome, only.worker) == (1, "succeeded", "w1")
+        assert (only.started_at, only.ended_at) == (row.started_at, row.finished_at)
+
+    def test_a_logged_error_keeps_its_end(self):
+        queue.enqueue(NewJob(NOOP, max_attempts=2))
+        [job] = claim()
+        queue.retry(job, code="handler_error", detail="x" * 5000 + "the last line")
         [entry] = attempts.read(Job.objects.get(pk=job.id).attempt_log)
         assert len(entry.error) == attempts.ERROR_MAX
         assert entry.error.endswith("the last line")
@@ -232,20 +253,41 @@ class TestAttemptLog:
         [job] = claim()
         queue.release([job])
         row = Job.objects.get(pk=job.id)
-        assert (row.attempts, row.attempt_log) == (0, [])
+        assert (row.attempts, row.attempt_log, attempts.of(row)) == (0, [], [])
 
     def test_an_in_process_retry_logs_the_attempt_it_ends(self):
         queue.enqueue(NewJob(NOOP, max_attempts=3))
         [job] = claim()
         assert queue.next_attempt(job, code="handler_error", detail="slow down") == 2
         queue.complete(job)
-        log = attempts.read(Job.objects.get(pk=job.id).attempt_log)
-        assert [(a.attempt, a.outcome, a.error) for a in log] == [
+        assert [(a.attempt, a.outcome, a.error) for a in attempts_of(job.id)] == [
             (1, "retry", "slow down"),
             (2, "succeeded", ""),
         ]
 
-    def test_the_log_moves_to_the_history_and_back(self):
+    def test_an_expired_lease_is_an_attempt_and_so_is_the_last_one_it_fails(self):
+        queue.enqueue(NewJob(NOOP, max_attempts=2))
+        [job] = claim()
+        expire(job.id)
+        queue.requeue_expired()
+        [again] = claim()
+        expire(again.id)
+        queue.fail_exhausted()
+        log = attempts_of(job.id)
+        assert [(a.attempt, a.outcome, a.code, a.worker) for a in log] == [
+            (1, "lease_expired", "lease_expired", "w1"),
+            (2, "failed", "lease_expired", "w1"),
+        ]
+
+    def test_lowered_attempts_fail_a_queued_job_without_a_made_up_attempt(self):
+        queue.enqueue(NewJob(NOOP, max_attempts=3))
+        [job] = claim()
+        queue.retry(job, code="handler_error", detail="boom")
+        queue.fail_exhausted(max_attempts={NOOP: 1})
+        assert Job.objects.get(pk=job.id).state == "failed"
+        assert [a.outcome for a in attempts_of(job.id)] == ["retry"]
+
+    def test_a_replay_keeps_the_earlier_run_and_the_log_survives_the_history(self):
         queue.enqueue(NewJob(NOOP))
         [job] = claim()
         queue.fail(job, code="handler_error", detail="boom")
@@ -256,14 +298,71 @@ class TestAttemptLog:
         from jobs.models import JobHistory
 
         moved = JobHistory.objects.get(pk=job.id)
-        assert [a.outcome for a in attempts.read(moved.attempt_log)] == ["failed"]
+        assert [a.outcome for a in attempts.of(moved)] == ["failed"]
         queue.replay([job.id], by="alice")
-        assert [a.error for a in attempts.read(Job.objects.get(pk=job.id).attempt_log)] == ["boom"]
+        assert [(a.outcome, a.error) for a in attempts_of(job.id)] == [("failed", "boom")]
+        [again] = claim()
+        queue.complete(again)
+        assert [(a.attempt, a.outcome) for a in attempts_of(job.id)] == [
+            (1, "failed"),
+            (1, "succeeded"),
+        ]
 
     def test_malformed_entries_are_skipped_when_read(self):
         assert attempts.read(None) == []
         log = [1, "x", {"attempt": "nope"}, {"attempt": 2, "outcome": "failed"}]
         assert [(a.attempt, a.outcome) for a in attempts.read(log)] == [(2, "failed")]
+
+    @settings(
+        max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
+    @given(
+        steps=st.lists(
+            st.sampled_from(["retry", "in_process", "expire", "release", "end", "replay"]),
+            min_size=1,
+            max_size=12,
+        ),
+        ending=st.sampled_from(["complete", "fail", "cancelled"]),
+    )
+    def test_every_attempt_run_is_listed_once_in_order(self, steps, ending):
+        """Whatever happens to a job, attempts.of lists each attempt that ran, in order."""
+        Job.objects.all().delete()
+        created = queue.enqueue(NewJob(NOOP, max_attempts=50))
+        ran = 0  # attempts that ran, across replays
+        for step in steps:
+            row = Job.objects.get(pk=created.id)
+            if row.state in ("succeeded", "failed", "cancelled"):
+                if step == "replay":
+                    queue.replay([created.id], by="prop")
+                continue
+            [job] = claim()
+            if step == "release":
+                queue.release([job])
+                continue
+            ran += 1
+            if step == "retry":
+                queue.retry(job, code="handler_error", detail=f"attempt {ran}")
+            elif step == "in_process":
+                queue.next_attempt(job, code="handler_error", detail=f"attempt {ran}")
+                ran += 1
+                queue.retry(job, code="handler_error", detail=f"attempt {ran}")
+            elif step == "expire":
+                expire(job.id)
+                queue.requeue_expired()
+            elif ending == "complete":
+                queue.complete(job)
+            elif ending == "fail":
+                queue.fail(job, code="rejected", detail="no")
+            else:
+                queue.record([Outcome.cancelled(job)])
+
+        listed = attempts_of(created.id)
+
+        assert len(listed) == ran
+        assert all(a.outcome != "running" for a in listed)
+        ends = [a.ended_at for a in listed]
+        assert ends == sorted(ends)
+        assert all(a.started_at <= a.ended_at for a in listed)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -292,7 +391,7 @@ class TestWorker:
             thread.join(10)
         row = Job.objects.get(pk=job.id)
         assert (row.attempts, row.last_error, row.claim_token) == (1, "cancelled", None)
-        assert [a.outcome for a in attempts.read(row.attempt_log)] == ["cancelled"]
+        assert [a.outcome for a in attempts.of(row)] == ["cancelled"]
 
     def test_resume_notifies_the_resumed_types_at_commit(self):
         queue.enqueue(NewJob(NOOP, queue="q1"))
