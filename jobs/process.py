@@ -116,6 +116,10 @@ class Presence:
             return None
         return ProcessBeat(self.identity, held, draining, self.expires_in, leader)
 
+    def forget(self) -> None:
+        """The row is gone (pruned while this process stalled): register at the next beat."""
+        self.registered = False
+
     def send(self, *, leader: bool = False) -> bool:
         """Beat in a statement of its own (the scheduler's); True if the row was refreshed."""
         from jobs.queue import processes

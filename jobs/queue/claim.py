@@ -283,6 +283,10 @@ def renew_leases(
             LEFT JOIN jobs_job j
               ON j.id = held.id AND j.claim_token = held.token AND j.state = 'running'
             WHERE j.id IS NULL OR j.cancel_requested_at IS NOT NULL
+            -- A beat that found no row: one row with no token says so.
+            UNION ALL
+            SELECT NULL, FALSE, FALSE
+            WHERE %(beat_identity)s::text IS NOT NULL AND NOT EXISTS (SELECT 1 FROM beat)
             """,
             {
                 "ids": [job.id for job in jobs],
@@ -295,6 +299,7 @@ def renew_leases(
     return Renewal(
         lost=frozenset(token for token, lost, _ in rows if lost),
         cancel_requested=frozenset(token for token, lost, asked in rows if asked and not lost),
+        beat_missed=any(token is None for token, _, _ in rows),
     )
 
 

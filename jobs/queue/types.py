@@ -260,11 +260,13 @@ class Renewal:
 
     ``lost``: the lease is gone (token no longer matches, or the job left ``running``): the
     handler must stop and write no outcome. ``cancel_requested``: still held, but an operator
-    asked the attempt to stop; it ends ``cancelled``.
+    asked the attempt to stop; it ends ``cancelled``. ``beat_missed``: a beat was sent and
+    found no row (pruned during a long stall): the process should register again.
     """
 
     lost: frozenset[UUID] = frozenset()
     cancel_requested: frozenset[UUID] = frozenset()
+    beat_missed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,10 +43,13 @@ class LeaseKeeper:
         lease_seconds: float,
         tick: float = 0.1,
         beat: Callable[[], ProcessBeat | None] | None = None,
+        beat_missed: Callable[[], None] | None = None,
     ) -> None:
         self._held = held
-        # The process's row rides in every renewal, held jobs or none (jobs.worker.presence).
+        # The process's row rides in every renewal, held jobs or none (jobs.worker.presence);
+        # a beat that found no row (pruned in a long stall) calls ``beat_missed``.
         self._beat = beat
+        self._beat_missed = beat_missed
         self._lease = lease_seconds
         self._every = lease_seconds / 3
         self._tick = min(tick, self._every)
@@ -134,6 +137,8 @@ class LeaseKeeper:
             self._stop_cancelled(
                 [r for r in renewable if r.job.claim_token in renewal.cancel_requested]
             )
+            if renewal.beat_missed and self._beat_missed is not None:
+                self._beat_missed()
         self._last_renewal = now
         self._beat_run_rows([r for r in renewable if r.job.claim_token not in lost_tokens])
         # Read after the renewal: an outcome is written only once its handler finished, so

@@ -117,6 +117,7 @@ class Worker(Draining):
             self._held_snapshot,
             lease_seconds=self._lease_seconds,
             beat=lambda: presence.beat(held=self._busy(), draining=self._stopping.is_set()),
+            beat_missed=presence.forget,
         )
         listener = self._listener = NotifyListener(self._names, self._work_arrived)
         server = start_http(

@@ -278,6 +278,20 @@ class TestKeeper:
             assert keeper.renew_once() == set()
         assert ctx.captured_queries == []
 
+    def test_a_beat_that_finds_its_row_pruned_registers_again_at_the_next(self):
+        presence = Presence("k:1:aa", component="worker", expires_in=10)
+        presence.register()
+        keeper = LeaseKeeper(
+            list, lease_seconds=10, beat=presence.beat, beat_missed=presence.forget
+        )
+        Process.objects.all().delete()  # pruned while the process stalled
+
+        keeper.renew_once()  # the beat finds no row: the keeper says so
+        assert not presence.registered and not Process.objects.exists()
+        keeper.renew_once()  # registers again, then beats
+
+        assert Process.objects.filter(identity="k:1:aa").exists() and presence.registered
+
     def test_a_failing_beat_provider_does_not_stop_the_renewal(self, caplog):
         keeper = LeaseKeeper(list, lease_seconds=10, beat=lambda: 1 / 0)
         assert keeper.renew_once() == set()
