@@ -514,6 +514,10 @@ class Worker(Draining):
             return
         kind = _OUTCOME_KINDS.get(outcome.state, "retried")
         metrics.for_type(job.name).outcome(kind).inc()
+        if kind == "retried" and outcome.at is None:
+            # Written in the same statement as the next claim, which could not see it, and
+            # announced by no NOTIFY: look again when it is due, not only at the next poll.
+            self._next_poll = min(self._next_poll, time.monotonic() + outcome.delay)
         if kind == "succeeded" and not logger.isEnabledFor(logging.DEBUG):
             return
         duration = time.monotonic() - running.claimed_at

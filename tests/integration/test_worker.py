@@ -354,6 +354,21 @@ class TestLeasesAndDrain:
             None,
         )
 
+    def test_a_retry_due_soon_runs_when_due_not_at_the_next_poll(self, recorder):
+        # The retry is written in the same statement as the next claim, which cannot see it,
+        # and no NOTIFY announces a retry: the worker must wake for it by itself.
+        job = enqueue(Step(plan=("error", "ok")))
+        config = WorkerConfig(poll_interval=60, install_signal_handlers=False)
+        worker = Worker(registry(recorder), config)
+        thread = threading.Thread(target=worker.run)
+        thread.start()
+        try:
+            wait_for(lambda: row(job).state == "succeeded", timeout=5)
+        finally:
+            worker.request_stop()
+            thread.join(10)
+        assert row(job).attempts == 2
+
     def test_notify_wakes_an_idle_worker_at_once(self, recorder):
         config = WorkerConfig(poll_interval=60, install_signal_handlers=False)
         worker = Worker(registry(recorder), config)
