@@ -1,15 +1,20 @@
 """The jobs admin: the jobs list and detail, operator actions, and the monitor's pages.
 
 Read-only by default: nobody edits, adds or deletes a job here, since every state change
-belongs to :mod:`jobs.queue`. The deliberate actions call the queue once per action, for the
-eligible selected rows only, after a confirmation page, and log one entry per changed row:
+belongs to :mod:`jobs.queue`. The deliberate actions go through :mod:`jobs.control` or the
+queue once per action, for the eligible selected rows only, after a confirmation page, and
+log one entry per changed row:
 
 * replay failed jobs (``jobs.replay_job``), through the failure monitor's confirmation;
-* cancel queued jobs and run delayed ones now ("retry now") (``jobs.change_job``), the
-  newest ``ACTION_LIMIT`` eligible rows of a selection at most, as replay-all.
+* cancel queued and running jobs (``jobs.cancel_job``), from the list or the job's page;
+* run delayed jobs now ("retry now") (``jobs.change_job``);
+* pause and resume job types, queues and tenants (``jobs.pause_work``), on the pauses page
+  and the overview (:mod:`jobs.monitor.pauses`).
 
-The failure monitor, its grouped view, replay and the overview are mounted under this
-admin's URLs (``admin/jobs/job/monitor/`` …), so the default admin site is kept.
+List actions take the newest ``ACTION_LIMIT`` eligible rows of a selection at most, as
+replay-all. The failure monitor, its grouped view, replay and the overview are mounted under
+this admin's URLs (``admin/jobs/job/monitor/`` …), so the default admin site is kept; the
+processes page is :class:`jobs.monitor.processes.ProcessAdmin`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
@@ -31,24 +36,41 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
 from django.utils.functional import Promise
 from django.utils.html import format_html
+from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
-from django.utils.translation import ngettext
 
 from jobs import queue
+from jobs.control import cancels
 from jobs.control.checks import check_run_tables
 from jobs.control.failures import MAX_ROWS
 from jobs.control.replays import REPLAY_ALL_LIMIT
-from jobs.models import Job, JobHistory, TenantOverride
-from jobs.monitor import overview, views
+from jobs.models import Job, JobHistory, Pause, Process, TenantOverride
+from jobs.monitor import attempts, overview, views
+from jobs.monitor.cancels import ELIGIBLE, cancel_url, cancel_view, effects
+from jobs.monitor.display import second
 from jobs.monitor.modeladmin import InputFilter, RunTableAdmin
+from jobs.monitor.pauses import PauseAdmin
+from jobs.monitor.processes import ProcessAdmin
 from jobs.registry import get_registry
 from jobs.runs import RunState
+
+if TYPE_CHECKING:
+    from django_stubs_ext import StrOrPromise
 
 # Rows one cancel or retry-now may change, over "select all" too: replay-all's bound.
 ACTION_LIMIT = REPLAY_ALL_LIMIT
 
 # The monitor's expectations of every run table, checked wherever the admin is installed.
 checks.register(check_run_tables, "jobs")
+
+
+def timestamp(field: str, label: StrOrPromise) -> Callable[[Any, Any], str]:
+    """A read-only detail field showing ``field`` to the second (Django's default drops them)."""
+
+    def show(model_admin: Any, obj: Any) -> str:
+        return second(getattr(obj, field))
+
+    return admin.display(description=label)(show)
 
 
 class JobTypeFilter(admin.SimpleListFilter):
@@ -82,7 +104,19 @@ class JobDisplay(RunTableAdmin):
 
     list_display_links = ("id", "job_id")
     list_filter = ("state", JobTypeFilter, TenantFilter, QueueFilter, "last_error")
-    readonly_fields = ("payload_pretty", "error_detail_pre", "result_pretty", "attempts_display")
+    readonly_fields: ClassVar[list[str] | tuple[str, ...]] = (
+        "payload_pretty",
+        "error_detail_pre",
+        "result_pretty",
+        "attempts_display",
+        "attempt_timeline",
+        "created",
+        "due",
+        "started",
+        "finished",
+        "replayed",
+    )
+    change_form_template = "admin/jobs/job/change_form.html"
     #: The detail page's first sections; each admin adds its own timestamps and the rest.
     detail_fieldsets: tuple[Any, ...] = (
         (None, {"fields": ("job_id", "name", "tenant", "queue", "priority", "state")}),
@@ -91,7 +125,18 @@ class JobDisplay(RunTableAdmin):
             _("Attempts and errors"),
             {"fields": ("attempts_display", "last_error", "error_detail_pre")},
         ),
+        (_("Attempt timeline"), {"fields": ("attempt_timeline",), "classes": ("jobs-timeline",)}),
     )
+
+    created = timestamp("created_at", _("created at"))
+    due = timestamp("run_after", _("run after"))
+    started = timestamp("started_at", _("started at"))
+    finished = timestamp("finished_at", _("finished at"))
+    replayed = timestamp("replayed_at", _("replayed at"))
+
+    @admin.display(description=_("attempt timeline"))
+    def attempt_timeline(self, obj: Job | JobHistory) -> str:
+        return attempts.render(obj)
 
     @admin.display(description=_("attempts"))
     def attempts_display(self, obj: Job | JobHistory) -> str:
@@ -132,31 +177,53 @@ class JobAdmin(JobDisplay):
         *JobDisplay.detail_fieldsets,
         (
             _("Timestamps"),
-            {"fields": ("created_at", "run_after", "started_at", "finished_at")},
+            {"fields": ("created", "due", "started", "finished")},
         ),
         (
             _("Lease and heartbeat"),
-            {"fields": ("claimed_by", "claim_token", "lease_expires_at", "heartbeat_at")},
+            {"fields": ("claimed_by", "claim_token", "lease_expiry", "heartbeat")},
         ),
-        (_("Replay and result"), {"fields": ("replayed_at", "replayed_by", "result_pretty")}),
+        (
+            _("Replay, cancel and result"),
+            {"fields": ("replayed", "replayed_by", "cancel_requested", "result_pretty")},
+        ),
     )
+    readonly_fields = (*JobDisplay.readonly_fields, "cancel_requested", "lease_expiry", "heartbeat")
+    lease_expiry = timestamp("lease_expires_at", _("lease expires at"))
+    heartbeat = timestamp("heartbeat_at", _("heartbeat at"))
+
+    @admin.display(description=_("cancel requested"))
+    def cancel_requested(self, obj: Job) -> str:
+        if obj.cancel_requested_at is None:
+            return "—"
+        return gettext("by %(by)s at %(at)s") % {
+            "by": obj.cancel_requested_by or "?",
+            "at": second(obj.cancel_requested_at),
+        }
 
     def has_cancel_permission(self, request: HttpRequest) -> bool:
+        return cancels.can_cancel(request.user)
+
+    def has_run_now_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("jobs.change_job")
 
-    @admin.action(permissions=["cancel"], description=_("Cancel selected queued jobs…"))
+    @admin.action(permissions=["cancel"], description=_("Cancel selected jobs…"))
     def cancel_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
+        """Queued jobs end now; running ones are asked to stop (jobs.control.cancels)."""
+        eligible = queryset.filter(ELIGIBLE)
         return self._queue_action(
             request,
-            queryset.filter(state=RunState.QUEUED),
+            eligible,
             action="cancel_selected",
-            logged="Cancelled via the admin jobs list",
-            title=_("Cancel queued jobs?"),
-            call=lambda ids, by: queue.cancel(ids, by=by),
-            done=lambda n: ngettext("Cancelled %(count)d job.", "Cancelled %(count)d jobs.", n),
+            title=_("Cancel jobs?"),
+            act=self._cancel,
+            notes=self._cancel_notes,
+            confirm=lambda n: ngettext(
+                "Yes, cancel %(count)d job", "Yes, cancel %(count)d jobs", n
+            ),
         )
 
-    @admin.action(permissions=["cancel"], description=_("Retry selected delayed jobs now…"))
+    @admin.action(permissions=["run_now"], description=_("Retry selected delayed jobs now…"))
     def run_now_selected(
         self, request: HttpRequest, queryset: QuerySet[Job]
     ) -> HttpResponse | None:
@@ -165,13 +232,37 @@ class JobAdmin(JobDisplay):
             # PostgreSQL's clock, as queue.run_now() judges it: not the web host's.
             queryset.filter(state=RunState.QUEUED, run_after__gt=Now()),
             action="run_now_selected",
-            logged="Made due now via the admin jobs list (retry now)",
             title=_("Run delayed jobs now?"),
-            call=lambda ids, by: queue.run_now(ids),
-            done=lambda n: ngettext(
-                "Made %(count)d job due now.", "Made %(count)d jobs due now.", n
+            act=partial(
+                self._act,
+                logged="Made due now via the admin jobs list (retry now)",
+                call=lambda ids, by: queue.run_now(ids),
+                done=lambda n: ngettext(
+                    "Made %(count)d job due now.", "Made %(count)d jobs due now.", n
+                ),
             ),
         )
+
+    def _cancel(self, request: HttpRequest, ids: list[int]) -> None:
+        """The confirming POST of a cancel: jobs.control checks, changes and records."""
+        done = cancels.cancel(request.user, ids, via="the admin jobs list")
+        acted = len(done.ended) + len(done.stopping)
+        message = done.summary()
+        if (selected := len(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))) > len(ids):
+            message += " " + self._not_eligible(selected - len(ids))
+        self.message_user(request, message, messages.SUCCESS if acted else messages.WARNING)
+
+    @staticmethod
+    def _cancel_notes(states: list[str]) -> list[str]:
+        return effects(states.count(RunState.QUEUED), states.count(RunState.RUNNING))
+
+    @staticmethod
+    def _not_eligible(count: int) -> str:
+        return ngettext(
+            "%(count)d selected job was not eligible.",
+            "%(count)d selected jobs were not eligible.",
+            count,
+        ) % {"count": count}
 
     def _queue_action(
         self,
@@ -179,21 +270,22 @@ class JobAdmin(JobDisplay):
         eligible: QuerySet[Job],
         *,
         action: str,
-        logged: str,
         title: str | Promise,
-        call: Callable[[list[int], str], list[int]],
-        done: Callable[[int], str],
+        act: Callable[[HttpRequest, list[int]], None],
+        notes: Callable[[list[str]], list[str]] | None = None,
+        confirm: Callable[[int], str] | None = None,
     ) -> HttpResponse | None:
-        """Confirm, then one queue call for the rows the page showed; log and report them.
+        """Confirm, then one call for the rows the page showed, which records and reports them.
 
         The page takes the newest ``ACTION_LIMIT`` eligible rows (over "select all" too) and
         says so; its confirming POST names exactly those rows, so nothing changes that the
         operator was not shown. A "yes" over a whole filter (``select_across``) is asked again.
         """
-        taken = list(eligible.order_by("-pk").values_list("pk", flat=True)[:ACTION_LIMIT])
+        rows = list(eligible.order_by("-pk").values_list("pk", "state")[:ACTION_LIMIT])
+        taken = [pk for pk, _state in rows]
         across = request.POST.get("select_across") == "1"
         if request.POST.get("post") == "yes" and not across:
-            self._act(request, taken, logged=logged, call=call, done=done)
+            act(request, taken)
             return None
         matching = len(taken)
         if matching >= ACTION_LIMIT:  # there may be more: count them, up to the list's cap
@@ -211,6 +303,9 @@ class JobAdmin(JobDisplay):
             "skipped": 0 if across else max(0, selected - matching),
             "action": action,
             "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            # What the confirming POST does to each state among the rows it names.
+            "notes": notes([state for _pk, state in rows]) if notes is not None else [],
+            "confirm": confirm(len(taken)) % {"count": len(taken)} if confirm else "",
         }
         return TemplateResponse(request, "admin/jobs/job/action_confirmation.html", context)
 
@@ -240,11 +335,7 @@ class JobAdmin(JobDisplay):
         selected = len(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))
         message = done(len(changed)) % {"count": len(changed)}
         if selected > len(changed):
-            message += " " + ngettext(
-                "%(count)d selected job was not eligible.",
-                "%(count)d selected jobs were not eligible.",
-                selected - len(changed),
-            ) % {"count": selected - len(changed)}
+            message += " " + self._not_eligible(selected - len(changed))
         self.message_user(request, message, messages.SUCCESS if changed else messages.WARNING)
 
     def get_urls(self) -> list[URLPattern]:
@@ -253,13 +344,40 @@ class JobAdmin(JobDisplay):
         def wrap(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
             return site.admin_view(partial(view, site=site))
 
+        cancel = site.admin_view(partial(cancel_view, model_admin=self))
         return [
+            path("<path:object_id>/cancel/", cancel, name="jobs_job_cancel"),
             path("monitor/", wrap(views.monitor), name="jobs_monitor"),
             path("monitor/groups/", wrap(views.groups), name="jobs_monitor_groups"),
             path("monitor/replay/", wrap(views.replay_view), name="jobs_monitor_replay"),
             path("overview/", wrap(overview.overview), name="jobs_overview"),
             *super().get_urls(),
         ]
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        """The job's page, with "Cancel…" for an active job and a stopping job's request."""
+        extra = dict(extra_context or {})
+        job = self.get_object(request, object_id) if request.method == "GET" else None
+        if job is not None:
+            asked = job.cancel_requested_at
+            if cancels.can_cancel(request.user) and Job.objects.filter(ELIGIBLE, pk=job.pk):
+                extra["cancel_url"] = cancel_url(self, job)
+            if asked is not None:
+                extra["cancel_requested"] = {
+                    "by": job.cancel_requested_by or "?",
+                    "at": second(asked),
+                }
+        return super().change_view(request, object_id, form_url, extra)
+
+
+admin.site.register(Pause, PauseAdmin)
+admin.site.register(Process, ProcessAdmin)
 
 
 @admin.register(JobHistory)
@@ -286,13 +404,15 @@ class JobHistoryAdmin(JobDisplay):
         *JobDisplay.detail_fieldsets,
         (
             _("Timestamps"),
-            {"fields": ("created_at", "run_after", "started_at", "finished_at", "archived_at")},
+            {"fields": ("created", "due", "started", "finished", "archived")},
         ),
         (
             _("Replay and result"),
-            {"fields": ("claimed_by", "replayed_at", "replayed_by", "result_pretty")},
+            {"fields": ("claimed_by", "replayed", "replayed_by", "result_pretty")},
         ),
     )
+    readonly_fields = (*JobDisplay.readonly_fields, "archived")
+    archived = timestamp("archived_at", _("archived at"))
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return self.run_table.can_view(request.user)

@@ -8,7 +8,9 @@ and failed rows); they never read the queued rows, and cost what the table holds
 backlog. Finished jobs in the history table are counted per state from PostgreSQL's
 statistics of its partitions (shown as ``≈N``), and its failed rows per type exactly, as
 they are the ones awaiting replay. Overdue schedules come from :func:`jobs.scheduler.status`
-when the scheduler is there.
+when the scheduler is there. What is paused comes from the small pauses table, and the live
+workers' capacity from the processes table (:func:`jobs.queue.processes.capacity`), one
+query each.
 
 "Now" is PostgreSQL's, read once per page and passed down, as the scheduler reads it: a web
 host with a fast clock would otherwise call a schedule that just fired overdue.
@@ -30,8 +32,10 @@ from django.utils.formats import number_format
 from django.utils.translation import gettext as _
 
 from jobs import queue
+from jobs.control import pauses
 from jobs.control.tables import RunTable
-from jobs.models import Job, JobHistory
+from jobs.models import Job, JobHistory, Pause, PauseKind
+from jobs.monitor.display import duration, second
 from jobs.monitor.views import age
 from jobs.queue import BacklogRow
 from jobs.registry import get_registry
@@ -80,11 +84,14 @@ def overview_data(now: datetime | None = None) -> dict[str, Any]:
     ):
         counts = per_type.setdefault(row["name"], {"name": row["name"]})
         counts[RunState.FAILED] = counts.get(RunState.FAILED, 0) + row["n"]
+    paused = list(Pause.objects.order_by("paused_at", "pk"))
+    paused_types = {p.value: p for p in paused if p.kind == PauseKind.JOB_TYPE}
     oldest_due = min((r.oldest_due for r in backlog.values() if r.oldest_due), default=None)
     types = [
         {
             "name": name,
             "registered": name in registry,
+            "paused": paused_types.get(name),
             **_queued(backlog.get(name)),
             **{state: per_type.get(name, {}).get(state, 0) for state in others},
         }
@@ -113,6 +120,16 @@ def overview_data(now: datetime | None = None) -> dict[str, Any]:
         "oldest_due_age": age(oldest_due, now),
         "unsupported": unsupported,
         "schedules": overdue_schedules(now),
+        "pauses": [
+            {
+                "pause": p,
+                "kind": p.get_kind_display(),
+                "since": second(p.paused_at),
+                "age": duration((now - p.paused_at).total_seconds()),
+            }
+            for p in paused
+        ],
+        "capacity": queue.processes.capacity(),
     }
 
 
@@ -162,5 +179,8 @@ def overview(request: HttpRequest, *, site: AdminSite) -> HttpResponse:
         **site.each_context(request),
         "title": _("Jobs overview"),
         **overview_data(),
+        "may_pause": pauses.can_pause(request.user),
+        "may_view_processes": request.user.has_perm("jobs.view_process"),
+        "here": request.get_full_path(),
     }
     return TemplateResponse(request, "admin/jobs/monitor/overview.html", context)

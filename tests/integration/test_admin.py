@@ -92,22 +92,33 @@ def test_the_detail_page_shows_payload_attempts_error_and_lease(viewer):
     assert viewer.post(reverse("admin:jobs_job_change", args=[job.pk]), {}).status_code == 403
 
 
-def test_cancel_asks_first_then_cancels_the_queued_ones_and_records_each(superuser):
+def test_cancel_asks_first_then_ends_queued_and_stops_running_ones_recording_each(superuser):
     queued, running = JobFactory(), JobFactory(running=True)
-    data = {"action": "cancel_selected", "_selected_action": [queued.pk, running.pk]}
+    finished = JobFactory(succeeded=True)
+    data = {"action": "cancel_selected", "_selected_action": [queued.pk, running.pk, finished.pk]}
 
     page = superuser.post(reverse(CHANGELIST), data)
 
-    assert page.status_code == 200 and page.context["count"] == 1
+    assert page.status_code == 200 and page.context["count"] == 2
+    assert [n.split(":")[0] for n in page.context["notes"]] == [
+        "1 queued job ends cancelled now",
+        "1 running job is asked to stop",
+    ]
     assert Job.objects.get(pk=queued.pk).state == RunState.QUEUED
 
     done = superuser.post(reverse(CHANGELIST), {**data, "post": "yes"}, follow=True)
 
     assert Job.objects.get(pk=queued.pk).state == RunState.CANCELLED
-    assert Job.objects.get(pk=running.pk).state == RunState.RUNNING
-    assert LogEntry.objects.get().object_id == str(queued.pk)
+    stopping = Job.objects.get(pk=running.pk)
+    assert (stopping.state, stopping.cancel_requested_by) == (RunState.RUNNING, "root")
+    assert sorted(e.object_id for e in LogEntry.objects.all()) == sorted(
+        [str(queued.pk), str(running.pk)]
+    )
     messages = [str(m) for m in done.context["messages"]]
-    assert messages == ["Cancelled 1 job. 1 selected job was not eligible."]
+    assert messages == [
+        "Cancelled 1 queued job. Asked 1 running job to stop; it ends cancelled within a third "
+        "of its lease. 1 selected job was not eligible."
+    ]
 
 
 def test_retry_now_makes_delayed_jobs_due(superuser):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import types
 from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import Permission, User
-from django.urls import path, reverse
+from django.urls import reverse
 
 from jobs.models import Job, Process
 from jobs.queue import ProcessBeat, processes
@@ -24,25 +23,6 @@ class TestAdmin:
         user.user_permissions.add(Permission.objects.get(codename="view_process"))
         client.force_login(user)
         return client
-
-    @pytest.fixture(autouse=True)
-    def registered(self, settings):
-        """Until jobs/admin.py registers the page, register it here, with URLs built anew."""
-        from django.contrib import admin
-
-        from jobs.monitor.processes import ProcessAdmin
-
-        if admin.site.is_registered(Process):
-            yield
-            return
-        admin.site.register(Process, ProcessAdmin)
-        urls = types.ModuleType("process_admin_urls")
-        urls.urlpatterns = [path("admin/", admin.site.urls)]  # type: ignore[attr-defined]
-        settings.ROOT_URLCONF = urls
-        try:
-            yield
-        finally:
-            admin.site.unregister(Process)
 
     def test_the_list_shows_state_capacity_and_last_seen_to_the_second(self, viewer):
         register("w1:1:aa", concurrency=4)
