@@ -6,7 +6,7 @@ permissions a test names.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import factory
 import pytest
@@ -14,10 +14,12 @@ from django.contrib.auth.models import Permission, User
 from django.test import Client
 from django.utils import timezone
 
+from jobs.models import Job
 from jobs.runs import ErrorCode, RunState
 from project.curation.models import CurationRun, Document
 from project.harvester.models import DeadLetter, Item
 from project.mail.models import Delivery
+from tests.factories import JobFactory
 
 # Every table the monitor may show, by the permissions that let a user view them.
 VIEW_ALL = (
@@ -118,3 +120,55 @@ def client_for(user: User) -> Client:
     client = Client()
     client.force_login(user)
     return client
+
+
+# A fixed start, so pages can be checked to the second.
+ATTEMPTS_START = datetime(2025, 3, 4, 10, 0, 0, tzinfo=UTC)
+
+
+def two_attempts(start: datetime = ATTEMPTS_START) -> list[dict[str, object]]:
+    """An ``attempt_log``: a retried handler error, then a lost lease, from ``start`` on."""
+
+    def at(seconds: float) -> str:
+        return (start + timedelta(seconds=seconds)).isoformat()
+
+    return [
+        {
+            "attempt": 1,
+            "started_at": at(0),
+            "ended_at": at(1.25),
+            "worker": "web-1:101:a1b2",
+            "outcome": "retry",
+            "code": "handler_error",
+            "error": 'Traceback (most recent call last):\n  File "billing.py", line 12\n'
+            "ConnectionError: upstream refused the connection",
+        },
+        {
+            "attempt": 2,
+            "started_at": at(60),
+            "ended_at": at(75),
+            "worker": "web-2:202:c3d4",
+            "outcome": "lease_expired",
+            "code": "lease_expired",
+        },
+    ]
+
+
+def job_with_three_attempts(**fields: object) -> Job:
+    """A failed job that ran three times: two earlier attempts in its log, the last in its row."""
+    start = ATTEMPTS_START
+    log = two_attempts(start)
+    defaults: dict[str, object] = {
+        "job_id": "invoice-42",
+        "name": "jobapp.ping.v1",
+        "failed": True,
+        "attempts": 3,
+        "attempt_log": log,
+        "claimed_by": "web-1:101:e5f6",
+        "started_at": start + timedelta(seconds=300),
+        "finished_at": start + timedelta(seconds=300.35),
+        "last_error": ErrorCode.HANDLER_ERROR,
+        "error_detail": 'Traceback (most recent call last):\n  File "billing.py", line 30\n'
+        "ValueError: invoice 42 has no lines",
+    }
+    return JobFactory(**{**defaults, **fields})
