@@ -1,8 +1,10 @@
 """End to end in headless Chromium: an operator finds a failed job in the monitor, replays it,
-and follows a job to the run row it drives and back.
+follows a job to the run row it drives and back, pauses and resumes a job type, cancels a
+running job and reads its attempts, and looks at the live processes.
 
 Drives the real admin on a live server with Playwright and Debian's Chromium
-(``scripts/test`` installs it when it can). Saves ``tests/artifacts/monitor.png``.
+(``scripts/test`` installs it when it can). Saves ``tests/artifacts/monitor.png``; with
+``JOBS_UPDATE_SCREENSHOTS=1`` it also rewrites the screenshots in ``docs/images/``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import pytest
 from django.contrib.admin.models import LogEntry
 from django.db import connections
 
-from jobs.models import Job
+from jobs import queue
+from jobs.models import Job, Pause
+from jobs.queue import ProcessBeat, processes
 from jobs.runs import RunState
 from tests.factories import JobFactory
 from tests.integration.test_admin_factories import (
@@ -25,6 +29,7 @@ from tests.integration.test_admin_factories import (
     DeliveryFactory,
     ago,
     operator,
+    two_attempts,
 )
 from tests.runapp.models import Delivery as RunDelivery
 
@@ -145,3 +150,148 @@ def test_an_operator_reads_a_job_and_its_run_row_as_one_failure(live_server, chr
     page.click(f"#linked-work a:text-is('jobs.job #{job.pk}')")
     page.wait_for_url(f"**/admin/jobs/job/{job.pk}/change/")
     assert f"runapp.delivery #{row.pk}" in page.inner_text("#linked-work")
+
+
+# Operator controls at a laptop's size; the docs' screenshots come from these runs.
+SMALL = {"width": 1280, "height": 800}
+DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
+WORKER = "worker-1:4242:ab12"
+
+
+def shot(target, name: str, *, down_to: str = "") -> None:
+    """Save a docs screenshot, only when JOBS_UPDATE_SCREENSHOTS=1 (CI leaves the images alone).
+
+    ``target`` is a page (its viewport, or from the top down to the element ``down_to``) or
+    an element.
+    """
+    if os.environ.get("JOBS_UPDATE_SCREENSHOTS") != "1":
+        return
+    DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
+    path = str(DOCS_IMAGES / name)
+    if down_to:
+        box = target.locator(down_to).bounding_box()
+        bottom = box["y"] + box["height"] + 16 + target.evaluate("window.scrollY")
+        clip = {"x": 0, "y": 0, "width": SMALL["width"], "height": bottom}
+        target.screenshot(path=path, full_page=True, clip=clip)
+    else:
+        target.screenshot(path=path)
+    print(f"\nscreenshot: {path}")
+
+
+def log_in(chromium, live_server, username: str, to: str):
+    page = chromium.new_page(viewport=SMALL)
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(f"{live_server.url}/admin/login/?next={to}")
+    page.fill("#id_username", username)
+    page.fill("#id_password", "correct horse")
+    page.click("input[type=submit]")
+    page.wait_for_url(f"**{to}")
+    return page
+
+
+def seed_processes() -> None:
+    """Two live workers (one holding a job, one draining) and a leading scheduler."""
+    common = {"host": "worker-1", "version": "0.1.0", "expires_in": 60}
+    processes.register(WORKER, component="worker", pid=4242, concurrency=4, **common)
+    processes.beat(ProcessBeat(WORKER, 1, False, expires_in=60))
+    draining = "worker-2:4243:cd34"
+    processes.register(draining, component="worker", pid=4243, concurrency=4, **common)
+    processes.beat(ProcessBeat(draining, 0, True, expires_in=60))
+    leader = "worker-1:4300:ef56"
+    processes.register(leader, component="scheduler", pid=4300, concurrency=None, **common)
+    processes.beat(ProcessBeat(leader, 0, False, leader=True, expires_in=60))
+
+
+def test_an_operator_pauses_a_job_type_from_the_overview_and_resumes_it(
+    live_server, chromium, monkeypatch
+):
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    operator(
+        "ops", "jobs.view_job", "jobs.pause_work", "jobs.view_process", password="correct horse"
+    )
+    for _ in range(3):
+        JobFactory(name="jobapp.ping.v1")
+    JobFactory(name="jobapp.audit.v1", tenant="acme")
+    queue.pause("tenant", "acme", by="alice", reason="customer migration")
+    seed_processes()
+    page = log_in(chromium, live_server, "ops", "/admin/jobs/job/overview/")
+    assert page.inner_text("#capacity-workers") == "2 live workers"
+    assert page.inner_text("#capacity-free") == "3 free slots"
+
+    page.click("tr[data-type='jobapp.ping.v1'] a.jobs-pause")
+    page.wait_for_selector("#confirm-pause")
+    assert "Its backlog stays queued and keeps growing" in page.inner_text("#pause-effect")
+    page.fill("#id_reason", "INC-7: the ping upstream is down")
+    shot(page.locator("#content"), "pause-confirmation.png")
+    page.click("#confirm-pause")
+
+    page.wait_for_selector(".messagelist")
+    assert "Paused job type jobapp.ping.v1" in page.inner_text(".messagelist")
+    row = page.locator("tr[data-type='jobapp.ping.v1']")
+    assert row.get_attribute("class") == "jobs-paused"
+    assert row.locator(".jobs-badge-paused").inner_text() == "paused"
+    listed = page.locator("tr[data-pause='job_type:jobapp.ping.v1']")
+    assert "INC-7: the ping upstream is down" in listed.inner_text()
+    shot(page, "overview-paused.png", down_to="#jobs-per-type")
+
+    listed.locator("a.jobs-resume").click()
+    page.wait_for_selector("#confirm-resume")
+    page.click("#confirm-resume")
+    page.wait_for_selector(".messagelist")
+    assert "Resumed job type jobapp.ping.v1" in page.inner_text(".messagelist")
+    assert page.locator("tr[data-pause='job_type:jobapp.ping.v1']").count() == 0
+    assert page.locator("tr[data-type='jobapp.ping.v1']").get_attribute("class") is None
+
+    assert list(Pause.objects.values_list("kind", "value")) == [("tenant", "acme")]
+    assert sorted(LogEntry.objects.values_list("change_message", flat=True)) == [
+        "Paused via the admin: INC-7: the ping upstream is down",
+        "Resumed via the admin",
+    ]
+
+
+def test_an_operator_cancels_a_running_job_and_reads_its_attempts(
+    live_server, chromium, monkeypatch
+):
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    operator(
+        "ops", "jobs.view_job", "jobs.cancel_job", "jobs.view_process", password="correct horse"
+    )
+    job = JobFactory(
+        running=True,
+        name="jobapp.ping.v1",
+        job_id="invoice-42",
+        attempts=3,
+        attempt_log=two_attempts(ago(minutes=6)),  # two earlier attempts, then this one
+        claimed_by=WORKER,
+        started_at=ago(seconds=42),
+    )
+    seed_processes()
+    page = log_in(chromium, live_server, "ops", f"/admin/jobs/job/{job.pk}/change/")
+    timeline = page.locator("#attempt-timeline tbody")
+    assert timeline.count() == 3
+    assert timeline.nth(2).locator(".jobs-badge").inner_text() == "running"
+    assert "running for" in timeline.nth(2).inner_text()
+
+    page.click("#cancel-job")
+    page.wait_for_selector("#confirm-cancel")
+    assert "next lease renewal" in page.inner_text("#cancel-effects")
+    shot(page.locator("#content"), "cancel-confirmation.png")
+    page.click("#confirm-cancel")
+
+    page.wait_for_selector("#cancel-requested")
+    page.click("#toggle-nav-sidebar")  # the room a wide timeline needs, as an operator would
+    assert "Cancel requested by ops at" in page.inner_text("#cancel-requested")
+    assert page.locator("#cancel-job").count() == 0
+    page.locator("#attempt-timeline details summary").first.click()  # unfold an error
+    assert page.locator("#attempt-timeline details[open]").count() == 1
+    shot(page, "job-attempts-cancel.png", down_to="#attempt-timeline")
+    row = Job.objects.get(pk=job.pk)
+    assert (row.state, row.cancel_requested_by) == (RunState.RUNNING, "ops")
+    assert LogEntry.objects.get().change_message == "Asked to stop (running) via the admin job page"
+
+    page.goto(f"{live_server.url}/admin/jobs/job/overview/")
+    page.click("#processes-link")
+    page.wait_for_selector("#result_list")
+    assert page.locator("#result_list tbody tr").count() == 3
+    assert WORKER in page.inner_text("#result_list")
+    shot(page, "processes.png")
