@@ -40,16 +40,16 @@ from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from jobs import queue
-from jobs.control import cancels
+from jobs.control import cancels, pauses
 from jobs.control.checks import check_run_tables
 from jobs.control.failures import MAX_ROWS
 from jobs.control.replays import REPLAY_ALL_LIMIT
 from jobs.models import Job, JobHistory, Pause, Process, TenantOverride
 from jobs.monitor import attempts, overview, views
-from jobs.monitor.cancels import ELIGIBLE, cancel_url, cancel_view, effects
+from jobs.monitor.cancels import ELIGIBLE, cancel_url, cancel_view, effects, eligible
 from jobs.monitor.display import second
 from jobs.monitor.modeladmin import InputFilter, RunTableAdmin
-from jobs.monitor.pauses import PauseAdmin
+from jobs.monitor.pauses import PauseAdmin, pause_links
 from jobs.monitor.processes import ProcessAdmin
 from jobs.registry import get_registry
 from jobs.runs import RunState
@@ -210,10 +210,9 @@ class JobAdmin(JobDisplay):
     @admin.action(permissions=["cancel"], description=_("Cancel selected jobs…"))
     def cancel_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
         """Queued jobs end now; running ones are asked to stop (jobs.control.cancels)."""
-        eligible = queryset.filter(ELIGIBLE)
         return self._queue_action(
             request,
-            eligible,
+            queryset.filter(ELIGIBLE),
             action="cancel_selected",
             title=_("Cancel jobs?"),
             act=self._cancel,
@@ -354,6 +353,15 @@ class JobAdmin(JobDisplay):
             *super().get_urls(),
         ]
 
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """The list, with *Pause…* for the job type, queue or tenant it is filtered by."""
+        extra = dict(extra_context or {})
+        if pauses.can_pause(request.user):
+            extra["pause_links"] = pause_links(request, self.admin_site.name)
+        return super().changelist_view(request, extra)
+
     def change_view(
         self,
         request: HttpRequest,
@@ -366,7 +374,7 @@ class JobAdmin(JobDisplay):
         job = self.get_object(request, object_id) if request.method == "GET" else None
         if job is not None:
             asked = job.cancel_requested_at
-            if cancels.can_cancel(request.user) and Job.objects.filter(ELIGIBLE, pk=job.pk):
+            if cancels.can_cancel(request.user) and eligible(job):
                 extra["cancel_url"] = cancel_url(self, job)
             if asked is not None:
                 extra["cancel_requested"] = {

@@ -28,6 +28,13 @@ from jobs.runs import RunState
 ELIGIBLE = Q(state=RunState.QUEUED) | Q(state=RunState.RUNNING, cancel_requested_at__isnull=True)
 
 
+def eligible(job: Job) -> bool:
+    """Whether a cancel would act on this job as loaded (:data:`ELIGIBLE` for one row)."""
+    return job.state == RunState.QUEUED or (
+        job.state == RunState.RUNNING and job.cancel_requested_at is None
+    )
+
+
 def effects(queued: int, running: int) -> list[str]:
     """What the confirming POST does to each kind of job, for the confirmation page."""
     notes = []
@@ -80,15 +87,15 @@ def cancel_view(
             request, done.summary(), messages.SUCCESS if acted else messages.WARNING
         )
         return HttpResponseRedirect(back)
-    eligible = Job.objects.filter(ELIGIBLE, pk=job.pk).exists()
+    acts = eligible(job)
     context: dict[str, Any] = {
         **model_admin.admin_site.each_context(request),
         "title": _("Cancel this job?"),
         "opts": model_admin.opts,
         "job": job,
-        "eligible": eligible,
+        "eligible": acts,
         "notes": effects(job.state == RunState.QUEUED, job.state == RunState.RUNNING)
-        if eligible
+        if acts
         else [],
         "asked": second(job.cancel_requested_at) if job.cancel_requested_at else "",
         "back": back,

@@ -299,6 +299,23 @@ class PauseAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return reverse(f"{self.admin_site.name}:jobs_pause_changelist")
 
 
+#: The jobs list's filters that name something a pause can hold back.
+FILTERS = (("name", PauseKind.JOB_TYPE), ("queue", PauseKind.QUEUE), ("tenant", PauseKind.TENANT))
+
+
+def pause_links(request: HttpRequest, site_name: str) -> list[tuple[str, str]]:
+    """*Pause…* links for the job type, queue and tenant the jobs list is filtered by."""
+    base = reverse(f"{site_name}:jobs_pause_add")
+    links = []
+    for param, kind in FILTERS:
+        value = (request.GET.get(param) or "").strip()
+        if value:
+            query = urlencode({"kind": kind, "value": value, "next": request.get_full_path()})
+            label = gettext("Pause %(what)s…") % {"what": what(kind, value)}
+            links.append((label, f"{base}?{query}"))
+    return links
+
+
 def what(kind: str, value: str) -> str:
     """How a pause is named to people: "job type email.send.v1", "queue bulk", "tenant acme"."""
     return f"{PauseKind(kind).label} {value}"

@@ -141,6 +141,16 @@ class TestPause:
         assert "button jobs-pause" not in overview and "button jobs-resume" not in overview
         assert paused() == [("job_type", TYPE)] and not LogEntry.objects.exists()
 
+    def test_the_jobs_list_offers_to_pause_what_it_is_filtered_by(self, pauser, viewer):
+        filtered = {"queue": "bulk", "tenant": "acme"}
+
+        body = pauser.get(JOBS, filtered).content.decode()
+
+        assert "Pause queue bulk…" in body and "Pause tenant acme…" in body
+        assert "?kind=queue&amp;value=bulk&amp;next=" in body
+        assert "jobs-pause-filter" not in pauser.get(JOBS).content.decode()
+        assert "jobs-pause-filter" not in viewer.get(JOBS, filtered).content.decode()
+
 
 class TestResume:
     def test_get_asks_first_then_the_confirming_post_resumes_once(self, pauser):
