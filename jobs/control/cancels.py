@@ -1,9 +1,10 @@
 """Cancel jobs as an operator: queued ones end at once, running ones are asked to stop.
 
 The admin and ``manage.py jobs cancel`` both come here. The operator needs the
-``jobs.cancel_job`` permission; the queue makes the changes (:func:`jobs.queue.cancel` for
-queued jobs, :func:`jobs.queue.cancel_running` for running ones, each a conditional update,
-so two operators at once act once) and every job acted on gets one ``LogEntry`` under the
+``jobs.cancel_job`` permission; the queue makes the changes in one conditional statement
+(:func:`jobs.queue.cancel_active`: queued jobs end, running ones are asked to stop; a job
+moving between the two meanwhile is handled in the state it reached, and two operators at
+once act once) and every job acted on gets one ``LogEntry`` under the
 operator, in the same transaction.
 """
 
@@ -83,8 +84,7 @@ def cancel(user: Operator, ids: Iterable[int], *, via: str) -> Cancelled:
     wanted = sorted(set(ids))
     by = user.get_username()
     with transaction.atomic():
-        ended = queue.cancel(wanted, by=by)
-        stopping = queue.cancel_running([i for i in wanted if i not in set(ended)], by=by)
+        ended, stopping = queue.cancel_active(wanted, by=by)
         for acted, message in ((ended, "Cancelled"), (stopping, "Asked to stop (running)")):
             if acted:
                 LogEntry.objects.log_actions(

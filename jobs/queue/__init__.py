@@ -36,7 +36,7 @@ from jobs.queue.maintenance import (
     requeue_expired,
     table_health,
 )
-from jobs.queue.operations import cancel, cancel_running, replay, run_now
+from jobs.queue.operations import cancel, cancel_active, cancel_running, replay, run_now
 from jobs.queue.outcomes import complete, fail, record, release, retry
 from jobs.queue.pauses import pause, paused, resume
 from jobs.queue.types import (
@@ -88,6 +88,7 @@ __all__ = [
     "attempts",
     "backlog",
     "cancel",
+    "cancel_active",
     "cancel_running",
     "claim",
     "claim_sql",

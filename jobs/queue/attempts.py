@@ -9,7 +9,7 @@ clears the columns; an attempt that ends the job writes nothing more. The common
 once, costs no extra byte, and the log moves to the history table and is pruned with its job,
 as Oban's ``errors`` and River's ``errors``/``attempted_by`` do. An entry::
 
-    {"attempt": 2, "started_at": "…", "ended_at": "…", "worker": "host:pid",
+    {"attempt": 2, "started_at": "…", "ended_at": "…", "worker": "host:pid:nonce",
      "outcome": "retry", "code": "handler_error", "error": "Traceback …"}
 
 ``outcome`` is ``retry`` (back to the queue), ``lease_expired`` (nobody reported: the worker

@@ -285,8 +285,7 @@ def renew_leases(
             WHERE j.id IS NULL OR j.cancel_requested_at IS NOT NULL
             -- A beat that found no row: one row with no token says so.
             UNION ALL
-            SELECT NULL, FALSE, FALSE
-            WHERE %(beat_identity)s::text IS NOT NULL AND NOT EXISTS (SELECT 1 FROM beat)
+            SELECT NULL, FALSE, FALSE FROM beat_missed WHERE missed
             """,
             {
                 "ids": [job.id for job in jobs],
@@ -317,7 +316,8 @@ def next_attempt(
     here, fenced by the claim token and renewing the lease, so a worker that dies during the
     wait cannot let the job run past its ``max_attempts``. The attempt that ended is logged
     as a retry with ``code`` and ``detail``. Returns the job's attempts now, or None when the
-    lease was lost (the handler must not run again).
+    lease was lost or an operator asked the job to stop (the handler must not run again; a
+    renewal tells the two apart).
     """
     with _db.bound_cursor(using) as cur:
         cur.execute(
@@ -331,6 +331,7 @@ def next_attempt(
                 attempts.entry_sql(row="j", outcome="'retry'", code="%(code)s", error="%(detail)s")
             }
             WHERE j.id = %(id)s AND j.claim_token = %(token)s AND j.state = 'running'
+              AND j.cancel_requested_at IS NULL
             RETURNING j.attempts
             """,
             {

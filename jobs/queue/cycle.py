@@ -11,8 +11,8 @@ The statement is :mod:`jobs.queue.outcomes`' CTEs and :mod:`jobs.queue.claim`'s,
 their semantics (fencing, busy rows skipped, rows locked only as the claim's LIMIT pulls them)
 are theirs. A pass with nothing to write is the claim alone, one with nothing to claim the
 outcome write alone. The composed statement's result is the claimed rows, then one row that
-carries the claim tokens of the outcomes written and of those whose rows another session
-held locked.
+carries the claim tokens of the outcomes written, of those whose rows another session held
+locked, and of those written as cancelled because an operator had asked (with who asked).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ _REPORT_ROW = (
     "SELECT "
     + ", ".join(["NULL"] * _CLAIMED_COLUMNS)
     + ", (SELECT array_agg(token) FROM written), (SELECT array_agg(token) FROM busy)"
+    + ", (SELECT array_agg(token) FROM written WHERE stopped_by IS NOT NULL)"
+    + ", (SELECT array_agg(stopped_by) FROM written WHERE stopped_by IS NOT NULL)"
 )
 
 
@@ -62,14 +64,20 @@ def record_and_claim(
     ctes, update, params = parts
     sql = (
         f"WITH {OUTCOME_CTES},{ctes}, claimed AS ({update})\n"
-        f"SELECT *, NULL::uuid[], NULL::uuid[] FROM claimed\nUNION ALL\n{_REPORT_ROW}"
+        "SELECT *, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[] FROM claimed\n"
+        f"UNION ALL\n{_REPORT_ROW}"
     )
     with _db.bound_cursor(using) as cur:
         cur.execute(sql, {**outcome_params(outcomes, using), **params})
         rows = cur.fetchall()
     # Claimed rows always have an id; the report row has none.
     [report_row] = [row for row in rows if row[0] is None]
-    written, busy = report_row[-2] or [], report_row[-1] or []
-    report = outcome_report(outcomes, applied=set(written), busy=set(busy))
+    written, busy, stopped, by = (value or [] for value in report_row[-4:])
+    report = outcome_report(
+        outcomes,
+        applied=set(written),
+        busy=set(busy),
+        stopped_by=dict(zip(stopped, by, strict=True)),
+    )
     claimed = [row[:_CLAIMED_COLUMNS] for row in rows if row[0] is not None]
     return report, claimed_jobs(claimed)

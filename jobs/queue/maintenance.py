@@ -23,6 +23,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS
 from django.db.backends.utils import CursorWrapper
 
+from jobs import binding
 from jobs.conf import jobs_settings
 from jobs.queue import _db, attempts, history
 from jobs.queue.types import (
@@ -33,7 +34,7 @@ from jobs.queue.types import (
     SweepRow,
     TableHealth,
 )
-from jobs.runs import TERMINAL_STATES, ErrorCode
+from jobs.runs import TERMINAL_STATES, ErrorCode, RunState
 
 _NOW = "COALESCE(%(now)s::timestamptz, statement_timestamp())"
 # The attempt a dead or stalled worker never reported on, as its log entry (requeued jobs).
@@ -107,9 +108,10 @@ def fail_exhausted(
 ) -> list[SweepRow]:
     """Fail jobs that have no attempt left; claims never pick them.
 
-    A running job whose lease expired on its last attempt fails as ``lease_expired``; a
-    queued job at or over its limit (lowered since it was enqueued: pass the types' current
-    limits as ``max_attempts``) fails as ``attempts_exhausted``.
+    A running job whose lease expired on its last attempt fails as ``lease_expired`` (or
+    ends ``cancelled`` if an operator had asked it to stop); a queued job at or over its
+    limit (lowered since it was enqueued: pass the types' current limits as
+    ``max_attempts``) fails as ``attempts_exhausted``.
     """
     sql, params = fail_exhausted_sql(scope=scope, max_attempts=max_attempts, limit=limit, now=now)
     return _sweep(sql, params, using)
@@ -154,7 +156,8 @@ def fail_exhausted_sql(
              LIMIT %(limit)s)
         ),
         exhausted AS (
-            SELECT j.id FROM jobs_job j
+            SELECT j.id, j.state = 'running' AND j.cancel_requested_at IS NOT NULL AS asked
+            FROM jobs_job j
             WHERE j.id IN (SELECT id FROM candidates)
               AND ((j.state = 'running' AND j.lease_expires_at < {_NOW}
                     AND j.attempts >= j.max_attempts)
@@ -166,11 +169,17 @@ def fail_exhausted_sql(
             FOR UPDATE OF j SKIP LOCKED
         )
         UPDATE jobs_job j
-        SET last_error = CASE WHEN j.state = 'running' THEN %(expired)s ELSE %(exhausted)s END,
-            error_detail = CASE WHEN j.state = 'running'
+        SET last_error = CASE WHEN asked THEN %(cancelled)s
+                              WHEN j.state = 'running' THEN %(expired)s ELSE %(exhausted)s END,
+            error_detail = CASE
+                WHEN asked THEN 'cancelled by ' || j.cancel_requested_by
+                     || '; the lease expired while held by ' || j.claimed_by
+                WHEN j.state = 'running'
                 THEN 'lease expired on the last attempt while held by ' || j.claimed_by
                 ELSE 'no attempts left (' || j.attempts || ' used)' END,
-            state = 'failed', finished_at = {_NOW}, key_held = j.keyed,
+            -- An operator asked the dead worker's job to stop: it ends as asked.
+            state = CASE WHEN asked THEN 'cancelled' ELSE 'failed' END,
+            finished_at = {_NOW}, key_held = j.keyed,
             claim_token = NULL, lease_expires_at = NULL,
             -- The last attempt's worker stays with it (jobs.queue.attempts).
             claimed_by = CASE WHEN j.state = 'running' THEN j.claimed_by ELSE '' END
@@ -184,6 +193,7 @@ def fail_exhausted_sql(
         "now": now,
         "expired": ErrorCode.LEASE_EXPIRED,
         "exhausted": ErrorCode.ATTEMPTS_EXHAUSTED,
+        "cancelled": ErrorCode.CANCELLED,
         **scope_params,
     }
     return sql, params
@@ -404,4 +414,15 @@ def pending(
 def _sweep(sql: str, params: dict[str, Any], using: str) -> list[SweepRow]:
     with _db.cursor(using) as cur:
         cur.execute(sql, params)
-        return [SweepRow(*row) for row in cur.fetchall()]
+        rows = [SweepRow(*row) for row in cur.fetchall()]
+        stopped = [row.id for row in rows if row.state == RunState.CANCELLED]
+        if stopped:  # rare: jobs an operator asked to stop, whose worker died
+            cur.execute(
+                "SELECT id, cancel_requested_by FROM jobs_job WHERE id = ANY(%s)", [stopped]
+            )
+            by_whom: dict[str, list[int]] = {}
+            for id_, by in cur.fetchall():
+                by_whom.setdefault(by, []).append(id_)
+            for by, ids in by_whom.items():
+                binding.cancelled(ids, by=by, using=using)
+    return rows

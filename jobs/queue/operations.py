@@ -105,28 +105,32 @@ def replay(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> Rep
     )
 
 
+# Ends queued jobs and asks running ones to stop, in one statement: a job that moves between
+# the two states meanwhile (a retry, a hand-back) is re-read after its row lock and handled
+# in the state it reached, so it is never missed between two statements.
+_CANCEL = """
+UPDATE jobs_job
+SET state = CASE WHEN state = 'queued' THEN 'cancelled' ELSE state END,
+    key_held = CASE WHEN state = 'queued' THEN FALSE ELSE key_held END,
+    finished_at = CASE WHEN state = 'queued' THEN statement_timestamp() ELSE finished_at END,
+    last_error = CASE WHEN state = 'queued' THEN %(code)s ELSE last_error END,
+    error_detail = CASE WHEN state = 'queued' THEN 'cancelled by ' || %(by)s
+                        ELSE error_detail END,
+    cancel_requested_at = CASE WHEN state = 'running' THEN statement_timestamp()
+                               ELSE cancel_requested_at END,
+    cancel_requested_by = CASE WHEN state = 'running' THEN %(by)s ELSE cancel_requested_by END
+WHERE id = ANY(%(ids)s) AND state = ANY(%(states)s)
+  AND (state = 'queued' OR cancel_requested_at IS NULL)
+RETURNING id, state
+"""
+
+
 def cancel(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> list[int]:
     """Cancel queued jobs (running ones are left alone); their job_id is released at once.
 
     Rows of run tables bound to the jobs (``Policy(run_model=…)``) are cancelled with them.
     """
-    wanted = sorted(set(ids))
-    if not wanted:
-        return []
-    with transaction.atomic(using=using), _db.cursor(using) as cur:
-        cur.execute(
-            """
-            UPDATE jobs_job
-            SET state = 'cancelled', key_held = FALSE, finished_at = statement_timestamp(),
-                last_error = %(code)s, error_detail = 'cancelled by ' || %(by)s
-            WHERE id = ANY(%(ids)s) AND state = 'queued'
-            RETURNING id
-            """,
-            {"ids": wanted, "by": by, "code": ErrorCode.CANCELLED},
-        )
-        done = sorted(id_ for (id_,) in cur.fetchall())
-        binding.cancelled(done, by=by, using=using)
-        return done
+    return cancel_active(ids, by=by, running=False, using=using)[0]
 
 
 def cancel_running(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> list[int]:
@@ -140,20 +144,35 @@ def cancel_running(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS
     job ``cancelled`` instead of retrying it. An attempt that finished before its worker
     learned keeps its outcome (the work was done, or failed for good).
     """
+    return cancel_active(ids, by=by, queued=False, using=using)[1]
+
+
+def cancel_active(
+    ids: Iterable[int],
+    *,
+    by: str,
+    queued: bool = True,
+    running: bool = True,
+    using: str = DEFAULT_DB_ALIAS,
+) -> tuple[list[int], list[int]]:
+    """End the queued jobs among ``ids`` and ask the running ones to stop, in one statement.
+
+    Returns ``(ended, asked)``. See :func:`cancel` and :func:`cancel_running`.
+    """
     wanted = sorted(set(ids))
-    if not wanted:
-        return []
-    with _db.cursor(using) as cur:
+    states = [s for s, on in (("queued", queued), ("running", running)) if on]
+    if not wanted or not states:
+        return [], []
+    with transaction.atomic(using=using), _db.cursor(using) as cur:
         cur.execute(
-            """
-            UPDATE jobs_job
-            SET cancel_requested_at = statement_timestamp(), cancel_requested_by = %(by)s
-            WHERE id = ANY(%(ids)s) AND state = 'running' AND cancel_requested_at IS NULL
-            RETURNING id
-            """,
-            {"ids": wanted, "by": by[:150]},
+            _CANCEL,
+            {"ids": wanted, "states": states, "by": by[:150], "code": ErrorCode.CANCELLED},
         )
-        return sorted(id_ for (id_,) in cur.fetchall())
+        rows = cur.fetchall()
+        ended = sorted(id_ for id_, state in rows if state == "cancelled")
+        asked = sorted(id_ for id_, state in rows if state == "running")
+        binding.cancelled(ended, by=by, using=using)
+    return ended, asked
 
 
 def run_now(ids: Iterable[int], *, using: str = DEFAULT_DB_ALIAS) -> list[int]:

@@ -12,7 +12,7 @@ so a busy worker acknowledges in batches instead of one commit per job.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -56,6 +56,8 @@ written AS (
                          THEN COALESCE(o.at, statement_timestamp() + make_interval(secs => o.delay))
                          ELSE j.run_after END,
         finished_at = CASE WHEN f.state = 'queued' THEN NULL ELSE statement_timestamp() END,
+        -- A hand-back ran nothing: its claim is no attempt's start (jobs.queue.attempts).
+        started_at = CASE WHEN o.attempts_delta < 0 THEN NULL ELSE j.started_at END,
         last_error = CASE WHEN f.stopped THEN 'cancelled' ELSE COALESCE(o.code, j.last_error) END,
         error_detail = CASE WHEN f.stopped THEN """
     + _STOPPED_DETAIL
@@ -77,7 +79,7 @@ written AS (
     -- match the fresh one's row.
     FROM o JOIN free f ON f.id = o.id AND f.token = o.token
     WHERE j.id = o.id
-    RETURNING j.id, o.token
+    RETURNING j.id, o.token, CASE WHEN f.stopped THEN j.cancel_requested_by END AS stopped_by
 ),
 -- Held under their token but not written: another session holds the row locked.
 busy AS (
@@ -94,7 +96,7 @@ busy AS (
 _RECORD = (
     "WITH "
     + OUTCOME_CTES
-    + "SELECT token, TRUE FROM written UNION ALL SELECT token, FALSE FROM busy"
+    + "SELECT token, TRUE, stopped_by FROM written UNION ALL SELECT token, FALSE, NULL FROM busy"
 )
 
 # Error details are for people reading the admin; keep a runaway traceback from bloating rows.
@@ -114,8 +116,9 @@ def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> Out
         rows = cur.fetchall()
     return outcome_report(
         outcomes,
-        applied={token for token, written in rows if written},
-        busy={token for token, written in rows if not written},
+        applied={token for token, written, _ in rows if written},
+        busy={token for token, written, _ in rows if not written},
+        stopped_by={token: by for token, written, by in rows if written and by is not None},
     )
 
 
@@ -143,7 +146,11 @@ def outcome_params(outcomes: Sequence[Outcome], using: str) -> dict[str, list[An
 
 
 def outcome_report(
-    outcomes: Sequence[Outcome], *, applied: set[UUID], busy: set[UUID]
+    outcomes: Sequence[Outcome],
+    *,
+    applied: set[UUID],
+    busy: set[UUID],
+    stopped_by: Mapping[UUID, str] | None = None,
 ) -> OutcomeReport:
     """Which outcomes (by claim token) were written, fenced or busy, in the outcomes' order."""
     return OutcomeReport(
@@ -152,6 +159,7 @@ def outcome_report(
         busy=tuple(o.id for o in outcomes if o.token in busy),
         applied_tokens=frozenset(applied),
         busy_tokens=frozenset(busy),
+        stopped_by=dict(stopped_by or {}),
     )
 
 

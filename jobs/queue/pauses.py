@@ -19,6 +19,7 @@ from django.db import DEFAULT_DB_ALIAS, transaction
 from jobs.conf import NOTIFY_CHANNEL, jobs_settings
 from jobs.models import PauseKind
 from jobs.queue import _db, text
+from jobs.queue.types import validate_key
 
 # The claim's view of the table: what is paused, read once per claim statement. Empty arrays
 # when nothing is (``x <> ALL('{}')`` holds for every x).
@@ -54,14 +55,24 @@ class PauseRow:
 
 
 def validate(kind: str, value: str) -> None:
-    """Raise ValueError for a kind that is not one of :class:`~jobs.models.PauseKind`'s or a
-    value that could never name anything."""
+    """Raise ValueError for a kind that is not one of :class:`~jobs.models.PauseKind`'s, or a
+    name no job could carry (a pause that would pause nothing).
+
+    Queues and tenants follow enqueue's rules for them; a job type name is at most 200
+    characters with no space at either end (a pasted name with a trailing space would
+    otherwise report "paused" and pause nothing).
+    """
     if kind not in PauseKind.values:
         raise ValueError(f"cannot pause a {kind!r}: pause a {', '.join(PauseKind.values)}")
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"name the {kind} to pause")
+    if kind in (PauseKind.QUEUE, PauseKind.TENANT):
+        validate_key(value, f"a {kind} name")
+        return
     if len(value) > VALUE_MAX:
         raise ValueError(f"a {kind} name has at most {VALUE_MAX} characters")
+    if value != value.strip():
+        raise ValueError(f"a {kind} name does not start or end with a space, got {value!r}")
     if (why := text.problem(value)) is not None:
         raise ValueError(f"the {kind} name {why}")
 

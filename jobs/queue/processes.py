@@ -31,14 +31,28 @@ if TYPE_CHECKING:
     from jobs.models import Process
 
 # A CTE for statements that refresh the caller's process row along with their own work.
+# A CTE for statements that refresh the caller's process row along with their own work. A
+# row another session holds locked (an operator's open transaction) is skipped, never waited
+# for: the lease renewal it rides in must not stall on it. ``beat_missed`` is true only when
+# the row does not exist at all (pruned during a long stall), not when it was skipped.
 BEAT_CTE = """
+beat_row AS (
+    SELECT identity FROM jobs_process WHERE identity = %(beat_identity)s
+    FOR UPDATE SKIP LOCKED
+),
 beat AS (
-    UPDATE jobs_process
+    UPDATE jobs_process p
     SET last_seen_at = statement_timestamp(),
         expires_at = statement_timestamp() + make_interval(secs => %(beat_expires_in)s),
         held = %(beat_held)s, draining = %(beat_draining)s, leader = %(beat_leader)s
-    WHERE identity = %(beat_identity)s
+    FROM beat_row WHERE p.identity = beat_row.identity
     RETURNING 1
+),
+beat_missed AS (
+    SELECT %(beat_identity)s::text IS NOT NULL
+           AND NOT EXISTS (SELECT 1 FROM beat)
+           AND NOT EXISTS (SELECT 1 FROM jobs_process WHERE identity = %(beat_identity)s)
+           AS missed
 )"""
 
 State = Literal["ready", "draining", "gone"]
@@ -111,11 +125,14 @@ def register(
 
 
 def beat(beat: ProcessBeat, *, using: str = DEFAULT_DB_ALIAS) -> bool:
-    """Refresh the caller's row on its own (the scheduler); False when it has no row."""
+    """Refresh the caller's row on its own (the scheduler); False when it has no row.
+
+    A row another session holds locked is left as it is this time (and reported found).
+    """
     with _db.cursor(using) as cur:
-        cur.execute(f"WITH {BEAT_CTE} SELECT count(*) FROM beat", beat_params(beat))
-        found: int = cur.fetchone()[0]
-        return found > 0
+        cur.execute(f"WITH {BEAT_CTE} SELECT NOT missed FROM beat_missed", beat_params(beat))
+        found: bool = cur.fetchone()[0]
+        return found
 
 
 def unregister(identity: str, *, using: str = DEFAULT_DB_ALIAS) -> bool:

@@ -285,6 +285,9 @@ class OutcomeReport:
     busy: tuple[int, ...] = ()
     applied_tokens: frozenset[UUID] = frozenset()
     busy_tokens: frozenset[UUID] = frozenset()
+    # Outcomes written as ``cancelled`` because an operator had asked (jobs.queue.cancel):
+    # claim token -> who asked.
+    stopped_by: Mapping[UUID, str] = field(default_factory=dict)
 
     def was_applied(self, outcome: Outcome) -> bool:
         return outcome.token in self.applied_tokens
@@ -294,6 +297,22 @@ class OutcomeReport:
 
     def was_fenced(self, outcome: Outcome) -> bool:
         return not self.was_applied(outcome) and not self.was_busy(outcome)
+
+    def as_written(self, outcome: Outcome) -> Outcome:
+        """The outcome the row got: a retry or hand-back an operator had stopped ends cancelled.
+
+        Bound run rows follow this, not the outcome the worker sent.
+        """
+        by = self.stopped_by.get(outcome.token)
+        if by is None:
+            return outcome
+        return Outcome(
+            outcome.id,
+            outcome.token,
+            RunState.CANCELLED,
+            ErrorCode.CANCELLED,
+            f"cancelled while running, asked by {by}",
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,7 +140,7 @@ class Draining:
                 report = queue.release([r.job for r in handed])
                 sync_run_rows(
                     [
-                        (r, Outcome.released(r.job))
+                        (r, report.as_written(Outcome.released(r.job)))
                         for r in handed
                         if r.job.claim_token in report.applied_tokens
                     ]

@@ -131,8 +131,8 @@ def execute(
             return None
         if not interrupted:
             attempt = count_next_attempt(running, lease, verdict.otherwise)
-            if attempt is None:
-                return None
+            if attempt is None:  # lost, or asked to stop
+                return Outcome.cancelled(job) if running.cancel_requested else None
             if attempt:
                 continue
         return verdict.otherwise
@@ -297,7 +297,8 @@ def _wait_in_process(running: Running, delay: float, shutting_down: Callable[[],
 
 
 def count_next_attempt(running: Running, lease: timedelta | None, ended: Outcome) -> int | None:
-    """Record the next attempt before running it; None if fenced, 0 if it could not be saved.
+    """Record the next attempt before running it; None if fenced or asked to stop (then
+    ``running.cancel_requested`` is set), 0 if it could not be saved.
 
     ``ended`` is the retry the attempt that just ended would have been: its code and detail
     go to the attempt log.
@@ -316,11 +317,25 @@ def count_next_attempt(running: Running, lease: timedelta | None, ended: Outcome
         )
         return 0
     if attempt is None:
-        running.lost = True
+        if _cancel_asked(running, lease):
+            running.cancel_requested = True
+            ctx.cancelled.set()
+        else:
+            running.lost = True
         return None
     running.attempt = ctx.attempt = attempt
     ctx.started = time.monotonic()
     return attempt
+
+
+def _cancel_asked(running: Running, lease: timedelta | None) -> bool:
+    """Whether the job, refused its next attempt, is still ours and was asked to stop."""
+    try:
+        with dbbounds.local():
+            renewal = queue.renew_leases([running.job], lease=lease)
+    except Exception:  # unknown: treat it as lost, as a refused attempt always was
+        return False
+    return running.job.claim_token in renewal.cancel_requested
 
 
 def _succeeded(running: Running, result: Any) -> Outcome:

@@ -79,7 +79,7 @@ def _write_one(running: Running, outcome: Outcome) -> str:
     with transaction.atomic():
         report = queue.record([outcome])
         if report.applied:
-            sync_run_rows([(running, outcome)])
+            sync_run_rows([(running, report.as_written(outcome))])
     return "applied" if report.applied else "busy" if report.busy else "fenced"
 
 

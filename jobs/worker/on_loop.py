@@ -125,8 +125,8 @@ async def execute_on_loop(
                     attempt = await loop.run_in_executor(
                         thread, partial(count_next_attempt, running, lease, verdict.otherwise)
                     )
-                    if attempt is None:
-                        return None
+                    if attempt is None:  # lost, or asked to stop
+                        return Outcome.cancelled(job) if running.cancel_requested else None
                     if attempt:
                         continue
                 return verdict.otherwise

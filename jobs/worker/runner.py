@@ -265,7 +265,9 @@ class Worker(Draining):
         if any(r.job_type.policy.run_model is not None for r, _ in outcomes):
             with transaction.atomic():
                 report = queue.record([o for _, o in outcomes])
-                sync_run_rows([(r, o) for r, o in outcomes if report.was_applied(o)])
+                sync_run_rows(
+                    [(r, report.as_written(o)) for r, o in outcomes if report.was_applied(o)]
+                )
                 claimed = self._claim(requests) if requests else []
             return report, claimed
         with self._lock:

@@ -74,7 +74,10 @@ class TestPause:
             ("host", "x", "cannot pause a 'host'"),
             ("queue", "", "name the queue"),
             ("queue", "   ", "name the queue"),
-            ("tenant", "x" * 201, "at most 200"),
+            ("tenant", "x" * 65, "1-64 characters"),
+            ("queue", "emails ", "1-64 characters"),
+            ("job_type", "x" * 201, "at most 200"),
+            ("job_type", "shop.send.v1 ", "does not start or end with a space"),
             ("job_type", "a\x00b", "job_type name"),
         ],
     )

@@ -104,6 +104,8 @@ class Command(BaseCommand):
         user = _staff(options["user"])
         if bool(options["ids"]) == options["all"]:
             raise CommandError("give either job ids or --all with filters, not both or neither")
+        if options["limit"] < 1:
+            raise CommandError(f"--limit must be at least 1, got {options['limit']}")
         if options["all"]:
             rows = cancels.matching(
                 job_type=options["job_type"],
@@ -111,7 +113,7 @@ class Command(BaseCommand):
                 queue_name=options["queue"],
                 state=options["state"],
             )
-            ids = list(rows.values_list("pk", flat=True)[: max(1, options["limit"])])
+            ids = list(rows.values_list("pk", flat=True)[: options["limit"]])
             self.stdout.write(f"{rows.count()} active jobs match; taking {len(ids)}.")
         else:
             ids = options["ids"]
