@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from jobs.control import (
@@ -24,6 +23,7 @@ from jobs.control import (
     run_tables,
     summary,
 )
+from jobs.control.operators import staff_user
 from jobs.runs import RunState
 
 
@@ -95,11 +95,6 @@ class Command(BaseCommand):
 
     def _user(self, username: str) -> Any:
         try:
-            user = get_user_model()._default_manager.get_by_natural_key(username)
-        except get_user_model().DoesNotExist:
-            raise CommandError(f"no user {username!r}") from None
-        if not user.is_active:
-            raise CommandError(f"user {username!r} is not active")
-        if not user.is_staff:
-            raise CommandError(f"user {username!r} is not staff: only staff may replay")
-        return user
+            return staff_user(username)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
