@@ -295,3 +295,50 @@ def test_an_operator_cancels_a_running_job_and_reads_its_attempts(
     assert page.locator("#result_list tbody tr").count() == 3
     assert WORKER in page.inner_text("#result_list")
     shot(page, "processes.png")
+
+
+def test_an_operator_without_the_permissions_sees_no_controls_and_cannot_post(
+    live_server, chromium, monkeypatch
+):
+    """A viewer gets no Pause or Cancel controls, and forged POSTs are refused: without the
+    permission (403), and without the page's CSRF token (403) even for one who has it."""
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    operator("viewer", "jobs.view_job", "jobs.view_pause", password="correct horse")
+    operator("ops", "jobs.view_job", "jobs.pause_work", "jobs.cancel_job", password="correct horse")
+    job = JobFactory(running=True, name="jobapp.ping.v1")
+    page = log_in(chromium, live_server, "viewer", "/admin/jobs/job/overview/")
+    assert page.locator("a.jobs-pause").count() == 0
+    page.goto(f"{live_server.url}/admin/jobs/job/{job.pk}/change/")
+    assert page.locator("#cancel-job").count() == 0
+
+    def post(page, path: str, with_token: bool) -> int:
+        return page.evaluate(
+            """async ([path, withToken]) => {
+                const body = new URLSearchParams({post: "yes", kind: "job_type",
+                                                  value: "jobapp.ping.v1"});
+                if (withToken) {
+                    const cookies = document.cookie.split("; ");
+                    const cookie = cookies.find(c => c.startsWith("csrftoken="));
+                    body.set("csrfmiddlewaretoken", cookie.split("=")[1]);
+                }
+                const response = await fetch(path, {method: "POST", body});
+                return response.status;
+            }""",
+            [path, with_token],
+        )
+
+    cancel = f"/admin/jobs/job/{job.pk}/cancel/"
+    add_pause = "/admin/jobs/pause/add/"
+    assert post(page, cancel, with_token=True) == 403  # no jobs.cancel_job
+    assert post(page, add_pause, with_token=True) == 403  # no jobs.pause_work
+
+    ops = log_in(chromium, live_server, "ops", f"/admin/jobs/job/{job.pk}/change/")
+    assert post(ops, cancel, with_token=False) == 403  # the permission, but no CSRF token
+    assert post(ops, add_pause, with_token=False) == 403
+    assert Job.objects.get(pk=job.pk).cancel_requested_at is None
+    assert not Pause.objects.exists() and not LogEntry.objects.exists()
+
+    # The same POST with the page's token and the permission acts (and is recorded).
+    assert post(ops, add_pause, with_token=True) == 200  # after the redirect
+    assert list(Pause.objects.values_list("value", "paused_by")) == [("jobapp.ping.v1", "ops")]
+    assert LogEntry.objects.get().user.username == "ops"
