@@ -120,7 +120,12 @@ class Demo:
         }
 
     def wait_until_gone(self, *, postgres: bool = True) -> None:
-        wait_for(lambda: not self.processes(postgres=postgres), timeout=30, what="the demo stopped")
+        try:
+            wait_for(lambda: not self.processes(postgres=postgres), timeout=30, what="stopped")
+        except AssertionError:
+            left = "\n".join(f"  {pid}: {cmd}" for pid, cmd in self.processes().items())
+            message = f"the demo did not stop within 30s; still running:\n{left}"
+            raise AssertionError(message) from None
 
     def kill(self) -> None:
         """Teardown: whatever this demo left behind, by pid."""
