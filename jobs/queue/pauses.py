@@ -3,8 +3,8 @@
 The claim reads the table in its own statement (:data:`PAUSED_CTE`), so a pause holds on
 every worker of every host from the moment it commits, and a worker keeps no pause state in
 memory. A paused job type drops out of the claim's requests before any row is read; a paused
-queue or tenant is a filter on the rows a claim reads (see docs/operations.md for what that
-costs when the paused rows lie ahead of the ones that may run). Paused jobs stay ``queued``:
+queue or tenant is a filter on the rows a claim reads (docs/operator-controls.md says what
+that costs when the paused rows lie ahead of the ones that may run). Paused jobs stay ``queued``:
 their backlog is visible and keeps growing, and jobs already running finish normally.
 Resuming notifies the workers that run the affected job types, so idle ones claim at once.
 """
