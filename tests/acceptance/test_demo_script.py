@@ -70,6 +70,10 @@ class Demo:
             cwd=ROOT,
             env=env,
             start_new_session=True,  # a process group of its own, like a terminal's job
+            # As a terminal starts it: a test run launched in the background (nohup, `&` in a
+            # script) passes on SIGHUP and SIGINT ignored, and a shell cannot trap a signal
+            # it was started ignoring, so the demo would never see the Ctrl-C under test.
+            preexec_fn=_default_stop_signals,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=open(tmp_path / "demo.err", "w"),  # noqa: SIM115 - lives as long as the demo
@@ -133,6 +137,11 @@ class Demo:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait(10)
+
+
+def _default_stop_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def free_port() -> int:
