@@ -12,7 +12,8 @@ their semantics (fencing, busy rows skipped, rows locked only as the claim's LIM
 are theirs. A pass with nothing to write is the claim alone, one with nothing to claim the
 outcome write alone. The composed statement's result is the claimed rows, then one row that
 carries the claim tokens of the outcomes written, of those whose rows another session held
-locked, and of those written as cancelled because an operator had asked (with who asked).
+locked, and of those written as cancelled because an operator had asked (with the error
+detail written).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ _REPORT_ROW = (
     "SELECT "
     + ", ".join(["NULL"] * _CLAIMED_COLUMNS)
     + ", (SELECT array_agg(token) FROM written), (SELECT array_agg(token) FROM busy)"
-    + ", (SELECT array_agg(token) FROM written WHERE stopped_by IS NOT NULL)"
-    + ", (SELECT array_agg(stopped_by) FROM written WHERE stopped_by IS NOT NULL)"
+    + ", (SELECT array_agg(token) FROM written WHERE stopped IS NOT NULL)"
+    + ", (SELECT array_agg(stopped) FROM written WHERE stopped IS NOT NULL)"
 )
 
 
@@ -72,12 +73,12 @@ def record_and_claim(
         rows = cur.fetchall()
     # Claimed rows always have an id; the report row has none.
     [report_row] = [row for row in rows if row[0] is None]
-    written, busy, stopped, by = (value or [] for value in report_row[-4:])
+    written, busy, stopped, details = (value or [] for value in report_row[-4:])
     report = outcome_report(
         outcomes,
         applied=set(written),
         busy=set(busy),
-        stopped_by=dict(zip(stopped, by, strict=True)),
+        stopped=dict(zip(stopped, details, strict=True)),
     )
     claimed = [row[:_CLAIMED_COLUMNS] for row in rows if row[0] is not None]
     return report, claimed_jobs(claimed)

@@ -79,7 +79,7 @@ written AS (
     -- match the fresh one's row.
     FROM o JOIN free f ON f.id = o.id AND f.token = o.token
     WHERE j.id = o.id
-    RETURNING j.id, o.token, CASE WHEN f.stopped THEN j.cancel_requested_by END AS stopped_by
+    RETURNING j.id, o.token, CASE WHEN f.stopped THEN j.error_detail END AS stopped
 ),
 -- Held under their token but not written: another session holds the row locked.
 busy AS (
@@ -96,7 +96,7 @@ busy AS (
 _RECORD = (
     "WITH "
     + OUTCOME_CTES
-    + "SELECT token, TRUE, stopped_by FROM written UNION ALL SELECT token, FALSE, NULL FROM busy"
+    + "SELECT token, TRUE, stopped FROM written UNION ALL SELECT token, FALSE, NULL FROM busy"
 )
 
 # Error details are for people reading the admin; keep a runaway traceback from bloating rows.
@@ -118,7 +118,9 @@ def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> Out
         outcomes,
         applied={token for token, written, _ in rows if written},
         busy={token for token, written, _ in rows if not written},
-        stopped_by={token: by for token, written, by in rows if written and by is not None},
+        stopped={
+            token: detail for token, written, detail in rows if written and detail is not None
+        },
     )
 
 
@@ -150,7 +152,7 @@ def outcome_report(
     *,
     applied: set[UUID],
     busy: set[UUID],
-    stopped_by: Mapping[UUID, str] | None = None,
+    stopped: Mapping[UUID, str] | None = None,
 ) -> OutcomeReport:
     """Which outcomes (by claim token) were written, fenced or busy, in the outcomes' order."""
     return OutcomeReport(
@@ -159,7 +161,7 @@ def outcome_report(
         busy=tuple(o.id for o in outcomes if o.token in busy),
         applied_tokens=frozenset(applied),
         busy_tokens=frozenset(busy),
-        stopped_by=dict(stopped_by or {}),
+        stopped=dict(stopped or {}),
     )
 
 

@@ -286,8 +286,8 @@ class OutcomeReport:
     applied_tokens: frozenset[UUID] = frozenset()
     busy_tokens: frozenset[UUID] = frozenset()
     # Outcomes written as ``cancelled`` because an operator had asked (jobs.queue.cancel):
-    # claim token -> who asked.
-    stopped_by: Mapping[UUID, str] = field(default_factory=dict)
+    # claim token -> the error detail written.
+    stopped: Mapping[UUID, str] = field(default_factory=dict)
 
     def was_applied(self, outcome: Outcome) -> bool:
         return outcome.token in self.applied_tokens
@@ -303,16 +303,10 @@ class OutcomeReport:
 
         Bound run rows follow this, not the outcome the worker sent.
         """
-        by = self.stopped_by.get(outcome.token)
-        if by is None:
+        detail = self.stopped.get(outcome.token)
+        if detail is None:
             return outcome
-        return Outcome(
-            outcome.id,
-            outcome.token,
-            RunState.CANCELLED,
-            ErrorCode.CANCELLED,
-            f"cancelled while running, asked by {by}",
-        )
+        return Outcome(outcome.id, outcome.token, RunState.CANCELLED, ErrorCode.CANCELLED, detail)
 
 
 @dataclass(frozen=True, slots=True)
