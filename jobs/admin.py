@@ -45,7 +45,7 @@ from jobs.control.checks import check_run_tables
 from jobs.control.failures import MAX_ROWS
 from jobs.control.replays import REPLAY_ALL_LIMIT
 from jobs.models import Job, JobHistory, Pause, Process, TenantOverride
-from jobs.monitor import attempts, overview, views
+from jobs.monitor import attempts, overview, performance, schedules, views
 from jobs.monitor.cancels import ELIGIBLE, cancel_url, cancel_view, effects, eligible
 from jobs.monitor.display import second
 from jobs.monitor.modeladmin import InputFilter, RunTableAdmin
@@ -350,6 +350,8 @@ class JobAdmin(JobDisplay):
             path("monitor/groups/", wrap(views.groups), name="jobs_monitor_groups"),
             path("monitor/replay/", wrap(views.replay_view), name="jobs_monitor_replay"),
             path("overview/", wrap(overview.overview), name="jobs_overview"),
+            *performance.urls(wrap),
+            *schedules.urls(wrap),
             *super().get_urls(),
         ]
 

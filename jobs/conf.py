@@ -80,6 +80,10 @@ DEFAULTS: dict[str, Any] = {
     # A process row (jobs_process) whose process stopped beating is shown as gone, then deleted
     # this long after it went gone, by the scheduler's retention pass.
     "PROCESS_RETENTION": timedelta(hours=1),
+    # The console's history (jobs_rollup, jobs_backlogsample: counts, run times and queue
+    # latencies per minute, folded to hours after two hours) is kept this long, by the
+    # scheduler's retention pass. Much longer than job rows, at a few rows per type and hour.
+    "ROLLUP_RETENTION": timedelta(days=30),
 }
 
 DURATION_KEYS = frozenset(key for key, value in DEFAULTS.items() if isinstance(value, timedelta))
@@ -130,6 +134,7 @@ class JobsSettings:
     DB_NETWORK_TIMEOUT: timedelta
     SLOT_RETENTION: timedelta
     PROCESS_RETENTION: timedelta
+    ROLLUP_RETENTION: timedelta
 
     def __init__(self) -> None:
         self._cache: dict[str, Any] = {}

@@ -289,13 +289,16 @@ class PauseKind(models.TextChoices):
     JOB_TYPE = "job_type", _("job type")
     QUEUE = "queue", _("queue")
     TENANT = "tenant", _("tenant")
+    SCHEDULE = "schedule", _("schedule")
 
 
 class Pause(models.Model):
-    """A paused job type, queue or tenant: no worker claims its jobs until the row is deleted.
+    """A paused job type, queue, tenant or schedule, until the row is deleted.
 
-    The claim reads this table in the same statement, so a pause holds on every worker of
-    every host from its commit on. Written only by :mod:`jobs.queue`.
+    No worker claims a paused type's, queue's or tenant's jobs: the claim reads this table in
+    the same statement, so a pause holds on every worker of every host from its commit on. A
+    paused schedule fires no slot: the scheduler's tick reads the table. Written only by
+    :mod:`jobs.queue`.
     """
 
     kind = models.CharField(_("kind"), max_length=16, choices=PauseKind.choices)
@@ -307,7 +310,9 @@ class Pause(models.Model):
     class Meta:
         verbose_name = _("pause")
         verbose_name_plural = _("pauses")
-        permissions = [("pause_work", _("Can pause and resume job types, queues and tenants"))]
+        permissions = [
+            ("pause_work", _("Can pause and resume job types, queues, tenants and schedules"))
+        ]
         constraints = [
             models.UniqueConstraint(fields=["kind", "value"], name="jobs_pause_once"),
             models.CheckConstraint(
@@ -383,6 +388,7 @@ class ScheduleSlot(models.Model):
     class Meta:
         verbose_name = _("schedule slot")
         verbose_name_plural = _("schedule slots")
+        permissions = [("run_schedule", _("Can run a schedule's job now, outside its slots"))]
         constraints = [
             models.UniqueConstraint(fields=["schedule", "slot"], name="jobs_scheduleslot_once"),
             models.CheckConstraint(
@@ -397,3 +403,85 @@ class ScheduleSlot(models.Model):
 
     def __str__(self) -> str:
         return f"{self.schedule} @ {self.slot.isoformat()} ({self.kind})"
+
+
+class HistogramField(models.Field):  # type: ignore[type-arg]
+    """A PostgreSQL ``integer[]`` of bucket counts, without ``django.contrib.postgres``.
+
+    psycopg reads and writes Python lists of ints as arrays; only :mod:`jobs.queue.rollup`
+    writes these columns, in SQL.
+    """
+
+    description = "Histogram bucket counts (integer[])"
+
+    def db_type(self, connection: Any) -> str:
+        return "integer[]"
+
+
+class RollupOutcome(models.TextChoices):
+    SUCCEEDED = "succeeded", _("succeeded")
+    FAILED = "failed", _("failed")
+    CANCELLED = "cancelled", _("cancelled")
+    RETRIED = "retried", _("retried")
+
+
+class Rollup(models.Model):
+    """Finished attempts counted per period, job type, outcome and error code.
+
+    The history the console charts, kept after the job rows are pruned. Minute rows are added
+    to by the statements that write outcomes, one row per writing session (``shard``, its
+    backend pid) so that concurrent workers never wait on each other's row; the scheduler's
+    retention folds minute rows into hour rows (``shard`` 0) and deletes hour rows after
+    ``ROLLUP_RETENTION``. Run and wait times are histograms over :data:`jobs.queue.rollup.BOUNDS`.
+    Written only by :mod:`jobs.queue.rollup`.
+    """
+
+    pk = models.CompositePrimaryKey("period", "width", "name", "outcome", "code", "shard")
+    period = models.DateTimeField(_("period"), help_text=_("When the period starts."))
+    width = models.IntegerField(_("width"), help_text=_("The period's length in seconds."))
+    name = models.CharField(_("job type"), max_length=200)
+    outcome = models.CharField(_("outcome"), max_length=16, choices=RollupOutcome.choices)
+    code = models.CharField(_("error code"), max_length=32, blank=True, default="")
+    shard = models.IntegerField(_("shard"))
+    count = models.BigIntegerField(_("attempts"))
+    run_seconds = models.FloatField(_("run time, total"))
+    wait_seconds = models.FloatField(_("queue latency, total"))
+    run_histogram = HistogramField(_("run time histogram"))
+    wait_histogram = HistogramField(_("queue latency histogram"))
+
+    class Meta:
+        verbose_name = _("rollup")
+        verbose_name_plural = _("rollups")
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(outcome__in=RollupOutcome.values), name="jobs_rollup_outcome_valid"
+            ),
+            models.CheckConstraint(condition=Q(width__gt=0), name="jobs_rollup_width_positive"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.outcome} @ {self.period.isoformat()} ({self.count})"
+
+
+class BacklogSample(models.Model):
+    """Queued and due jobs of one type, sampled by the scheduler's gauges duty once a minute.
+
+    Minute samples are folded into hour samples (the hour's largest) by the retention pass,
+    and hour samples deleted after ``ROLLUP_RETENTION``. Written only by
+    :mod:`jobs.queue.rollup`.
+    """
+
+    pk = models.CompositePrimaryKey("period", "width", "name")
+    period = models.DateTimeField(_("period"))
+    width = models.IntegerField(_("width"))
+    name = models.CharField(_("job type"), max_length=200)
+    queued = models.BigIntegerField(_("queued"))
+    due = models.BigIntegerField(_("due"))
+    oldest_due_seconds = models.FloatField(_("oldest due, waited"), null=True, blank=True)
+
+    class Meta:
+        verbose_name = _("backlog sample")
+        verbose_name_plural = _("backlog samples")
+
+    def __str__(self) -> str:
+        return f"{self.name} @ {self.period.isoformat()}: {self.queued}"

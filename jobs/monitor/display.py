@@ -6,6 +6,7 @@ from datetime import datetime
 
 from django.utils import timezone
 from django.utils.formats import date_format
+from django.utils.translation import gettext as _
 
 
 def second(value: datetime | None) -> str:
@@ -37,3 +38,26 @@ def span(seconds: float | None) -> str:
     if seconds < 60:
         return f"{seconds:.1f}s"
     return duration(seconds)
+
+
+def relative(value: datetime, now: datetime) -> str:
+    """How long ago ``value`` was at ``now`` ("3 min ago", "just now"), or how far ahead."""
+    seconds = (now - value).total_seconds()
+    if abs(seconds) < 1:
+        return _("just now")
+    amount = _amount(abs(seconds))
+    if seconds > 0:
+        return _("%(amount)s ago") % {"amount": amount}
+    return _("in %(amount)s") % {"amount": amount}
+
+
+def _amount(seconds: float) -> str:
+    """A rounded amount of time: "12 s", "3 min", "5 h", "2 d"."""
+    whole = int(seconds)
+    if whole < 60:
+        return _("%(n)d s") % {"n": whole}
+    if whole < 3600:
+        return _("%(n)d min") % {"n": whole // 60}
+    if whole < 86400:
+        return _("%(n)d h") % {"n": whole // 3600}
+    return _("%(n)d d") % {"n": whole // 86400}

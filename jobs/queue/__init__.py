@@ -24,7 +24,7 @@ The worker, the scheduler, the admin and management commands call these function
 them writes the jobs table itself.
 """
 
-from jobs.queue import attempts, history, pauses, processes
+from jobs.queue import attempts, history, pauses, processes, rollup
 from jobs.queue.claim import claim, claim_sql, next_attempt, renew, renew_leases, renew_tokens
 from jobs.queue.cycle import record_and_claim
 from jobs.queue.enqueue import enqueue, enqueue_many
@@ -115,6 +115,7 @@ __all__ = [
     "requeue_expired",
     "resume",
     "retry",
+    "rollup",
     "run_now",
     "table_health",
 ]

@@ -1,0 +1,491 @@
+"""The console's history: finished attempts per minute, and the backlog sampled per minute.
+
+Job rows are pruned within hours; an operator asking "what happened last week" needs counts
+that outlive them. Two small tables keep them (``jobs_rollup``, ``jobs_backlogsample``), and
+this module owns every statement on both.
+
+**Writing.** The statement that writes outcomes adds to the rollup in the same statement
+(:func:`cte`, a data-modifying CTE over the rows it wrote): one upsert per job type, outcome
+and error code of the batch, never one per job, and only for rows the write really changed (a
+fenced outcome counts nothing). Each writing session adds to its own row (``shard`` is its
+backend pid), so workers finishing the same type in the same minute never wait on each other.
+A hand-back (an attempt returned untried at shutdown) ran nothing and is not counted.
+
+**What a row holds.** Attempts counted per outcome (``succeeded``, ``failed``, ``cancelled``,
+``retried``) and error code, the total run and queue-latency seconds, and both as histograms
+over :data:`BOUNDS`: 45 buckets a factor √2 wide from 1 ms to 50 min, so a quantile read from
+them is within about ±20 % (:meth:`Distribution.quantile`). Queue latency is the attempt's
+start minus the time it became due, as the claim computes it.
+
+**Compaction** (:func:`compact`, the scheduler's retention pass): minute rows older than
+:data:`SHARD_FOLD_AFTER` are folded into one row per minute (shard 0); minute rows older than
+:data:`MINUTES_KEPT` into hour rows; hour rows are deleted after ``ROLLUP_RETENTION``. A read
+adds up whatever rows exist, so every stage of folding gives the same answers.
+
+**Backlog.** The scheduler's gauges duty, which counts the backlog anyway, records one sample
+per type and minute (:func:`record_backlog`); compaction keeps each hour's largest.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import Counter
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from jobs.conf import jobs_settings
+
+#: Upper bounds (seconds) of the histogram buckets; bucket ``i`` holds values in
+#: ``[BOUNDS[i-1], BOUNDS[i])``, bucket 0 values below 1 ms, the last values from ~50 min.
+BOUNDS: tuple[float, ...] = tuple(0.001 * 2 ** (k / 2) for k in range(44))
+BUCKETS = len(BOUNDS) + 1
+
+#: Minute rows this old are folded into one row per minute (every shard into shard 0).
+SHARD_FOLD_AFTER = timedelta(minutes=2)
+#: Minute rows this old are folded into hour rows. Charts with minute bins reach this far back.
+MINUTES_KEPT = timedelta(hours=2)
+MINUTE = 60
+HOUR = 3600
+
+
+@dataclass(frozen=True, slots=True)
+class Distribution:
+    """A histogram over :data:`BOUNDS`: how many values fell in each bucket."""
+
+    counts: tuple[int, ...] = (0,) * BUCKETS
+
+    @property
+    def n(self) -> int:
+        return sum(self.counts)
+
+    def __add__(self, other: Distribution) -> Distribution:
+        return Distribution(tuple(a + b for a, b in zip(self.counts, other.counts, strict=True)))
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile (0 < q ≤ 1) in seconds, interpolated within its bucket; None if
+        empty. Geometric interpolation in a √2-wide bucket is off by at most about 20 %."""
+        if not 0 < q <= 1:
+            raise ValueError(f"a quantile is in (0, 1], got {q!r}")
+        total = self.n
+        if total == 0:
+            return None
+        rank = q * total
+        seen = 0
+        for index, count in enumerate(self.counts):
+            if count and seen + count >= rank:
+                share = (rank - seen) / count
+                if index == 0:
+                    return BOUNDS[0] * share
+                low = BOUNDS[index - 1]
+                if index == len(BOUNDS):  # the open last bucket: its lower bound
+                    return low
+                return low * math.pow(BOUNDS[index] / low, share)
+            seen += count
+        return BOUNDS[-1]  # pragma: no cover - the loop always returns for total > 0
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Distribution:
+        """The histogram of ``values`` (seconds), bucketed as PostgreSQL's width_bucket does."""
+        counts = [0] * BUCKETS
+        for value in values:
+            counts[bisect.bisect_right(BOUNDS, value)] += 1
+        return cls(tuple(counts))
+
+
+@dataclass(frozen=True, slots=True)
+class Bin:
+    """Attempts of one job type, outcome and error code that ended in one time bin."""
+
+    start: datetime
+    name: str
+    outcome: str
+    code: str
+    count: int
+    run_seconds: float  # total
+    wait_seconds: float  # total
+    run: Distribution = field(default_factory=Distribution)
+    wait: Distribution = field(default_factory=Distribution)
+
+
+@dataclass(frozen=True, slots=True)
+class BacklogPoint:
+    """The largest backlog of one job type sampled in one time bin."""
+
+    start: datetime
+    name: str
+    queued: int
+    due: int
+    oldest_due_seconds: float | None
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+_BOUNDS_SQL = "'{" + ",".join(repr(b) for b in BOUNDS) + "}'::float8[]"
+
+
+def _histogram(values: str) -> str:
+    """SQL: the bucket counts of an array of bucket indexes (NULLs count nowhere)."""
+    return (
+        f"ARRAY(SELECT count(b) FROM generate_series(0, {BUCKETS - 1}) AS i "
+        f"LEFT JOIN unnest({values}) AS b ON b = i GROUP BY i ORDER BY i)::int[]"
+    )
+
+
+def _added(left: str, right: str) -> str:
+    """SQL: two histograms added bucket by bucket."""
+    return (
+        f"ARRAY(SELECT a + b FROM unnest({left}, {right}) WITH ORDINALITY AS u(a, b, i) "
+        "ORDER BY i)::int[]"
+    )
+
+
+_MERGE = f"""
+ON CONFLICT (period, width, name, outcome, code, shard) DO UPDATE SET
+    count = r.count + EXCLUDED.count,
+    run_seconds = r.run_seconds + EXCLUDED.run_seconds,
+    wait_seconds = r.wait_seconds + EXCLUDED.wait_seconds,
+    run_histogram = {_added("r.run_histogram", "EXCLUDED.run_histogram")},
+    wait_histogram = {_added("r.wait_histogram", "EXCLUDED.wait_histogram")}"""
+
+_COLUMNS = (
+    "period, width, name, outcome, code, shard, count, run_seconds, wait_seconds, "
+    "run_histogram, wait_histogram"
+)
+
+
+def cte(ended: str, *, name: str = "rolled") -> str:
+    """A data-modifying CTE that adds the attempts ``ended`` selects to this minute's rows.
+
+    ``ended`` is a SELECT of ``(name, outcome, code, ran, waited)``: job type, one of
+    :class:`~jobs.models.RollupOutcome`'s values, error code ("" for none), run seconds and
+    queue-latency seconds (NULL where the attempt never ran). PostgreSQL runs a data-modifying
+    CTE whether or not the statement reads it.
+    """
+    return f"""
+{name} AS (
+    INSERT INTO jobs_rollup AS r ({_COLUMNS})
+    SELECT date_trunc('minute', statement_timestamp()), {MINUTE}, g.name, g.outcome, g.code,
+           pg_backend_pid(), g.n, g.ran, g.waited,
+           {_histogram("g.ran_buckets")}, {_histogram("g.wait_buckets")}
+    FROM (
+        SELECT e.name, e.outcome, left(COALESCE(e.code, ''), 32) AS code, count(*) AS n,
+               COALESCE(sum(e.ran), 0) AS ran, COALESCE(sum(e.waited), 0) AS waited,
+               array_agg(width_bucket(e.ran, {_BOUNDS_SQL})) AS ran_buckets,
+               array_agg(width_bucket(e.waited, {_BOUNDS_SQL})) AS wait_buckets
+        FROM ({ended}) AS e
+        GROUP BY 1, 2, 3
+    ) AS g
+    {_MERGE}
+    RETURNING 1
+)"""
+
+
+def record_backlog(
+    rows: Iterable[tuple[str, int, int, float | None]],
+    *,
+    at: datetime,
+    using: str = DEFAULT_DB_ALIAS,
+) -> int:
+    """Record ``(name, queued, due, oldest_due_seconds)`` samples for the minute of ``at``.
+
+    A later sample in the same minute replaces an earlier one. Returns the rows written.
+    """
+    rows = list(rows)
+    if not rows:
+        return 0
+    names, queued, due, oldest = (list(column) for column in zip(*rows, strict=True))
+    with connections[using].cursor() as cur:
+        cur.execute(
+            f"""
+            INSERT INTO jobs_backlogsample (period, width, name, queued, due, oldest_due_seconds)
+            SELECT date_trunc('minute', %(at)s::timestamptz), {MINUTE}, s.name, s.queued,
+                   s.due, s.oldest
+            FROM unnest(%(names)s::text[], %(queued)s::bigint[], %(due)s::bigint[],
+                        %(oldest)s::float8[]) AS s(name, queued, due, oldest)
+            ON CONFLICT (period, width, name) DO UPDATE SET
+                queued = EXCLUDED.queued, due = EXCLUDED.due,
+                oldest_due_seconds = EXCLUDED.oldest_due_seconds
+            """,
+            {"at": at, "names": names, "queued": queued, "due": due, "oldest": oldest},
+        )
+        return cur.rowcount
+
+
+# --- compaction ------------------------------------------------------------------------------
+
+
+def compact(
+    now: datetime,
+    *,
+    retention: timedelta | None = None,
+    batch_size: int = 5000,
+    max_batches: int = 10,
+    using: str = DEFAULT_DB_ALIAS,
+) -> Counter[str]:
+    """Fold old minute rows and delete expired hour rows, in bounded batches.
+
+    Each batch is one statement (it deletes the rows it folds and adds them to their target
+    row, atomically), run in autocommit. Returns the rows handled per step.
+    """
+    retention = jobs_settings.ROLLUP_RETENTION if retention is None else retention
+    done: Counter[str] = Counter()
+    steps = (
+        ("shards", lambda: _fold_shards(now - SHARD_FOLD_AFTER, batch_size, using)),
+        ("hours", lambda: _fold_hours(now - MINUTES_KEPT, batch_size, using)),
+        ("backlog hours", lambda: _fold_backlog(now - MINUTES_KEPT, batch_size, using)),
+        ("expired", lambda: _expire(now - retention, batch_size, using)),
+    )
+    for step, run in steps:
+        for _batch in range(max_batches):
+            moved = run()
+            done[step] += moved
+            if moved < batch_size:
+                break
+    return done
+
+
+def _fold(
+    where: str, period: str, width: int, limit: int, params: dict[str, object], using: str
+) -> int:
+    """Move the rollup rows ``where`` selects (at most ``limit``) into shard-0 rows of
+    ``width``, whose period is the SQL expression ``period`` over the moved row ``m``."""
+    sql = f"""
+    WITH moved AS (
+        DELETE FROM jobs_rollup AS d
+        WHERE (d.period, d.width, d.name, d.outcome, d.code, d.shard) IN (
+            SELECT period, width, name, outcome, code, shard FROM jobs_rollup
+            WHERE {where} LIMIT %(limit)s
+        )
+        RETURNING d.*
+    ),
+    buckets AS (
+        SELECT {period} AS period, m.name, m.outcome, m.code, u.i,
+               sum(u.ran)::int AS ran, sum(u.waited)::int AS waited
+        FROM moved AS m,
+             unnest(m.run_histogram, m.wait_histogram) WITH ORDINALITY AS u(ran, waited, i)
+        GROUP BY 1, 2, 3, 4, 5
+    ),
+    histograms AS (
+        SELECT period, name, outcome, code,
+               array_agg(ran ORDER BY i) AS ran, array_agg(waited ORDER BY i) AS waited
+        FROM buckets GROUP BY 1, 2, 3, 4
+    ),
+    totals AS (
+        SELECT {period} AS period, m.name, m.outcome, m.code, sum(m.count) AS n,
+               sum(m.run_seconds) AS ran, sum(m.wait_seconds) AS waited, count(*) AS moved
+        FROM moved AS m GROUP BY 1, 2, 3, 4
+    ),
+    added AS (
+        INSERT INTO jobs_rollup AS r ({_COLUMNS})
+        SELECT t.period, {width}, t.name, t.outcome, t.code, 0, t.n, t.ran, t.waited,
+               h.ran, h.waited
+        FROM totals AS t JOIN histograms AS h USING (period, name, outcome, code)
+        {_MERGE}
+    )
+    SELECT COALESCE(sum(moved), 0) FROM totals
+    """
+    with connections[using].cursor() as cur:
+        cur.execute(sql, {**params, "limit": limit})
+        (moved,) = cur.fetchone()
+    return int(moved)
+
+
+def _fold_shards(before: datetime, limit: int, using: str) -> int:
+    return _fold(
+        f"width = {MINUTE} AND shard <> 0 AND period < %(before)s",
+        "m.period",
+        MINUTE,
+        limit,
+        {"before": before},
+        using,
+    )
+
+
+def _fold_hours(before: datetime, limit: int, using: str) -> int:
+    return _fold(
+        f"width = {MINUTE} AND period < %(before)s",
+        "date_trunc('hour', m.period)",
+        HOUR,
+        limit,
+        {"before": before},
+        using,
+    )
+
+
+def _fold_backlog(before: datetime, limit: int, using: str) -> int:
+    sql = f"""
+    WITH moved AS (
+        DELETE FROM jobs_backlogsample AS d
+        WHERE (d.period, d.width, d.name) IN (
+            SELECT period, width, name FROM jobs_backlogsample
+            WHERE width = {MINUTE} AND period < %(before)s LIMIT %(limit)s
+        )
+        RETURNING d.*
+    ),
+    added AS (
+        INSERT INTO jobs_backlogsample AS s (period, width, name, queued, due, oldest_due_seconds)
+        SELECT date_trunc('hour', period), {HOUR}, name, max(queued), max(due),
+               max(oldest_due_seconds)
+        FROM moved GROUP BY 1, 3
+        ON CONFLICT (period, width, name) DO UPDATE SET
+            queued = GREATEST(s.queued, EXCLUDED.queued),
+            due = GREATEST(s.due, EXCLUDED.due),
+            oldest_due_seconds = GREATEST(s.oldest_due_seconds, EXCLUDED.oldest_due_seconds)
+    )
+    SELECT count(*) FROM moved
+    """
+    with connections[using].cursor() as cur:
+        cur.execute(sql, {"before": before, "limit": limit})
+        (moved,) = cur.fetchone()
+    return int(moved)
+
+
+def _expire(before: datetime, limit: int, using: str) -> int:
+    deleted = 0
+    with connections[using].cursor() as cur:
+        for table, key in (
+            ("jobs_rollup", "period, width, name, outcome, code, shard"),
+            ("jobs_backlogsample", "period, width, name"),
+        ):
+            cur.execute(
+                f"DELETE FROM {table} WHERE ({key}) IN ("
+                f"SELECT {key} FROM {table} WHERE period < %(before)s LIMIT %(limit)s)",
+                {"before": before, "limit": limit},
+            )
+            deleted += cur.rowcount
+    return deleted
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+def bins(
+    since: datetime,
+    until: datetime,
+    step: timedelta,
+    *,
+    names: Collection[str] | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> list[Bin]:
+    """Attempts that ended in ``[since, until)``, per bin of ``step`` (aligned to the epoch,
+    UTC), job type, outcome and error code; only non-empty groups, in time order.
+
+    Rows are whole periods: a minute row belongs to the bin its minute starts in, an hour row
+    (data older than :data:`MINUTES_KEPT`) to the bin its hour starts in, so bins finer than
+    an hour show hour rows in their first bin. ``names`` limits the job types read.
+    """
+    seconds = _step_seconds(step)
+    where = "period >= %(since)s AND period < %(until)s"
+    params: dict[str, object] = {"since": since, "until": until, "step": seconds}
+    if names is not None:
+        where += " AND name = ANY(%(names)s::text[])"
+        params["names"] = list(names)
+    sql = f"""
+    WITH rows AS (
+        SELECT to_timestamp(floor(extract(epoch FROM period) / %(step)s) * %(step)s) AS start,
+               name, outcome, code, count, run_seconds, wait_seconds,
+               run_histogram, wait_histogram
+        FROM jobs_rollup WHERE {where}
+    ),
+    buckets AS (
+        SELECT start, name, outcome, code, u.i, sum(u.ran)::int AS ran,
+               sum(u.waited)::int AS waited
+        FROM rows, unnest(run_histogram, wait_histogram) WITH ORDINALITY AS u(ran, waited, i)
+        GROUP BY 1, 2, 3, 4, 5
+    ),
+    histograms AS (
+        SELECT start, name, outcome, code,
+               array_agg(ran ORDER BY i) AS ran, array_agg(waited ORDER BY i) AS waited
+        FROM buckets GROUP BY 1, 2, 3, 4
+    )
+    SELECT t.start, t.name, t.outcome, t.code, t.n, t.ran, t.waited, h.ran, h.waited
+    FROM (
+        SELECT start, name, outcome, code, sum(count) AS n, sum(run_seconds) AS ran,
+               sum(wait_seconds) AS waited
+        FROM rows GROUP BY 1, 2, 3, 4
+    ) AS t JOIN histograms AS h USING (start, name, outcome, code)
+    ORDER BY t.start, t.name, t.outcome, t.code
+    """
+    with connections[using].cursor() as cur:
+        cur.execute(sql, params)
+        found = cur.fetchall()
+    return [
+        Bin(
+            start=start,
+            name=name,
+            outcome=outcome,
+            code=code,
+            count=int(n),
+            run_seconds=float(ran),
+            wait_seconds=float(waited),
+            run=Distribution(tuple(ran_hist)),
+            wait=Distribution(tuple(wait_hist)),
+        )
+        for start, name, outcome, code, n, ran, waited, ran_hist, wait_hist in found
+    ]
+
+
+def backlog_points(
+    since: datetime,
+    until: datetime,
+    step: timedelta,
+    *,
+    names: Collection[str] | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> list[BacklogPoint]:
+    """The largest sampled backlog per bin of ``step`` and job type in ``[since, until)``."""
+    seconds = _step_seconds(step)
+    where = "period >= %(since)s AND period < %(until)s"
+    params: dict[str, object] = {"since": since, "until": until, "step": seconds}
+    if names is not None:
+        where += " AND name = ANY(%(names)s::text[])"
+        params["names"] = list(names)
+    with connections[using].cursor() as cur:
+        cur.execute(
+            f"""
+            SELECT to_timestamp(floor(extract(epoch FROM period) / %(step)s) * %(step)s),
+                   name, max(queued), max(due), max(oldest_due_seconds)
+            FROM jobs_backlogsample WHERE {where}
+            GROUP BY 1, 2 ORDER BY 1, 2
+            """,
+            params,
+        )
+        found = cur.fetchall()
+    return [
+        BacklogPoint(start, name, int(queued), int(due), oldest)
+        for start, name, queued, due, oldest in found
+    ]
+
+
+def _step_seconds(step: timedelta) -> int:
+    seconds = step.total_seconds()
+    if seconds < MINUTE or seconds % MINUTE:
+        raise ValueError(f"a bin is a whole number of minutes, got {step}")
+    return int(seconds)
+
+
+def summed(items: Sequence[Bin]) -> Bin | None:
+    """All of ``items`` as one bin (the first one's start, name, outcome and code)."""
+    if not items:
+        return None
+    first = items[0]
+    run = Distribution()
+    wait = Distribution()
+    for item in items:
+        run += item.run
+        wait += item.wait
+    return Bin(
+        start=first.start,
+        name=first.name,
+        outcome=first.outcome,
+        code=first.code,
+        count=sum(item.count for item in items),
+        run_seconds=sum(item.run_seconds for item in items),
+        wait_seconds=sum(item.wait_seconds for item in items),
+        run=run,
+        wait=wait,
+    )
