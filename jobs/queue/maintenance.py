@@ -25,7 +25,7 @@ from django.db.backends.utils import CursorWrapper
 
 from jobs import binding
 from jobs.conf import jobs_settings
-from jobs.queue import _db, attempts, history
+from jobs.queue import _db, attempts, history, rollup
 from jobs.queue.types import (
     BACKLOG_CAP,
     AllTenants,
@@ -37,6 +37,16 @@ from jobs.queue.types import (
 from jobs.runs import TERMINAL_STATES, ErrorCode, RunState
 
 _NOW = "COALESCE(%(now)s::timestamptz, statement_timestamp())"
+# A swept attempt's queue latency, from the row before the sweep (its run time is unknown:
+# its worker never reported, so the rollup counts the attempt with no run time).
+_WAITED = "GREATEST(0, EXTRACT(EPOCH FROM j.started_at - j.run_after))::float8"
+_SWEPT_COLUMNS = "id, job_id, name, tenant, state, last_error"
+_SWEPT = ", ".join(f"j.{column.strip()}" for column in _SWEPT_COLUMNS.split(","))
+# Swept jobs in the console's history: a requeued attempt is a retry, the rest ended.
+_ROLLED = rollup.cte(
+    "SELECT name, CASE state WHEN 'queued' THEN 'retried' ELSE state END, last_error, "
+    "NULL::float8, waited FROM swept"
+)
 # The attempt a dead or stalled worker never reported on, as its log entry (requeued jobs).
 _EXPIRED_ENTRY = attempts.entry_sql(
     row="j",
@@ -63,13 +73,15 @@ def requeue_expired(
     return _sweep(
         f"""
         WITH expired AS (
-            SELECT j.id, j.cancel_requested_at IS NOT NULL AS asked FROM jobs_job j
+            SELECT j.id, j.cancel_requested_at IS NOT NULL AS asked, {_WAITED} AS waited
+            FROM jobs_job j
             WHERE j.state = 'running' AND j.lease_expires_at < {_NOW}
               AND j.attempts < j.max_attempts AND {scope_sql}
             ORDER BY j.lease_expires_at
             LIMIT %(limit)s
             FOR UPDATE SKIP LOCKED
-        )
+        ),
+        swept AS (
         UPDATE jobs_job j
         SET state = CASE WHEN asked THEN 'cancelled' ELSE 'queued' END,
             run_after = CASE WHEN asked THEN j.run_after ELSE {_NOW} END,
@@ -85,7 +97,10 @@ def requeue_expired(
             claim_token = NULL, lease_expires_at = NULL,
             claimed_by = CASE WHEN asked THEN j.claimed_by ELSE '' END
         FROM expired WHERE j.id = expired.id
-        RETURNING j.id, j.job_id, j.name, j.tenant, j.state, j.last_error
+        RETURNING {_SWEPT}, expired.waited
+        ),
+        {_ROLLED}
+        SELECT {_SWEPT_COLUMNS} FROM swept
         """,
         {
             "limit": limit,
@@ -156,7 +171,8 @@ def fail_exhausted_sql(
              LIMIT %(limit)s)
         ),
         exhausted AS (
-            SELECT j.id, j.state = 'running' AND j.cancel_requested_at IS NOT NULL AS asked
+            SELECT j.id, j.state = 'running' AND j.cancel_requested_at IS NOT NULL AS asked,
+                   CASE WHEN j.state = 'running' THEN {_WAITED} END AS waited
             FROM jobs_job j
             WHERE j.id IN (SELECT id FROM candidates)
               AND ((j.state = 'running' AND j.lease_expires_at < {_NOW}
@@ -167,7 +183,8 @@ def fail_exhausted_sql(
                                   j.max_attempts))))
             LIMIT %(limit)s
             FOR UPDATE OF j SKIP LOCKED
-        )
+        ),
+        swept AS (
         UPDATE jobs_job j
         SET last_error = CASE WHEN asked THEN %(cancelled)s
                               WHEN j.state = 'running' THEN %(expired)s ELSE %(exhausted)s END,
@@ -184,7 +201,10 @@ def fail_exhausted_sql(
             -- The last attempt's worker stays with it (jobs.queue.attempts).
             claimed_by = CASE WHEN j.state = 'running' THEN j.claimed_by ELSE '' END
         FROM exhausted WHERE j.id = exhausted.id
-        RETURNING j.id, j.job_id, j.name, j.tenant, j.state, j.last_error
+        RETURNING {_SWEPT}, exhausted.waited
+        ),
+        {_ROLLED}
+        SELECT {_SWEPT_COLUMNS} FROM swept
         """
     params = {
         "cap_names": list(limits),

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, transaction
 
 from jobs import binding
-from jobs.queue import _db, attempts, history, keys
+from jobs.queue import _db, attempts, history, keys, rollup
 from jobs.queue.types import ReplayReport
 from jobs.runs import ErrorCode
 
@@ -108,7 +108,9 @@ def replay(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> Rep
 # Ends queued jobs and asks running ones to stop, in one statement: a job that moves between
 # the two states meanwhile (a retry, a hand-back) is re-read after its row lock and handled
 # in the state it reached, so it is never missed between two statements.
-_CANCEL = """
+_CANCEL = (
+    """
+WITH changed AS (
 UPDATE jobs_job
 SET state = CASE WHEN state = 'queued' THEN 'cancelled' ELSE state END,
     key_held = CASE WHEN state = 'queued' THEN FALSE ELSE key_held END,
@@ -121,8 +123,15 @@ SET state = CASE WHEN state = 'queued' THEN 'cancelled' ELSE state END,
     cancel_requested_by = CASE WHEN state = 'running' THEN %(by)s ELSE cancel_requested_by END
 WHERE id = ANY(%(ids)s) AND state = ANY(%(states)s)
   AND (state = 'queued' OR cancel_requested_at IS NULL)
-RETURNING id, state
-"""
+RETURNING id, state, name
+),"""
+    # Jobs cancelled before they ran, in the console's history (no run or queue time).
+    + rollup.cte(
+        "SELECT name, 'cancelled', %(code)s, NULL::float8, NULL::float8 FROM changed "
+        "WHERE state = 'cancelled'"
+    )
+    + "\nSELECT id, state FROM changed"
+)
 
 
 def cancel(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> list[int]:

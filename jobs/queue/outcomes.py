@@ -20,7 +20,7 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
-from jobs.queue import _db, attempts, text
+from jobs.queue import _db, attempts, rollup, text
 from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay
 
 # What a stopped attempt's error says (the row's columns before the write).
@@ -43,7 +43,10 @@ free AS (
            CASE WHEN j.cancel_requested_at IS NOT NULL AND o.state = 'queued'
                 THEN 'cancelled' ELSE o.state END AS state,
            j.cancel_requested_at IS NOT NULL
-               AND (o.state IN ('queued', 'cancelled')) AS stopped
+               AND (o.state IN ('queued', 'cancelled')) AS stopped,
+           -- For the rollup: the attempt's run time and queue latency (as the claim has it).
+           EXTRACT(EPOCH FROM statement_timestamp() - j.started_at)::float8 AS ran,
+           GREATEST(0, EXTRACT(EPOCH FROM j.started_at - j.run_after))::float8 AS waited
     FROM jobs_job j JOIN o ON j.id = o.id
     WHERE j.claim_token = o.token AND j.state = 'running'
     FOR UPDATE OF j SKIP LOCKED
@@ -79,7 +82,9 @@ written AS (
     -- match the fresh one's row.
     FROM o JOIN free f ON f.id = o.id AND f.token = o.token
     WHERE j.id = o.id
-    RETURNING j.id, o.token, CASE WHEN f.stopped THEN j.error_detail END AS stopped
+    RETURNING j.id, o.token, CASE WHEN f.stopped THEN j.error_detail END AS stopped,
+              j.name, f.state, j.last_error AS code, o.attempts_delta >= 0 AS ran_attempt,
+              f.ran, f.waited
 ),
 -- Held under their token but not written: another session holds the row locked.
 busy AS (
@@ -89,8 +94,15 @@ busy AS (
           SELECT 1 FROM jobs_job j
           WHERE j.id = o.id AND j.claim_token = o.token AND j.state = 'running'
       )
-)
-"""
+),"""
+    # The console's history: the attempts written (a hand-back ran nothing), per type,
+    # outcome and error code, added to this minute's rollup rows in the same statement.
+    + rollup.cte(
+        """
+        SELECT name, CASE state WHEN 'queued' THEN 'retried' ELSE state END,
+               CASE WHEN state = 'succeeded' THEN '' ELSE code END, ran, waited
+        FROM written WHERE ran_attempt"""
+    )
 )
 
 _RECORD = (

@@ -31,9 +31,10 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
@@ -176,7 +177,7 @@ def cte(ended: str, *, name: str = "rolled") -> str:
                COALESCE(sum(e.ran), 0) AS ran, COALESCE(sum(e.waited), 0) AS waited,
                array_agg(width_bucket(e.ran, {_BOUNDS_SQL})) AS ran_buckets,
                array_agg(width_bucket(e.waited, {_BOUNDS_SQL})) AS wait_buckets
-        FROM ({ended}) AS e
+        FROM ({ended}) AS e(name, outcome, code, ran, waited)
         GROUP BY 1, 2, 3
     ) AS g
     {_MERGE}
@@ -212,7 +213,7 @@ def record_backlog(
             """,
             {"at": at, "names": names, "queued": queued, "due": due, "oldest": oldest},
         )
-        return cur.rowcount
+        return int(cur.rowcount)
 
 
 # --- compaction ------------------------------------------------------------------------------
@@ -233,7 +234,7 @@ def compact(
     """
     retention = jobs_settings.ROLLUP_RETENTION if retention is None else retention
     done: Counter[str] = Counter()
-    steps = (
+    steps: tuple[tuple[str, Callable[[], int]], ...] = (
         ("shards", lambda: _fold_shards(now - SHARD_FOLD_AFTER, batch_size, using)),
         ("hours", lambda: _fold_hours(now - MINUTES_KEPT, batch_size, using)),
         ("backlog hours", lambda: _fold_backlog(now - MINUTES_KEPT, batch_size, using)),
@@ -249,7 +250,7 @@ def compact(
 
 
 def _fold(
-    where: str, period: str, width: int, limit: int, params: dict[str, object], using: str
+    where: str, period: str, width: int, limit: int, params: dict[str, Any], using: str
 ) -> int:
     """Move the rollup rows ``where`` selects (at most ``limit``) into shard-0 rows of
     ``width``, whose period is the SQL expression ``period`` over the moved row ``m``."""
@@ -380,7 +381,7 @@ def bins(
     """
     seconds = _step_seconds(step)
     where = "period >= %(since)s AND period < %(until)s"
-    params: dict[str, object] = {"since": since, "until": until, "step": seconds}
+    params: dict[str, Any] = {"since": since, "until": until, "step": seconds}
     if names is not None:
         where += " AND name = ANY(%(names)s::text[])"
         params["names"] = list(names)
@@ -440,7 +441,7 @@ def backlog_points(
     """The largest sampled backlog per bin of ``step`` and job type in ``[since, until)``."""
     seconds = _step_seconds(step)
     where = "period >= %(since)s AND period < %(until)s"
-    params: dict[str, object] = {"since": since, "until": until, "step": seconds}
+    params: dict[str, Any] = {"since": since, "until": until, "step": seconds}
     if names is not None:
         where += " AND name = ANY(%(names)s::text[])"
         params["names"] = list(names)

@@ -10,6 +10,8 @@ leader, so one bounded count serves the whole deployment instead of one per work
   queued, ``unsupported job types remain outstanding`` is logged whenever their count changes.
 * ``jobs_backlog_oldest_due_seconds{job_type}``: how long the longest-waiting due job has
   been due, measured at the pass's database time.
+* The console's backlog chart: one sample per type and minute in ``jobs_backlogsample``
+  (:func:`jobs.queue.rollup.record_backlog`), the latest of the minute's passes.
 * ``jobs_table_*{table}``: live and dead tuples, sizes, last autovacuum and autoanalyze of
   ``jobs_job``, from :func:`jobs.queue.table_health` (catalog reads only).
 
@@ -80,6 +82,7 @@ class Gauges:
         rows = queue.backlog(supported=self.names, using=self.using)
         self._export_backlog(rows, now)
         self._warn_unsupported(rows)
+        self._record_backlog(rows, now)
         counts["types"] = len(rows)
 
     def _export_backlog(self, rows: list[BacklogRow], now: datetime) -> None:
@@ -97,6 +100,21 @@ class Gauges:
             metrics.backlog.remove(name, supported)
             metrics.oldest_due.remove(name)
         self._backlog_labels = labels
+
+    def _record_backlog(self, rows: list[BacklogRow], now: datetime) -> None:
+        """Keep this minute's sample for the console's backlog chart (registered types at 0)."""
+        found = {row.name: row for row in rows}
+        samples: list[tuple[str, int, int, float | None]] = []
+        for name in sorted(self.names | set(found)):
+            row = found.get(name)
+            if row is None:
+                samples.append((name, 0, 0, None))
+                continue
+            waited = (now - row.oldest_due).total_seconds() if row.oldest_due else None
+            samples.append(
+                (name, row.queued, row.due, None if waited is None else max(0.0, waited))
+            )
+        queue.rollup.record_backlog(samples, at=now, using=self.using)
 
     def _warn_unsupported(self, rows: list[BacklogRow]) -> None:
         """Log unsupported names whenever their total changes to a count other than zero."""

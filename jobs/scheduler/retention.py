@@ -8,6 +8,8 @@
   row a partition may hold is past its state's retention (``DROP TABLE``, no row deletes).
 * Recorded cron slots after ``SLOT_RETENTION``, except each schedule's latest slot, which the
   next tick needs to know what it missed.
+* The console's history (``jobs.queue.rollup``): minute rows folded into hours after two
+  hours, hour rows deleted after ``ROLLUP_RETENTION``.
 * Rows of processes gone (``jobs_process``: no beat before their ``expires_at``, a process
   killed outright) for ``PROCESS_RETENTION``.
 
@@ -124,6 +126,10 @@ class Retention:
                 counts["jobs.scheduleslot:recorded"] += count
                 if count < batch_size:
                     break
+        compacted = queue.rollup.compact(
+            now, batch_size=batch_size, max_batches=self.config.max_batches, using=self.using
+        )
+        counts["jobs.rollup:expired"] += compacted["expired"]
         counts["jobs.process:gone"] += processes.prune_gone(
             older_than=self.config.process_retention, limit=batch_size, now=now, using=self.using
         )
