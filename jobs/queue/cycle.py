@@ -23,7 +23,7 @@ from datetime import timedelta
 
 from django.db import DEFAULT_DB_ALIAS
 
-from jobs.queue import _db
+from jobs.queue import _db, rollup
 from jobs.queue.claim import claim, claim_parts, claimed_jobs
 from jobs.queue.outcomes import OUTCOME_CTES, outcome_params, outcome_report, record
 from jobs.queue.types import ClaimedJob, ClaimRequest, Outcome, OutcomeReport, Scope
@@ -37,6 +37,7 @@ _REPORT_ROW = (
     + ", (SELECT array_agg(token) FROM written), (SELECT array_agg(token) FROM busy)"
     + ", (SELECT array_agg(token) FROM written WHERE stopped IS NOT NULL)"
     + ", (SELECT array_agg(stopped) FROM written WHERE stopped IS NOT NULL)"
+    + f" WHERE {rollup.reads()}"
 )
 
 

@@ -43,6 +43,7 @@ _WAITED = "GREATEST(0, EXTRACT(EPOCH FROM j.started_at - j.run_after))::float8"
 _SWEPT_COLUMNS = "id, job_id, name, tenant, state, last_error"
 _SWEPT = ", ".join(f"j.{column.strip()}" for column in _SWEPT_COLUMNS.split(","))
 # Swept jobs in the console's history: a requeued attempt is a retry, the rest ended.
+_ROLLED_READ = rollup.reads()
 _ROLLED = rollup.cte(
     "SELECT name, CASE state WHEN 'queued' THEN 'retried' ELSE state END, last_error, "
     "NULL::float8, waited FROM swept"
@@ -100,7 +101,7 @@ def requeue_expired(
         RETURNING {_SWEPT}, expired.waited
         ),
         {_ROLLED}
-        SELECT {_SWEPT_COLUMNS} FROM swept
+        SELECT {_SWEPT_COLUMNS} FROM swept WHERE {_ROLLED_READ}
         """,
         {
             "limit": limit,
@@ -204,7 +205,7 @@ def fail_exhausted_sql(
         RETURNING {_SWEPT}, exhausted.waited
         ),
         {_ROLLED}
-        SELECT {_SWEPT_COLUMNS} FROM swept
+        SELECT {_SWEPT_COLUMNS} FROM swept WHERE {_ROLLED_READ}
         """
     params = {
         "cap_names": list(limits),

@@ -130,7 +130,7 @@ RETURNING id, state, name
         "SELECT name, 'cancelled', %(code)s, NULL::float8, NULL::float8 FROM changed "
         "WHERE state = 'cancelled'"
     )
-    + "\nSELECT id, state FROM changed"
+    + f"\nSELECT id, state FROM changed WHERE {rollup.reads()}"
 )
 
 

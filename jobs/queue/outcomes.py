@@ -108,7 +108,8 @@ busy AS (
 _RECORD = (
     "WITH "
     + OUTCOME_CTES
-    + "SELECT token, TRUE, stopped FROM written UNION ALL SELECT token, FALSE, NULL FROM busy"
+    + f"SELECT token, TRUE, stopped FROM written WHERE {rollup.reads()}"
+    + " UNION ALL SELECT token, FALSE, NULL FROM busy"
 )
 
 # Error details are for people reading the admin; keep a runaway traceback from bloating rows.

@@ -1,4 +1,5 @@
-"""The pauses table: job types, queues and tenants no worker claims from until resumed.
+"""The pauses table: job types, queues and tenants no worker claims from until resumed, and
+schedules the scheduler fires no slot of (:mod:`jobs.scheduler.pausing` reads and resumes those).
 
 The claim reads the table in its own statement (:data:`PAUSED_CTE`), so a pause holds on
 every worker of every host from the moment it commits, and a worker keeps no pause state in
@@ -7,6 +8,7 @@ queue or tenant is a filter on the rows a claim reads (docs/operator-controls.md
 that costs when the paused rows lie ahead of the ones that may run). Paused jobs stay ``queued``:
 their backlog is visible and keeps growing, and jobs already running finish normally.
 Resuming notifies the workers that run the affected job types, so idle ones claim at once.
+The claim ignores schedule pauses, and resuming a schedule notifies nobody.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def validate(kind: str, value: str) -> None:
     """Raise ValueError for a kind that is not one of :class:`~jobs.models.PauseKind`'s, or a
     name no job could carry (a pause that would pause nothing).
 
-    Queues and tenants follow enqueue's rules for them; a job type name is at most 200
+    Queues and tenants follow enqueue's rules for them, schedules the schedule name's (the
+    same rules); a job type name is at most 200
     characters with no space at either end (a pasted name with a trailing space would
     otherwise report "paused" and pause nothing).
     """
@@ -66,7 +69,7 @@ def validate(kind: str, value: str) -> None:
         raise ValueError(f"cannot pause a {kind!r}: pause a {', '.join(PauseKind.values)}")
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"name the {kind} to pause")
-    if kind in (PauseKind.QUEUE, PauseKind.TENANT):
+    if kind in (PauseKind.QUEUE, PauseKind.TENANT, PauseKind.SCHEDULE):
         validate_key(value, f"a {kind} name")
         return
     if len(value) > VALUE_MAX:
@@ -80,7 +83,7 @@ def validate(kind: str, value: str) -> None:
 def pause(
     kind: str, value: str, *, by: str, reason: str = "", using: str = DEFAULT_DB_ALIAS
 ) -> bool:
-    """Pause a job type, queue or tenant; False when it was paused already (nothing changes)."""
+    """Pause a job type, queue, tenant or schedule; False when it was paused already."""
     validate(kind, value)
     with _db.cursor(using) as cur:
         cur.execute(
@@ -110,9 +113,11 @@ SELECT count(pg_notify('{NOTIFY_CHANNEL}', name)) FROM names WHERE name IS NOT N
 
 
 def resume(kind: str, value: str, *, using: str = DEFAULT_DB_ALIAS) -> bool:
-    """Resume a paused job type, queue or tenant; False when it was not paused.
+    """Resume a paused job type, queue, tenant or schedule; False when it was not paused.
 
-    Idle workers of the affected job types are notified when the deletion commits.
+    Idle workers of the affected job types are notified when the deletion commits. A schedule
+    is resumed by :func:`jobs.scheduler.pausing.resume`, which calls this and records the
+    slots that came due while it was paused.
     """
     validate(kind, value)
     with transaction.atomic(using=using), _db.cursor(using) as cur:
@@ -124,7 +129,7 @@ def resume(kind: str, value: str, *, using: str = DEFAULT_DB_ALIAS) -> bool:
         if resumed and jobs_settings.NOTIFY:
             if kind == PauseKind.JOB_TYPE:
                 cur.execute(f"SELECT pg_notify('{NOTIFY_CHANNEL}', %s)", [value])
-            else:
+            elif kind != PauseKind.SCHEDULE:  # a schedule's resume wakes no worker
                 cur.execute(_WAKE)
     return resumed
 
@@ -137,3 +142,20 @@ def paused(*, using: str = DEFAULT_DB_ALIAS) -> list[PauseRow]:
             "ORDER BY paused_at, id"
         )
         return [PauseRow(*row) for row in cur.fetchall()]
+
+
+def paused_values(
+    kind: str, *, lock: bool = False, using: str = DEFAULT_DB_ALIAS
+) -> dict[str, datetime]:
+    """The names of one kind that are paused, each with when its pause began (one query).
+
+    The scheduler reads the paused schedules once per tick this way. ``lock`` holds the rows
+    (``FOR UPDATE``) until the caller's transaction ends.
+    """
+    with _db.cursor(using) as cur:
+        cur.execute(
+            "SELECT value, paused_at FROM jobs_pause WHERE kind = %s"
+            + (" FOR UPDATE" if lock else ""),
+            [kind],
+        )
+        return dict(cur.fetchall())

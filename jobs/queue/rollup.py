@@ -5,11 +5,13 @@ that outlive them. Two small tables keep them (``jobs_rollup``, ``jobs_backlogsa
 this module owns every statement on both.
 
 **Writing.** The statement that writes outcomes adds to the rollup in the same statement
-(:func:`cte`, a data-modifying CTE over the rows it wrote): one upsert per job type, outcome
-and error code of the batch, never one per job, and only for rows the write really changed (a
-fenced outcome counts nothing). Each writing session adds to its own row (``shard`` is its
-backend pid), so workers finishing the same type in the same minute never wait on each other.
-A hand-back (an attempt returned untried at shutdown) ran nothing and is not counted.
+(:func:`cte`, over the rows it wrote): one upsert per job type, outcome and error code of the
+batch, never one per job, and only for rows the write really changed (a fenced outcome counts
+nothing). The upsert is a PL/pgSQL function (``jobs_rollup_add``), so each connection plans
+it once instead of with every outcome write. Each writing session adds to its own row
+(``shard`` is its backend pid), so workers finishing the same type in the same minute never
+wait on each other. A hand-back (an attempt returned untried at shutdown) ran nothing and is
+not counted.
 
 **What a row holds.** Attempts counted per outcome (``succeeded``, ``failed``, ``cancelled``,
 ``retried``) and error code, the total run and queue-latency seconds, and both as histograms
@@ -125,16 +127,6 @@ class BacklogPoint:
 
 # --- writing ---------------------------------------------------------------------------------
 
-_BOUNDS_SQL = "'{" + ",".join(repr(b) for b in BOUNDS) + "}'::float8[]"
-
-
-def _histogram(values: str) -> str:
-    """SQL: the bucket counts of an array of bucket indexes (NULLs count nowhere)."""
-    return (
-        f"ARRAY(SELECT count(b) FROM generate_series(0, {BUCKETS - 1}) AS i "
-        f"LEFT JOIN unnest({values}) AS b ON b = i GROUP BY i ORDER BY i)::int[]"
-    )
-
 
 def _added(left: str, right: str) -> str:
     """SQL: two histograms added bucket by bucket."""
@@ -159,30 +151,27 @@ _COLUMNS = (
 
 
 def cte(ended: str, *, name: str = "rolled") -> str:
-    """A data-modifying CTE that adds the attempts ``ended`` selects to this minute's rows.
+    """A CTE that adds the attempts ``ended`` selects to this minute's rollup rows.
 
     ``ended`` is a SELECT of ``(name, outcome, code, ran, waited)``: job type, one of
     :class:`~jobs.models.RollupOutcome`'s values, error code ("" for none), run seconds and
-    queue-latency seconds (NULL where the attempt never ran). PostgreSQL runs a data-modifying
-    CTE whether or not the statement reads it.
+    queue-latency seconds (NULL where the attempt never ran). The work is done by the
+    ``jobs_rollup_add`` function (migration 0007), whose plan each connection caches: the
+    statement around it plans only an aggregate and a call. The CTE is a SELECT, so the
+    statement must read it for it to run: put :func:`reads` in its final query.
     """
     return f"""
 {name} AS (
-    INSERT INTO jobs_rollup AS r ({_COLUMNS})
-    SELECT date_trunc('minute', statement_timestamp()), {MINUTE}, g.name, g.outcome, g.code,
-           pg_backend_pid(), g.n, g.ran, g.waited,
-           {_histogram("g.ran_buckets")}, {_histogram("g.wait_buckets")}
-    FROM (
-        SELECT e.name, e.outcome, left(COALESCE(e.code, ''), 32) AS code, count(*) AS n,
-               COALESCE(sum(e.ran), 0) AS ran, COALESCE(sum(e.waited), 0) AS waited,
-               array_agg(width_bucket(e.ran, {_BOUNDS_SQL})) AS ran_buckets,
-               array_agg(width_bucket(e.waited, {_BOUNDS_SQL})) AS wait_buckets
-        FROM ({ended}) AS e(name, outcome, code, ran, waited)
-        GROUP BY 1, 2, 3
-    ) AS g
-    {_MERGE}
-    RETURNING 1
+    SELECT jobs_rollup_add(array_agg(e.name), array_agg(e.outcome), array_agg(e.code),
+                           array_agg(e.ran), array_agg(e.waited)) AS added
+    FROM ({ended}) AS e(name, outcome, code, ran, waited)
+    HAVING count(*) > 0
 )"""
+
+
+def reads(name: str = "rolled") -> str:
+    """A condition that holds always and makes the statement run the CTE :func:`cte` names."""
+    return f"(SELECT count(*) FROM {name}) >= 0"
 
 
 def record_backlog(

@@ -178,7 +178,7 @@ def test_the_statement_buckets_values_as_the_reader_does(values):
             + rollup.cte(
                 "SELECT %s::text, 'succeeded', '', v, v FROM unnest(%s::float8[]) AS v",
             )
-            + " SELECT 1",
+            + f" SELECT 1 WHERE {rollup.reads()}",
             [NAME, values],
         )
     found = rollup.bins(*_window(), timedelta(hours=1))
