@@ -84,6 +84,9 @@ DEFAULTS: dict[str, Any] = {
     # latencies per minute, folded to hours after two hours) is kept this long, by the
     # scheduler's retention pass. Much longer than job rows, at a few rows per type and hour.
     "ROLLUP_RETENTION": timedelta(days=30),
+    # The console's live pages (monitor, jobs list, processes, overview) fetch themselves
+    # again this often while open and not paused.
+    "LIVE_REFRESH": timedelta(seconds=5),
 }
 
 DURATION_KEYS = frozenset(key for key, value in DEFAULTS.items() if isinstance(value, timedelta))
@@ -135,6 +138,7 @@ class JobsSettings:
     SLOT_RETENTION: timedelta
     PROCESS_RETENTION: timedelta
     ROLLUP_RETENTION: timedelta
+    LIVE_REFRESH: timedelta
 
     def __init__(self) -> None:
         self._cache: dict[str, Any] = {}
