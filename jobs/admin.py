@@ -45,7 +45,7 @@ from jobs.control.checks import check_run_tables
 from jobs.control.failures import MAX_ROWS
 from jobs.control.replays import REPLAY_ALL_LIMIT
 from jobs.models import Job, JobHistory, Pause, Process, TenantOverride
-from jobs.monitor import attempts, overview, performance, schedules, views
+from jobs.monitor import attempts, live, overview, performance, schedules, views
 from jobs.monitor.cancels import ELIGIBLE, cancel_url, cancel_view, effects, eligible
 from jobs.monitor.display import second
 from jobs.monitor.modeladmin import InputFilter, RunTableAdmin
@@ -362,7 +362,7 @@ class JobAdmin(JobDisplay):
         extra = dict(extra_context or {})
         if pauses.can_pause(request.user):
             extra["pause_links"] = pause_links(request, self.admin_site.name)
-        return super().changelist_view(request, extra)
+        return live.respond(request, super().changelist_view(request, extra))
 
     def change_view(
         self,

@@ -16,13 +16,14 @@ from typing import Any
 
 from django.contrib import admin
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
 from jobs.models import Process
+from jobs.monitor import live
 from jobs.monitor.display import duration
 from jobs.monitor.display import second as _second
 from jobs.queue import processes
@@ -105,6 +106,12 @@ class ProcessAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "last_seen_display",
         "expires_display",
     )
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """The list, refreshed in place while open (:mod:`jobs.monitor.live`)."""
+        return live.respond(request, super().changelist_view(request, extra_context))
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Process]:
         return processes.listing(using=self.model.objects.db)

@@ -34,6 +34,7 @@ from jobs.control.replays import (
     summary,
 )
 from jobs.control.tables import Filters, Row, RunTable, run_tables, visible_tables
+from jobs.monitor import live
 from jobs.monitor.forms import FilterForm, filter_query, link_filters
 from jobs.registry import get_registry
 from jobs.runs import RunState
@@ -74,7 +75,9 @@ def monitor(request: HttpRequest, *, site: AdminSite) -> HttpResponse:
         "query": params.urlencode(),
         "here": request.get_full_path(),
     }
-    return TemplateResponse(request, "admin/jobs/monitor/monitor.html", context)
+    return live.respond(
+        request, TemplateResponse(request, "admin/jobs/monitor/monitor.html", context)
+    )
 
 
 def groups(request: HttpRequest, *, site: AdminSite) -> HttpResponse:

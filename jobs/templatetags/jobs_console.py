@@ -17,6 +17,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 
+from jobs.conf import jobs_settings
 from jobs.monitor.display import relative
 
 register = template.Library()
@@ -46,3 +47,9 @@ def when(value: datetime | None, now: datetime | None = None) -> SafeString | st
         zone,
         relative(value, now),
     )
+
+
+@register.simple_tag
+def live_interval() -> str:
+    """Seconds between live refreshes (``JOBS["LIVE_REFRESH"]``), for the live snippet."""
+    return f"{jobs_settings.LIVE_REFRESH.total_seconds():g}"
