@@ -1,10 +1,11 @@
-"""Pause and resume job types, queues and tenants as an operator, checked and recorded.
+"""Pause and resume job types, queues, tenants and schedules as an operator, checked and recorded.
 
 The admin and ``manage.py jobs pause|resume`` both come here: the operator needs the
 ``jobs.pause_work`` permission, the change is made by :mod:`jobs.queue.pauses` (which every
 worker's claim reads), and each change that happened gets one ``LogEntry`` under the
 operator, in the same transaction. Pausing what is paused, or resuming what is not, changes
-nothing and records nothing.
+nothing and records nothing. A schedule resumes through :func:`jobs.scheduler.pausing.resume`,
+which records the slots it let pass as skipped.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from django.utils.translation import gettext as _
 
 from jobs import queue
 from jobs.control.tables import Operator
-from jobs.models import Pause
+from jobs.models import Pause, PauseKind
+from jobs.scheduler import pausing
 
 PERMISSION = "jobs.pause_work"
 
@@ -49,13 +51,21 @@ def pause(user: Operator, kind: str, value: str, *, reason: str = "", via: str) 
 
 
 def resume(user: Operator, kind: str, value: str, *, via: str) -> bool:
-    """Resume a paused job type, queue or tenant; False when it was not paused."""
+    """Resume a paused job type, queue, tenant or schedule; False when it was not paused."""
     _require(user)
     with transaction.atomic():
         row = Pause.objects.select_for_update().filter(kind=kind, value=value).first()
-        changed = queue.resume(kind, value)
+        message = f"Resumed via {via}"
+        if kind == PauseKind.SCHEDULE:
+            resumed = pausing.resume(value, by=f"resumed by {user.get_username()}")
+            changed, skipped = resumed.resumed, resumed.skipped
+            if skipped is not None:
+                message += (
+                    f"; slots {(skipped.missed_from or skipped.slot).isoformat()} to "
+                    f"{skipped.slot.isoformat()} recorded as skipped"
+                )
+        else:
+            changed = queue.resume(kind, value)
         if changed and row is not None:
-            LogEntry.objects.log_actions(
-                user.pk, [row], DELETION, change_message=f"Resumed via {via}"
-            )
+            LogEntry.objects.log_actions(user.pk, [row], DELETION, change_message=message)
     return changed

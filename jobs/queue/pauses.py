@@ -60,10 +60,9 @@ def validate(kind: str, value: str) -> None:
     """Raise ValueError for a kind that is not one of :class:`~jobs.models.PauseKind`'s, or a
     name no job could carry (a pause that would pause nothing).
 
-    Queues and tenants follow enqueue's rules for them, schedules the schedule name's (the
-    same rules); a job type name is at most 200
-    characters with no space at either end (a pasted name with a trailing space would
-    otherwise report "paused" and pause nothing).
+    Queues, tenants and schedules follow the rules enqueue and schedules have for their names;
+    a job type name is at most 200 characters with no space at either end (a pasted name with
+    a trailing space would otherwise report "paused" and pause nothing).
     """
     if kind not in PauseKind.values:
         raise ValueError(f"cannot pause a {kind!r}: pause a {', '.join(PauseKind.values)}")

@@ -3,10 +3,11 @@
 A schedule that silently stops firing is invisible unless something expects it. This module
 holds that expectation: from each schedule's latest recorded slot it computes the next slot
 due, and calls the schedule *overdue* once that slot is later than the misfire grace (it can
-then only fire as a catch-up, or be skipped). The admin shows :func:`status`; every scheduler
-process, leader or standby, exports it as gauges. A scheduler that is not running at all
-exports nothing: alert on ``absent(jobs_scheduler_leader == 1)`` (or on
-``max(jobs_scheduler_leader) < 1``) as well.
+then only fire as a catch-up, or be skipped). A paused schedule is never overdue: nothing is
+expected of it until it is resumed, and its next slot is the first after now. The admin shows
+:func:`status`; every scheduler process, leader or standby, exports it as gauges. A
+scheduler that is not running at all exports nothing: alert on
+``absent(jobs_scheduler_leader == 1)`` (or on ``max(jobs_scheduler_leader) < 1``) as well.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class ScheduleStatus:
     last_skipped_slot: datetime | None  # the latest slot dropped by the misfire policy
     next_due: datetime  # the next slot that should fire
     overdue_seconds: float  # since next_due, once past the misfire grace; else 0
+    last_job_pk: int | None = None  # the jobs row of that slot's job (None if none)
+    paused: bool = False  # paused: no slot fires until it is resumed
 
     @property
     def overdue(self) -> bool:
@@ -62,6 +65,18 @@ def status(
     return [_status(schedule, found.get(schedule.name), now) for schedule in schedules]
 
 
+def recent_slots(
+    names: Sequence[str] | None = None, *, limit: int = 50, using: str = DEFAULT_DB_ALIAS
+) -> list[slots.SlotRow]:
+    """The latest ``limit`` slots recorded for these schedules (default: every configured one),
+    newest first: fired, caught up and skipped. One query."""
+    names = [s.name for s in get_schedules()] if names is None else list(names)
+    if not names:
+        return []
+    with connections[using].cursor() as cur:
+        return slots.recent(cur, names, limit=limit)
+
+
 def export(statuses: Sequence[ScheduleStatus]) -> None:
     """Publish statuses as the ``jobs_schedule_*`` gauges."""
     for item in statuses:
@@ -76,7 +91,9 @@ def _status(schedule: Schedule, summary: slots.SlotSummary | None, now: datetime
     grace = schedule.misfire_grace
     # With nothing recorded yet, the next slot is the one a first tick would fire: the current
     # slot while it is within the grace, else the next one, or the first from catch_up_from.
-    if summary.last_slot is not None:
+    if summary.paused:
+        next_due = schedule.next_slot(now)  # the first a resume now would let fire
+    elif summary.last_slot is not None:
         next_due = schedule.next_slot(summary.last_slot)
     else:
         next_due = schedule.first_due(now)
@@ -93,4 +110,6 @@ def _status(schedule: Schedule, summary: slots.SlotSummary | None, now: datetime
         last_skipped_slot=summary.last_skipped_slot,
         next_due=next_due,
         overdue_seconds=late if late > grace.total_seconds() else 0.0,
+        last_job_pk=summary.last_job_pk,
+        paused=summary.paused,
     )

@@ -98,6 +98,14 @@ class Schedule:
             self.cron, self.timezone, now=now, grace=self.misfire_grace, start=self.catch_up_from
         )
 
+    def skipped_while_paused(
+        self, *, last: datetime | None, since: datetime, now: datetime
+    ) -> Decision | None:
+        """What a resume records: see :func:`jobs.scheduler.timing.skipped_while_paused`."""
+        return timing.skipped_while_paused(
+            self.cron, self.timezone, last=last, since=since, now=now
+        )
+
     def plan(self, now: datetime, last: datetime | None) -> list[Decision]:
         """What to record at ``now`` after ``last``: see :func:`jobs.scheduler.timing.plan`."""
         return timing.plan(

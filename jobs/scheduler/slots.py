@@ -16,6 +16,9 @@ from django.db.backends.utils import CursorWrapper
 
 from jobs.scheduler.timing import Decision, SlotKind
 
+# The jobs_pause kind of a paused schedule: jobs.models.PauseKind.SCHEDULE, spelled out so
+# that this module stays importable without the models (as jobs.scheduler.timing is).
+PAUSED_KIND = "schedule"
 # The first key of pg_advisory_xact_lock(int, int) for per-schedule tick locks ("jobs").
 TICK_LOCK_NAMESPACE = 0x6A6F6273
 
@@ -29,6 +32,8 @@ class SlotSummary:
     last_fired_at: datetime | None = None
     last_job_id: str = ""
     last_skipped_slot: datetime | None = None
+    last_job_pk: int | None = None  # the jobs row the latest fired slot enqueued
+    paused: bool = False  # a pause of the schedule is in the pauses table
 
 
 def lock_schedule(cur: CursorWrapper, name: str) -> None:
@@ -70,17 +75,21 @@ def attach_job(cur: CursorWrapper, row_id: int, job_pk: int) -> None:
 
 
 def summaries(cur: CursorWrapper, names: Sequence[str]) -> dict[str, SlotSummary]:
-    """The latest recorded, fired and skipped slot of each schedule, in one statement."""
+    """The latest recorded, fired and skipped slot of each schedule, and whether it is paused,
+    in one statement."""
     cur.execute(
         """
-        SELECT n.name, latest.slot, fired.slot, fired.recorded_at, fired.job_id, skipped.slot
+        SELECT n.name, latest.slot, fired.slot, fired.recorded_at, fired.job_id, skipped.slot,
+               fired.job_pk,
+               EXISTS (SELECT 1 FROM jobs_pause p
+                       WHERE p.kind = %(paused)s AND p.value = n.name) AS paused
         FROM unnest(%(names)s::text[]) AS n(name)
         LEFT JOIN LATERAL (
             SELECT s.slot FROM jobs_scheduleslot s WHERE s.schedule = n.name
             ORDER BY s.slot DESC LIMIT 1
         ) latest ON TRUE
         LEFT JOIN LATERAL (
-            SELECT s.slot, s.recorded_at, s.job_id FROM jobs_scheduleslot s
+            SELECT s.slot, s.recorded_at, s.job_id, s.job_pk FROM jobs_scheduleslot s
             WHERE s.schedule = n.name AND s.kind <> %(skipped)s
             ORDER BY s.slot DESC LIMIT 1
         ) fired ON TRUE
@@ -90,12 +99,46 @@ def summaries(cur: CursorWrapper, names: Sequence[str]) -> dict[str, SlotSummary
             ORDER BY s.slot DESC LIMIT 1
         ) skipped ON TRUE
         """,
-        {"names": list(names), "skipped": SlotKind.SKIPPED},
+        {"names": list(names), "skipped": SlotKind.SKIPPED, "paused": PAUSED_KIND},
     )
     return {
-        name: SlotSummary(last, fired, fired_at, job_id or "", skipped)
-        for name, last, fired, fired_at, job_id, skipped in cur.fetchall()
+        name: SlotSummary(last, fired, fired_at, job_id or "", skipped, job_pk, paused)
+        for name, last, fired, fired_at, job_id, skipped, job_pk, paused in cur.fetchall()
     }
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRow:
+    """One recorded slot, as the schedules page lists it."""
+
+    schedule: str
+    slot: datetime
+    kind: str
+    missed_from: datetime | None
+    job_id: str
+    job_pk: int | None
+    recorded_at: datetime
+    recorded_by: str
+
+
+def recent(cur: CursorWrapper, names: Sequence[str], *, limit: int) -> list[SlotRow]:
+    """The latest ``limit`` slots recorded for these schedules, newest first (one statement,
+    down the ``(schedule, slot)`` unique index of each)."""
+    cur.execute(
+        """
+        SELECT r.schedule, r.slot, r.kind, r.missed_from, r.job_id, r.job_pk,
+               r.recorded_at, r.recorded_by
+        FROM unnest(%(names)s::text[]) AS n(name)
+        CROSS JOIN LATERAL (
+            SELECT s.* FROM jobs_scheduleslot s WHERE s.schedule = n.name
+            ORDER BY s.slot DESC LIMIT %(limit)s
+        ) r
+        ORDER BY r.slot DESC, r.schedule
+        LIMIT %(limit)s
+        """,
+        {"names": list(names), "limit": limit},
+    )
+    return [SlotRow(*row) for row in cur.fetchall()]
 
 
 def prune(cur: CursorWrapper, *, before: datetime, batch_size: int) -> int:

@@ -209,3 +209,19 @@ def plan(
             decisions.extend(Decision(slot, SlotKind.CATCH_UP) for slot in missed)
     decisions.extend(Decision(slot, SlotKind.ON_TIME) for slot in on_time)
     return decisions
+
+
+def skipped_while_paused(
+    expression: str, tz: ZoneInfo, *, last: datetime | None, since: datetime, now: datetime
+) -> Decision | None:
+    """The one skipped row standing for the slots a paused schedule let pass, or None.
+
+    Those are the slots after ``last`` (the latest recorded; without one, from ``since``, when
+    the pause began) up to ``now``. Recording them when the schedule resumes keeps the next
+    tick from firing them as catch-ups: a resume is not a burst.
+    """
+    after = last if last is not None else since.astimezone(UTC) - timedelta(microseconds=1)
+    first = next_slot(expression, tz, after)
+    if first > now:
+        return None
+    return Decision(next(slots_until(expression, tz, now)), SlotKind.SKIPPED, first)

@@ -1,14 +1,15 @@
 """``manage.py jobs``: the admin's operator controls for scripts, under the same rules.
 
-    manage.py jobs pause job_type|queue|tenant NAME --user U [--reason TEXT]
-    manage.py jobs resume job_type|queue|tenant NAME --user U
+    manage.py jobs pause job_type|queue|tenant|schedule NAME --user U [--reason TEXT]
+    manage.py jobs resume job_type|queue|tenant|schedule NAME --user U
     manage.py jobs paused
+    manage.py jobs run-now SCHEDULE --user U
     manage.py jobs cancel ID [ID …] --user U
     manage.py jobs cancel --all [--job-type T] [--tenant T] [--queue Q] [--state S] --user U
 
 The user named by ``--user`` must be active staff holding the permission the admin asks for
-(``jobs.pause_work``, ``jobs.cancel_job``); every change gets a ``LogEntry`` under that user,
-exactly as from the admin.
+(``jobs.pause_work``, ``jobs.cancel_job``, ``jobs.run_schedule``); every change gets a
+``LogEntry`` under that user, exactly as from the admin.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from django.core.exceptions import PermissionDenied
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from jobs.control import cancels, pauses
+from jobs.control import cancels, pauses, schedules
 from jobs.control.operators import staff_user
 from jobs.models import PauseKind
 from jobs.runs import ACTIVE_STATES
@@ -32,16 +33,24 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
         for name, text in (
-            ("pause", "stop claiming a job type, queue or tenant"),
-            ("resume", "claim a paused job type, queue or tenant again"),
+            ("pause", "stop claiming a job type, queue or tenant, or firing a schedule"),
+            ("resume", "claim a paused job type, queue or tenant again, or fire a schedule"),
         ):
             sub = actions.add_parser(name, help=text, description=text)
             sub.add_argument("kind", choices=PauseKind.values)
-            sub.add_argument("name", help="the job type, queue or tenant")
+            sub.add_argument("name", help="the job type, queue, tenant or schedule")
             sub.add_argument("--user", required=True, help="who does it (needs jobs.pause_work)")
             if name == "pause":
                 sub.add_argument("--reason", default="", help="shown on the overview and logged")
         actions.add_parser("paused", help="list what is paused")
+        run = actions.add_parser(
+            "run-now",
+            help="enqueue one extra job of a schedule (not a slot)",
+            description="Enqueue one job of the schedule's job type with its payload and tenant, "
+            "now; the schedule's slots are unchanged.",
+        )
+        run.add_argument("schedule", help="the schedule's name")
+        run.add_argument("--user", required=True, help="who runs it (needs jobs.run_schedule)")
         cancel = actions.add_parser(
             "cancel",
             help="cancel queued jobs and ask running ones to stop",
@@ -65,7 +74,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
-            getattr(self, f"_{options['action']}")(options)
+            getattr(self, f"_{options['action'].replace('-', '_')}")(options)
         except PermissionDenied as exc:
             raise CommandError(f"user {options['user']!r}: {exc}") from None
         except ValueError as exc:
@@ -99,6 +108,11 @@ class Command(BaseCommand):
             )
         if not rows:
             self.stdout.write("Nothing is paused.")
+
+    def _run_now(self, options: dict[str, Any]) -> None:
+        user = _staff(options["user"])
+        done = schedules.run_now(user, options["schedule"], token=schedules.new_token(), via=VIA)
+        self.stdout.write(f"Enqueued job {done.job} ({done.job_id}) of schedule {done.schedule}.")
 
     def _cancel(self, options: dict[str, Any]) -> None:
         user = _staff(options["user"])
