@@ -57,6 +57,12 @@ EFFECTS = {
         "stops within one poll interval. Its backlog stays queued and keeps growing; jobs "
         "already running finish normally."
     ),
+    PauseKind.SCHEDULE: _(
+        "The scheduler fires no slot of this schedule from its next tick until it is resumed; "
+        "its jobs already enqueued run normally. On resume, the slots that came due meanwhile "
+        "are recorded as skipped and the next slot fires on time. The schedules page pauses "
+        "configured schedules by name; a name no schedule has holds nothing back."
+    ),
 }
 RESUMED = _("Workers claim its jobs again at once: idle ones are woken.")
 
