@@ -12,6 +12,10 @@ when the scheduler is there. What is paused comes from the small pauses table, a
 workers' capacity from the processes table (:func:`jobs.queue.processes.capacity`), one
 query each.
 
+The charts read the console's history (:mod:`jobs.queue.rollup`), which outlives the job
+rows: one read of the attempts that ended in the window and one of the backlog samples, both
+bounded by the window's bins (see :mod:`jobs.monitor.windows`), whatever the tables hold.
+
 "Now" is PostgreSQL's, read once per page and passed down, as the scheduler reads it: a web
 host with a fast clock would otherwise call a schedule that just fired overdue.
 """
@@ -35,7 +39,9 @@ from jobs import queue
 from jobs.control import pauses
 from jobs.control.tables import RunTable
 from jobs.models import Job, JobHistory, Pause, PauseKind
+from jobs.monitor import live, windows
 from jobs.monitor.display import duration, second
+from jobs.monitor.overview_charts import history_charts
 from jobs.monitor.views import age
 from jobs.queue import BacklogRow
 from jobs.registry import get_registry
@@ -43,15 +49,23 @@ from jobs.runs import RunState
 from jobs.scheduler.clock import database_now
 
 SCHEDULER_MODULE = "jobs.scheduler"
+OVERVIEW_WINDOWS = ("hour", "day", "week")
 
 
-def overview_data(now: datetime | None = None) -> dict[str, Any]:
+def overview_data(
+    now: datetime | None = None,
+    window: windows.Window | None = None,
+    *,
+    site_name: str = "admin",
+) -> dict[str, Any]:
     """Everything the overview page shows, with a fixed number of queries, at ``now``.
 
     ``now`` defaults to PostgreSQL's clock, never the web host's. Counts are display text
-    (see :func:`shown`) so that an estimate never looks exact.
+    (see :func:`shown`) so that an estimate never looks exact. The charts cover ``window``
+    (default: the last hour) and link into ``site_name``'s lists.
     """
     now = now or database_now()
+    frame = windows.frame(window or windows.WINDOWS[windows.DEFAULT], now)
     registry = get_registry()
     backlog = {row.name: row for row in queue.backlog(supported=registry.names())}
     per_state: dict[str, int] = {
@@ -130,6 +144,9 @@ def overview_data(now: datetime | None = None) -> dict[str, Any]:
             for p in paused
         ],
         "capacity": queue.processes.capacity(),
+        "now": now,
+        "frame": frame,
+        "charts": history_charts(frame, site_name=site_name),
     }
 
 
@@ -175,12 +192,15 @@ def overview(request: HttpRequest, *, site: AdminSite) -> HttpResponse:
     """The jobs table at a glance, for users who may view jobs (view or change, as the admin)."""
     if not RunTable(Job).can_view(request.user):
         raise PermissionDenied(_("You may not view jobs."))
+    window = windows.chosen(request.GET, OVERVIEW_WINDOWS)
     context = {
         **site.each_context(request),
         "title": _("Jobs overview"),
-        **overview_data(),
+        **overview_data(window=window, site_name=site.name),
+        "windows": windows.choices(request.GET, OVERVIEW_WINDOWS),
         "may_pause": pauses.can_pause(request.user),
         "may_view_processes": request.user.has_perm("jobs.view_process"),
         "here": request.get_full_path(),
     }
-    return TemplateResponse(request, "admin/jobs/monitor/overview.html", context)
+    response = TemplateResponse(request, "admin/jobs/monitor/overview.html", context)
+    return live.respond(request, response)
