@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import threading
 from collections import Counter
@@ -329,3 +330,10 @@ def test_a_quantile_read_from_the_histogram_is_within_a_bucket_of_the_true_one(v
 def test_bins_refuse_a_step_that_is_not_whole_minutes():
     with pytest.raises(ValueError, match="whole number of minutes"):
         rollup.bins(*_window(), timedelta(seconds=90))
+
+
+def test_the_migrations_bounds_are_the_readers():
+    migration = importlib.import_module("jobs.migrations.0007_console_rollup")
+    frozen = [float(b) for b in migration.BOUNDS.split("'")[1].strip("{}").split(",")]
+    assert frozen == list(rollup.BOUNDS)
+    assert migration.BUCKETS == rollup.BUCKETS
