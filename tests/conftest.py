@@ -16,8 +16,14 @@ def pytest_collection_modifyitems(config, items):
     """In a later leg of scripts/test's matrix, leave out the tests marked ``once``.
 
     They do not depend on the Django version (the package build, the demo script, the scale
-    bench), so the first leg runs them and the others save the minutes.
+    bench), so the first leg runs them and the others save the minutes. The browser tests
+    (``tests/acceptance/test_browser*.py``) count as ``once`` too: they drive the pages'
+    markup and scripts in Chromium, while the views behind them run on every leg in the
+    integration tests.
     """
+    for item in items:
+        if item.path.name.startswith("test_browser"):
+            item.add_marker(pytest.mark.once)
     if not os.environ.get("JOBS_TEST_LATER_LEG"):
         return
     kept = [item for item in items if item.get_closest_marker("once") is None]
