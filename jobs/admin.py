@@ -47,7 +47,7 @@ from jobs.control.replays import REPLAY_ALL_LIMIT
 from jobs.models import Job, JobHistory, Pause, Process, TenantOverride
 from jobs.monitor import attempts, live, overview, performance, schedules, views
 from jobs.monitor.cancels import ELIGIBLE, cancel_url, cancel_view, effects, eligible
-from jobs.monitor.display import second
+from jobs.monitor.display import moment, now_of, second
 from jobs.monitor.modeladmin import InputFilter, RunTableAdmin
 from jobs.monitor.pauses import PauseAdmin, pause_links
 from jobs.monitor.processes import ProcessAdmin
@@ -65,10 +65,10 @@ checks.register(check_run_tables, "jobs")
 
 
 def timestamp(field: str, label: StrOrPromise) -> Callable[[Any, Any], str]:
-    """A read-only detail field showing ``field`` to the second (Django's default drops them)."""
+    """A read-only detail field showing ``field`` to the second, with zone and age."""
 
     def show(model_admin: Any, obj: Any) -> str:
-        return second(getattr(obj, field))
+        return moment(getattr(obj, field), now_of(obj))
 
     return admin.display(description=label)(show)
 

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
+from django.db.models import QuerySet
+from django.db.models.functions import Now
 from django.utils import timezone
 from django.utils.formats import date_format
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
+
+#: The annotation that carries PostgreSQL's "now" on every row of a console list.
+NOW = "jobs_now"
 
 
 def second(value: datetime | None) -> str:
@@ -61,3 +69,45 @@ def _amount(seconds: float) -> str:
     if whole < 86400:
         return _("%(n)d h") % {"n": whole // 3600}
     return _("%(n)d d") % {"n": whole // 86400}
+
+
+def moment(value: datetime | None, now: datetime | None = None) -> SafeString | str:
+    """``2026-12-02 01:05:32 UTC (3 min ago)`` as a ``<time>`` element; "—" for no value.
+
+    To the second, in the current time zone with its name; the age is relative to ``now``
+    (PostgreSQL's clock, read once per page) and left out without one. The element carries
+    the ISO instant for scripts and tests. ``{% when %}`` and the list columns write this.
+    """
+    if not isinstance(value, datetime):  # None, or a name the template does not know
+        return "—"
+    local = timezone.localtime(value)
+    # Date and clock in spans of their own, so that a narrow table cell may break between them.
+    stamp = format_html(
+        '<span class="jobs-date">{}</span> <span class="jobs-clock">{} '
+        '<span class="jobs-zone">{}</span></span>',
+        date_format(local, "Y-m-d"),
+        date_format(local, "H:i:s"),
+        local.tzname() or "",
+    )
+    if now is None:
+        return format_html('<time datetime="{}">{}</time>', value.isoformat(), stamp)
+    age = relative(value, now)
+    return format_html(
+        '<time datetime="{}" title="{}">{} <span class="jobs-age">({})</span></time>',
+        value.isoformat(),
+        _("%(age)s, by the database clock") % {"age": age},
+        stamp,
+        age,
+    )
+
+
+def with_now(rows: QuerySet[Any]) -> QuerySet[Any]:
+    """``rows`` with PostgreSQL's "now" on each (one value per statement), for :func:`now_of`."""
+    annotated: QuerySet[Any] = rows.annotate(**{NOW: Now()})
+    return annotated
+
+
+def now_of(obj: Any) -> datetime | None:
+    """The "now" :func:`with_now` put on a row, if its list or page read it that way."""
+    value = getattr(obj, NOW, None)
+    return value if isinstance(value, datetime) else None

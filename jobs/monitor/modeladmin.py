@@ -12,12 +12,14 @@ from typing import Any, ClassVar
 
 from django.contrib import admin
 from django.contrib.admin.views.main import PAGE_VAR, ChangeList
-from django.core.exceptions import ValidationError
+from django.core.exceptions import FieldDoesNotExist, ValidationError
 from django.core.paginator import Paginator
+from django.db import models
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 from django.utils.functional import cached_property
+from django.utils.html import format_html
 from django.utils.http import urlencode
 from django.utils.translation import gettext_lazy as _
 
@@ -25,6 +27,7 @@ from jobs.control.failures import MAX_ROWS
 from jobs.control.links import Link, link_of
 from jobs.control.replays import REPLAY_ALL_LIMIT
 from jobs.control.tables import RunTable, visible_tables
+from jobs.monitor.display import moment, now_of, with_now
 from jobs.monitor.views import confirmation
 from jobs.runs import RunContract
 
@@ -77,7 +80,69 @@ class InputFilter(admin.SimpleListFilter):
         }
 
 
-class RunTableAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+def column(model: type[models.Model], name: Any, clip: bool = False) -> Any:
+    """The list column for ``name``, written the console's way; anything else as it is.
+
+    A ``DateTimeField`` is written by :func:`~jobs.monitor.display.moment` (to the second,
+    zone, age); with ``clip``, a text field is cut to its column's width by CSS, its whole
+    value in the title. The column keeps the field's name (its CSS class), label and sorting.
+    Cached, so that ``list_display_links`` can name the same column object.
+    """
+    if not isinstance(name, str):
+        return name
+    key = (model, name, clip)
+    if key not in _COLUMNS:
+        _COLUMNS[key] = _column(model, name, clip)
+    return _COLUMNS[key]
+
+
+_COLUMNS: dict[tuple[type[models.Model], str, bool], Any] = {}
+
+
+def _column(model: type[models.Model], name: str, clip: bool) -> Any:
+    try:
+        field = model._meta.get_field(name)
+    except FieldDoesNotExist:
+        return name
+    if isinstance(field, models.DateTimeField):
+
+        def show(obj: Any) -> str:
+            return moment(getattr(obj, name), now_of(obj))
+
+    elif clip and isinstance(field, models.CharField):
+
+        def show(obj: Any) -> str:
+            value = getattr(obj, name)
+            if not value:
+                return "—"
+            return format_html('<span class="jobs-clip" title="{}">{}</span>', value, value)
+
+    else:
+        return name
+    show.__name__ = name
+    return admin.display(description=field.verbose_name, ordering=name)(show)
+
+
+class ConsoleColumns:
+    """List columns the console's way (:func:`column`): timestamps with zone and age, long
+    names in ``clipped`` cut to their width; ``list_display_links`` follow the columns."""
+
+    model: Any  # set by ModelAdmin
+    #: Columns whose long values are cut to the column's width, whole in their title.
+    clipped: ClassVar[frozenset[str]] = frozenset({"job_id", "name", "tenant", "queue"})
+
+    def console_columns(self, names: Any) -> list[Any]:
+        return [column(self.model, name, name in self.clipped) for name in names]
+
+    def get_list_display(self, request: HttpRequest) -> Any:
+        return self.console_columns(super().get_list_display(request))  # type: ignore[misc]
+
+    def get_list_display_links(self, request: HttpRequest, list_display: Any) -> Any:
+        links = super().get_list_display_links(request, list_display)  # type: ignore[misc]
+        return self.console_columns(links) if links else links
+
+
+class RunTableAdmin(ConsoleColumns, admin.ModelAdmin):  # type: ignore[type-arg]
     """Read-only list and detail of a run table; replay for users with its permission."""
 
     # Declared as wide as ModelAdmin's, so that subclasses may list other columns and filters.
@@ -102,14 +167,18 @@ class RunTableAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def run_table(self) -> RunTable:
         return RunTable(self.model)
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        """The rows with PostgreSQL's "now", which the timestamp columns age them by."""
+        return with_now(super().get_queryset(request))
+
     def get_list_display(self, request: HttpRequest) -> Any:
         """Leave out run-contract columns this table dropped (``attempts = None``)."""
         fields = self.run_table.fields
-        return [
+        return self.console_columns(
             name
-            for name in super().get_list_display(request)
+            for name in admin.ModelAdmin.get_list_display(self, request)
             if not isinstance(name, str) or name in fields or name not in CONTRACT_FIELDS
-        ]
+        )
 
     def get_list_filter(self, request: HttpRequest) -> Any:
         fields = self.run_table.fields

@@ -14,7 +14,6 @@ and acts only on the confirming POST::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 from django import forms
@@ -34,7 +33,7 @@ from django.utils.translation import gettext_lazy as _
 
 from jobs.control import pauses
 from jobs.models import Pause, PauseKind
-from jobs.monitor.display import duration, second
+from jobs.monitor.display import duration, moment, now_of, second, with_now
 from jobs.queue.pauses import VALUE_MAX, validate
 from jobs.registry import get_registry
 
@@ -109,7 +108,7 @@ class PauseAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def get_queryset(self, request: HttpRequest) -> QuerySet[Pause]:
         # The age by PostgreSQL's clock, which stamped paused_at.
         rows: QuerySet[Pause] = super().get_queryset(request).annotate(age=Now() - F("paused_at"))
-        return rows
+        return with_now(rows)
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return super().has_view_permission(request, obj) or pauses.can_pause(request.user)
@@ -138,8 +137,7 @@ class PauseAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     @admin.display(description=_("since"), ordering="paused_at")
     def since(self, obj: Pause) -> str:
-        age: timedelta | None = getattr(obj, "age", None)
-        return since(obj.paused_at, age.total_seconds() if age is not None else None)
+        return moment(obj.paused_at, now_of(obj))
 
     def get_list_display(self, request: HttpRequest) -> Any:
         shown = super().get_list_display(request)
@@ -245,8 +243,13 @@ class PauseAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         if request.POST.get("post") == "yes" and request.POST.get("select_across") != "1":
             self._resume(request, rows)
             return None
+        selected = len(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))
         return self._resume_confirmation(
-            request, rows, request.get_full_path(), action="resume_selected"
+            request,
+            rows,
+            request.get_full_path(),
+            action="resume_selected",
+            over=0 if request.POST.get("select_across") == "1" else max(0, selected - len(rows)),
         )
 
     def _resume(self, request: HttpRequest, rows: Sequence[Pause]) -> None:
@@ -269,8 +272,9 @@ class PauseAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             )
 
     def _resume_confirmation(
-        self, request: HttpRequest, rows: Sequence[Pause], back: str, *, action: str
+        self, request: HttpRequest, rows: Sequence[Pause], back: str, *, action: str, over: int = 0
     ) -> HttpResponse:
+        """What a resume would lift, and how many selected pauses are over already."""
         return self._render(
             request,
             "admin/jobs/pause/resume_confirmation.html",
@@ -282,6 +286,7 @@ class PauseAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             action=action,
             action_checkbox_name=helpers.ACTION_CHECKBOX_NAME,
             effect=RESUMED,
+            over=over,
         )
 
     def _render(

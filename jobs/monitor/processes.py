@@ -11,7 +11,6 @@ States and ages are judged by PostgreSQL's clock, which wrote every beat::
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 from django.contrib import admin
@@ -19,13 +18,12 @@ from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
-from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
 from jobs.models import Process
 from jobs.monitor import live
-from jobs.monitor.display import duration
-from jobs.monitor.display import second as _second
+from jobs.monitor.display import duration, moment, now_of, with_now
+from jobs.monitor.modeladmin import ConsoleColumns
 from jobs.queue import processes
 
 _STATE_LABELS = {"ready": _("ready"), "draining": _("draining"), "gone": _("gone")}
@@ -48,8 +46,10 @@ class StateFilter(admin.SimpleListFilter):
 
 
 # django-stubs declare ModelAdmin generic; Django's takes no type arguments at run time.
-class ProcessAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class ProcessAdmin(ConsoleColumns, admin.ModelAdmin):  # type: ignore[type-arg]
     """The processes list and, on each process's page, the jobs it holds now."""
+
+    clipped = frozenset({"identity", "version"})
 
     # What an operator scans for first, first; host and pid are in the identity (host:pid:nonce)
     # and on each process's page, so the list stays readable at 1280 px beside the filters.
@@ -114,7 +114,7 @@ class ProcessAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return live.respond(request, super().changelist_view(request, extra_context))
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Process]:
-        return processes.listing(using=self.model.objects.db)
+        return with_now(processes.listing(using=self.model.objects.db))
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
@@ -140,21 +140,15 @@ class ProcessAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     @admin.display(description=_("started"), ordering="started_at")
     def started_display(self, obj: Process) -> str:
-        return _second(obj.started_at)
+        return moment(obj.started_at, now_of(obj))
 
     @admin.display(description=_("last seen"), ordering="last_seen_at")
     def last_seen_display(self, obj: Process) -> str:
-        ago: timedelta | None = getattr(obj, "seen_ago", None)
-        if ago is None:
-            return _second(obj.last_seen_at)
-        return gettext("%(time)s (%(age)s ago)") % {
-            "time": _second(obj.last_seen_at),
-            "age": duration(ago.total_seconds()),
-        }
+        return moment(obj.last_seen_at, now_of(obj))
 
     @admin.display(description=_("gone after"))
     def expires_display(self, obj: Process) -> str:
-        return _second(obj.expires_at)
+        return moment(obj.expires_at, now_of(obj))
 
     @admin.display(description=_("jobs held"))
     def held_jobs(self, obj: Process) -> str:

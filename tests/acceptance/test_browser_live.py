@@ -19,11 +19,21 @@ from django.db import connections
 from jobs import queue
 from jobs.queue import AllTenants, ClaimedJob, ClaimRequest
 from jobs.runs import ErrorCode
-from tests.acceptance.test_browser import CHROMIUM, FLAGS, SMALL, TIMEOUT_MS
+from tests.acceptance.test_browser import (
+    CHROMIUM,
+    FLAGS,
+    SMALL,
+    TIMEOUT_MS,
+    WORKER,
+    seed_processes,
+    shot,
+)
 from tests.factories import JobFactory
 from tests.integration.test_admin_factories import (
     REPLAY_ALL,
     VIEW_ALL,
+    DeliveryFactory,
+    ago,
     operator,
 )
 
@@ -61,7 +71,16 @@ def live(settings):
 @pytest.fixture
 def context(browser, live_server):
     """A browser context (its own cookies and localStorage) logged in as ``ops``."""
-    operator("ops", *VIEW_ALL, *REPLAY_ALL, "jobs.cancel_job", password="correct horse")
+    operator(
+        "ops",
+        *VIEW_ALL,
+        *REPLAY_ALL,
+        "jobs.cancel_job",
+        "jobs.change_job",
+        "jobs.view_process",
+        "jobs.pause_work",
+        password="correct horse",
+    )
     made = browser.new_context(viewport=SMALL)
     made.set_default_timeout(TIMEOUT_MS)
     page = made.new_page()
@@ -135,12 +154,14 @@ def test_pages_show_work_that_finished_after_they_loaded(context, live_server):
     monitor.wait_for_selector(f"tr[data-row='jobs.job:{third.id}']")
     assert "upstream answered 503" in monitor.inner_text(f"tr[data-row='jobs.job:{third.id}']")
 
+    running.wait_for_selector("[data-jobs-live='pagination']:has-text('1 job')")
+
     # The checked job finishes: the list would drop what the operator selected, so it waits.
     assert queue.complete(second)
     wait_refreshes(running, 2)
     assert box.is_checked()
     assert "selection kept" in running.inner_text(".jobs-live-status")
-    assert "2 jobs" in running.inner_text("[data-jobs-live='pagination']")  # held whole
+    assert "1 job" in running.inner_text("[data-jobs-live='pagination']")  # held whole
     box.uncheck()
     running.wait_for_selector("[data-jobs-live='pagination']:has-text('0 jobs')")
     assert running.locator("input.action-select").count() == 0
@@ -166,13 +187,13 @@ def test_a_paused_page_shows_nothing_new_until_resumed(context, live_server):
     asked = len(fetched)
 
     JobFactory(name="jobapp.ping.v1", job_id="made-while-paused")
-    clock.wait_for_selector("#result_list a:text-is('made-while-paused')")
+    clock.wait_for_selector("#result_list [title='made-while-paused']")
     wait_refreshes(clock, 2)  # two more refreshes there: time enough for several here
-    assert paused.locator("#result_list a:text-is('made-while-paused')").count() == 0
+    assert paused.locator("#result_list [title='made-while-paused']").count() == 0
     assert len(fetched) == asked
 
     paused.click(".jobs-live-toggle")
-    paused.wait_for_selector("#result_list a:text-is('made-while-paused')")
+    paused.wait_for_selector("#result_list [title='made-while-paused']")
     assert not_reloaded(paused)
 
     paused.click(".jobs-live-toggle")  # paused again: the next page starts paused
@@ -180,3 +201,78 @@ def test_a_paused_page_shows_nothing_new_until_resumed(context, live_server):
     later.goto(f"{live_server.url}/admin/jobs/job/monitor/")
     later.wait_for_selector("[data-jobs-live-root][data-jobs-live-state='paused']")
     assert later.inner_text(".jobs-live-state") == "Live: paused"
+
+
+LONG_TYPE = "billing.invoices.reconcile_statement_with_ledger_and_notify_accountants.v12"
+LONG_ERROR = (
+    "ConnectionError: HTTPSConnectionPool(host='ledger.internal.example.com', port=443): "
+    "Max retries exceeded with url: /api/v2/statements/2026-11/reconcile?account="
+    "ACME-INDUSTRIES-HOLDINGS-EUROPE-0001&include=lines,adjustments,corrections "
+    "(Caused by NewConnectionError: Failed to establish a new connection: [Errno 111] "
+    "Connection refused)"
+)
+PAGES = {
+    "monitor": "/admin/jobs/job/monitor/",
+    "failures-by-cause": "/admin/jobs/job/monitor/groups/",
+    "jobs-list": "/admin/jobs/job/",
+    "processes": "/admin/jobs/process/",
+    "pauses": "/admin/jobs/pause/",
+}
+
+
+# What scrolls sideways: the page, or a table cut inside its scrolling box (the admin's .results).
+OVERFLOW = """() => {
+    const found = [];
+    const page = document.documentElement;
+    if (page.scrollWidth > page.clientWidth) {
+        found.push(`the page by ${page.scrollWidth - page.clientWidth}px`);
+    }
+    document.querySelectorAll("#content .results, #content .module, #content table").forEach(el => {
+        if (el.scrollWidth > el.clientWidth + 1) {
+            const name = `${el.tagName.toLowerCase()}#${el.id}.${el.className}`;
+            found.push(`${name} by ${el.scrollWidth - el.clientWidth}px`);
+        }
+    });
+    return found;
+}"""
+
+
+def seed_console() -> None:
+    """Rows as an operator meets them: long type names, tenants and errors, in every state."""
+    for n in range(6):
+        JobFactory(
+            failed=True,
+            name=LONG_TYPE,
+            job_id=f"statement-reconcile-acme-industries-holdings-europe-2026-11-{n:04d}",
+            tenant="acme-industries-holdings-europe",
+            queue="ledger-reconciliation",
+            error_detail=f"Traceback (most recent call last):\n  ...\n{LONG_ERROR}",
+            finished_at=ago(minutes=n + 1),
+        )
+    JobFactory.create_batch(3, name=LONG_TYPE, tenant="acme-industries-holdings-europe")
+    JobFactory(running=True, name="jobapp.ping.v1", claimed_by=WORKER)
+    DeliveryFactory(
+        job_id="welcome-mail-for-a-customer-with-a-long-address@example.com",
+        error_detail="550 5.1.1 The email account that you tried to reach does not exist",
+        finished_at=ago(minutes=2),
+    )
+    queue.pause("job_type", LONG_TYPE, by="alice", reason="INC-7: the ledger is being migrated")
+    queue.pause("tenant", "acme-industries-holdings-europe", by="bob", reason="customer asked")
+    seed_processes()
+
+
+def test_every_live_and_polished_page_fits_a_laptop_without_a_horizontal_scroll(
+    context, live_server
+):
+    seed_console()
+    page = context.new_page()
+    wide = []
+    for size in (SMALL, LARGE):
+        page.set_viewport_size(size)
+        for name, path in PAGES.items():
+            page.goto(f"{live_server.url}{path}")
+            page.wait_for_selector("#content-main")
+            wide += [f"{name} at {size['width']}px: {what}" for what in page.evaluate(OVERFLOW)]
+            if size is SMALL:
+                shot(page, f"console-{name}.png")
+    assert not wide, wide
