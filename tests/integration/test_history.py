@@ -265,9 +265,13 @@ FROM generate_series(1, %(count)s) AS g
 """
 
 
+@pytest.mark.django_db(transaction=True)
 def test_the_archive_pass_reads_only_what_it_moves():
     """Queued rows and finished rows inside their window are never read by the pass."""
     with connection.cursor() as cur:
+        # Earlier tests' rolled-back rows leave dead entries in the index the pass walks;
+        # how many depends on what ran before, not on the pass. Start from a vacuumed table.
+        cur.execute("VACUUM jobs_job")
         cur.execute(KEPT_AND_QUEUED, {"count": 100000})
         cur.execute("ANALYZE jobs_job")
         cur.execute("SELECT statement_timestamp()")
