@@ -458,6 +458,10 @@ class Rollup(models.Model):
             ),
             models.CheckConstraint(condition=Q(width__gt=0), name="jobs_rollup_width_positive"),
         ]
+        # The retention pass folds minute rows by age: without this it reads every hour row.
+        indexes = [
+            models.Index(fields=["period"], condition=Q(width=60), name="jobs_rollup_minutes")
+        ]
 
     def __str__(self) -> str:
         return f"{self.name} {self.outcome} @ {self.period.isoformat()} ({self.count})"
@@ -482,6 +486,11 @@ class BacklogSample(models.Model):
     class Meta:
         verbose_name = _("backlog sample")
         verbose_name_plural = _("backlog samples")
+        indexes = [
+            models.Index(
+                fields=["period"], condition=Q(width=60), name="jobs_backlogsample_minutes"
+            )
+        ]
 
     def __str__(self) -> str:
         return f"{self.name} @ {self.period.isoformat()}: {self.queued}"

@@ -5,8 +5,8 @@ from django.db import migrations, models
 import jobs.models
 
 # The histogram bucket bounds, as jobs.queue.rollup.BOUNDS was when written (frozen here).
-BOUNDS = "'{0.001,0.0014142135623730952,0.002,0.0028284271247461905,0.004,0.005656854249492381,0.008,0.011313708498984762,0.016,0.022627416997969524,0.032,0.04525483399593905,0.064,0.0905096679918781,0.128,0.1810193359837562,0.256,0.3620386719675124,0.512,0.7240773439350248,1.024,1.4481546878700495,2.048,2.896309375740099,4.096,5.792618751480198,8.192,11.585237502960396,16.384,23.170475005920792,32.768,46.340950011841585,65.536,92.68190002368317,131.072,185.36380004736634,262.144,370.7276000947327,524.288,741.4552001894654,1048.576,1482.9104003789307,2097.152,2965.8208007578614}'::float8[]"
-BUCKETS = 45
+BOUNDS = "'{0.001,0.0014142135623730952,0.002,0.0028284271247461905,0.004,0.005656854249492381,0.008,0.011313708498984762,0.016,0.022627416997969524,0.032,0.04525483399593905,0.064,0.0905096679918781,0.128,0.1810193359837562,0.256,0.3620386719675124,0.512,0.7240773439350248,1.024,1.4481546878700495,2.048,2.896309375740099,4.096,5.792618751480198,8.192,11.585237502960396,16.384,23.170475005920792,32.768,46.340950011841585,65.536,92.68190002368317,131.072,185.36380004736634,262.144,370.7276000947327,524.288,741.4552001894654,1048.576,1482.9104003789307,2097.152,2965.8208007578614,4194.304,5931.641601515723,8388.608,11863.283203031446,16777.216,23726.56640606289,33554.432,47453.13281212578,67108.864,94906.26562425157,134217.728,189812.53124850313}'::float8[]"
+BUCKETS = 57
 
 # The rollup's writer, as PL/pgSQL functions so that their plans are cached per connection:
 # inlined into every outcome write (never a prepared statement), the upsert was planned with
@@ -52,7 +52,7 @@ BEGIN
         period, width, name, outcome, code, shard, count, run_seconds, wait_seconds,
         run_histogram, wait_histogram
     )
-    SELECT date_trunc('minute', statement_timestamp()), 60, g.name, g.outcome, g.code,
+    SELECT date_trunc('minute', statement_timestamp(), 'UTC'), 60, g.name, g.outcome, g.code,
            pg_backend_pid(), g.n, g.ran, g.waited,
            jobs_histogram_of(g.ran_buckets), jobs_histogram_of(g.wait_buckets)
     FROM (
@@ -71,6 +71,12 @@ BEGIN
         wait_histogram = jobs_histogram_add(r.wait_histogram, EXCLUDED.wait_histogram);
     GET DIAGNOSTICS added = ROW_COUNT;
     RETURN added;
+EXCEPTION WHEN OTHERS THEN
+    -- The history is not worth a job: a rollup that cannot be written (a role without the
+    -- grant, a full disk of a tablespace) costs its counts, never the outcome write around it.
+    RAISE WARNING 'jobs_rollup_add: the console history was not written: % (%)',
+        SQLERRM, SQLSTATE;
+    RETURN 0;
 END
 $$;
 """.replace("BUCKETS", str(BUCKETS)).replace("BOUNDS", BOUNDS)
@@ -239,6 +245,20 @@ class Migration(migrations.Migration):
             model_name="rollup",
             constraint=models.CheckConstraint(
                 condition=models.Q(("width__gt", 0)), name="jobs_rollup_width_positive"
+            ),
+        ),
+        migrations.AddIndex(
+            model_name="backlogsample",
+            index=models.Index(
+                condition=models.Q(("width", 60)),
+                fields=["period"],
+                name="jobs_backlogsample_minutes",
+            ),
+        ),
+        migrations.AddIndex(
+            model_name="rollup",
+            index=models.Index(
+                condition=models.Q(("width", 60)), fields=["period"], name="jobs_rollup_minutes"
             ),
         ),
         migrations.RunSQL(ROLLUP_ADD, DROP_ROLLUP_ADD),

@@ -27,7 +27,7 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS
 
 from jobs.conf import jobs_settings
-from jobs.queue import _db, attempts, pauses, processes, text
+from jobs.queue import _db, attempts, pauses, processes, rollup, text
 from jobs.queue.types import ClaimedJob, ClaimRequest, ProcessBeat, Renewal, Scope
 
 # The claim's CTEs: what is paused, what each name asks for (paused names left out), and the
@@ -302,6 +302,10 @@ def renew_leases(
     )
 
 
+# An attempt waited out in the worker ended as a retry: the console's history counts it.
+_RETRIED = rollup.cte("SELECT name, 'retried', %(code)s, ran, waited FROM bumped")
+
+
 def next_attempt(
     job: ClaimedJob,
     *,
@@ -322,17 +326,28 @@ def next_attempt(
     with _db.bound_cursor(using) as cur:
         cur.execute(
             f"""
+            WITH bumped AS (
             UPDATE jobs_job j
             SET attempts = j.attempts + 1,
                 lease_expires_at = statement_timestamp() + make_interval(secs => %(lease)s),
                 heartbeat_at = statement_timestamp(),
                 started_at = statement_timestamp(),
+                -- The next attempt is due now: its queue latency is not the wait just done.
+                run_after = statement_timestamp(),
                 attempt_log = j.attempt_log || {
                 attempts.entry_sql(row="j", outcome="'retry'", code="%(code)s", error="%(detail)s")
             }
+            -- The row before the update, for the ended attempt's figures in the rollup.
+            FROM jobs_job was
             WHERE j.id = %(id)s AND j.claim_token = %(token)s AND j.state = 'running'
-              AND j.cancel_requested_at IS NULL
-            RETURNING j.attempts
+              AND j.cancel_requested_at IS NULL AND was.id = j.id
+            RETURNING j.attempts, j.name,
+                GREATEST(0, EXTRACT(EPOCH FROM statement_timestamp() - was.started_at))::float8
+                    AS ran,
+                GREATEST(0, EXTRACT(EPOCH FROM was.started_at - was.run_after))::float8 AS waited
+            ),
+            {_RETRIED}
+            SELECT attempts FROM bumped WHERE {rollup.reads()}
             """,
             {
                 "id": job.id,

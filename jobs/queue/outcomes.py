@@ -45,7 +45,7 @@ free AS (
            j.cancel_requested_at IS NOT NULL
                AND (o.state IN ('queued', 'cancelled')) AS stopped,
            -- For the rollup: the attempt's run time and queue latency (as the claim has it).
-           EXTRACT(EPOCH FROM statement_timestamp() - j.started_at)::float8 AS ran,
+           GREATEST(0, EXTRACT(EPOCH FROM statement_timestamp() - j.started_at))::float8 AS ran,
            GREATEST(0, EXTRACT(EPOCH FROM j.started_at - j.run_after))::float8 AS waited
     FROM jobs_job j JOIN o ON j.id = o.id
     WHERE j.claim_token = o.token AND j.state = 'running'
@@ -84,7 +84,7 @@ written AS (
     WHERE j.id = o.id
     RETURNING j.id, o.token, CASE WHEN f.stopped THEN j.error_detail END AS stopped,
               j.name, f.state, j.last_error AS code, o.attempts_delta >= 0 AS ran_attempt,
-              f.ran, f.waited
+              CASE WHEN o.attempts_delta >= 0 THEN f.ran END AS ran, f.waited
 ),
 -- Held under their token but not written: another session holds the row locked.
 busy AS (
@@ -95,13 +95,14 @@ busy AS (
           WHERE j.id = o.id AND j.claim_token = o.token AND j.state = 'running'
       )
 ),"""
-    # The console's history: the attempts written (a hand-back ran nothing), per type,
-    # outcome and error code, added to this minute's rollup rows in the same statement.
+    # The console's history: the attempts written, per type, outcome and error code, added
+    # to this minute's rollup rows in the same statement. A hand-back ran nothing and is not
+    # counted, unless an operator's cancel ended the job there (counted, with no run time).
     + rollup.cte(
         """
         SELECT name, CASE state WHEN 'queued' THEN 'retried' ELSE state END,
                CASE WHEN state = 'succeeded' THEN '' ELSE code END, ran, waited
-        FROM written WHERE ran_attempt"""
+        FROM written WHERE ran_attempt OR state <> 'queued'"""
     )
 )
 

@@ -15,8 +15,9 @@ not counted.
 
 **What a row holds.** Attempts counted per outcome (``succeeded``, ``failed``, ``cancelled``,
 ``retried``) and error code, the total run and queue-latency seconds, and both as histograms
-over :data:`BOUNDS`: 45 buckets a factor √2 wide from 1 ms to 50 min, so a quantile read from
-them is within about ±20 % (:meth:`Distribution.quantile`). Queue latency is the attempt's
+over :data:`BOUNDS`: 57 buckets a factor √2 wide from 1 ms to 53 hours, so a quantile read
+from them is within about ±20 % (:meth:`Distribution.quantile`; above the last bound it is
+that bound, a floor). Queue latency is the attempt's
 start minus the time it became due, as the claim computes it.
 
 **Compaction** (:func:`compact`, the scheduler's retention pass): minute rows older than
@@ -43,8 +44,8 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from jobs.conf import jobs_settings
 
 #: Upper bounds (seconds) of the histogram buckets; bucket ``i`` holds values in
-#: ``[BOUNDS[i-1], BOUNDS[i])``, bucket 0 values below 1 ms, the last values from ~50 min.
-BOUNDS: tuple[float, ...] = tuple(0.001 * 2 ** (k / 2) for k in range(44))
+#: ``[BOUNDS[i-1], BOUNDS[i])``, bucket 0 values below 1 ms, the last values from ~53 hours.
+BOUNDS: tuple[float, ...] = tuple(0.001 * 2 ** (k / 2) for k in range(56))
 BUCKETS = len(BOUNDS) + 1
 
 #: Minute rows this old are folded into one row per minute (every shard into shard 0).
@@ -84,7 +85,7 @@ class Distribution:
                 if index == 0:
                     return BOUNDS[0] * share
                 low = BOUNDS[index - 1]
-                if index == len(BOUNDS):  # the open last bucket: its lower bound
+                if index == len(BOUNDS):  # the open last bucket: its lower bound, a floor
                     return low
                 return low * math.pow(BOUNDS[index] / low, share)
             seen += count
@@ -192,7 +193,7 @@ def record_backlog(
         cur.execute(
             f"""
             INSERT INTO jobs_backlogsample (period, width, name, queued, due, oldest_due_seconds)
-            SELECT date_trunc('minute', %(at)s::timestamptz), {MINUTE}, s.name, s.queued,
+            SELECT date_trunc('minute', %(at)s::timestamptz, 'UTC'), {MINUTE}, s.name, s.queued,
                    s.due, s.oldest
             FROM unnest(%(names)s::text[], %(queued)s::bigint[], %(due)s::bigint[],
                         %(oldest)s::float8[]) AS s(name, queued, due, oldest)
@@ -249,6 +250,7 @@ def _fold(
         WHERE (d.period, d.width, d.name, d.outcome, d.code, d.shard) IN (
             SELECT period, width, name, outcome, code, shard FROM jobs_rollup
             WHERE {where} LIMIT %(limit)s
+            FOR UPDATE SKIP LOCKED
         )
         RETURNING d.*
     ),
@@ -298,7 +300,7 @@ def _fold_shards(before: datetime, limit: int, using: str) -> int:
 def _fold_hours(before: datetime, limit: int, using: str) -> int:
     return _fold(
         f"width = {MINUTE} AND period < %(before)s",
-        "date_trunc('hour', m.period)",
+        "date_trunc('hour', m.period, 'UTC')",
         HOUR,
         limit,
         {"before": before},
@@ -313,12 +315,13 @@ def _fold_backlog(before: datetime, limit: int, using: str) -> int:
         WHERE (d.period, d.width, d.name) IN (
             SELECT period, width, name FROM jobs_backlogsample
             WHERE width = {MINUTE} AND period < %(before)s LIMIT %(limit)s
+            FOR UPDATE SKIP LOCKED
         )
         RETURNING d.*
     ),
     added AS (
         INSERT INTO jobs_backlogsample AS s (period, width, name, queued, due, oldest_due_seconds)
-        SELECT date_trunc('hour', period), {HOUR}, name, max(queued), max(due),
+        SELECT date_trunc('hour', period, 'UTC'), {HOUR}, name, max(queued), max(due),
                max(oldest_due_seconds)
         FROM moved GROUP BY 1, 3
         ON CONFLICT (period, width, name) DO UPDATE SET
