@@ -25,7 +25,13 @@ from django.db import DEFAULT_DB_ALIAS
 
 from jobs.queue import _db, rollup
 from jobs.queue.claim import claim, claim_parts, claimed_jobs
-from jobs.queue.outcomes import OUTCOME_CTES, outcome_params, outcome_report, record
+from jobs.queue.outcomes import (
+    OUTCOME_CTES,
+    ROLLUP_CTE,
+    outcome_params,
+    outcome_report,
+    record,
+)
 from jobs.queue.types import ClaimedJob, ClaimRequest, Outcome, OutcomeReport, Scope
 
 # The claimed rows' columns (see the claim's RETURNING list), padded for the report row.
@@ -37,7 +43,6 @@ _REPORT_ROW = (
     + ", (SELECT array_agg(token) FROM written), (SELECT array_agg(token) FROM busy)"
     + ", (SELECT array_agg(token) FROM written WHERE stopped IS NOT NULL)"
     + ", (SELECT array_agg(stopped) FROM written WHERE stopped IS NOT NULL)"
-    + f" WHERE {rollup.reads()}"
 )
 
 
@@ -49,25 +54,27 @@ def record_and_claim(
     limit: int | None = None,
     lease: timedelta | None = None,
     worker: str = "",
+    count: bool = True,
     using: str = DEFAULT_DB_ALIAS,
 ) -> tuple[OutcomeReport, list[ClaimedJob]]:
     """Write ``outcomes`` and claim as :func:`~jobs.queue.claim` would, in one statement.
 
     Outside a transaction the statement is its own (autocommit); inside one it joins it. The
     report and the claimed jobs are what :func:`~jobs.queue.record` and
-    :func:`~jobs.queue.claim` would return.
+    :func:`~jobs.queue.claim` would return; ``count`` is :func:`~jobs.queue.record`'s.
     """
     if not outcomes:  # a claim-only pass (an idle worker's pickup): no outcome CTEs to plan
         jobs = claim(requests, scope=scope, limit=limit, lease=lease, worker=worker, using=using)
         return OutcomeReport((), ()), jobs
     parts = claim_parts(requests, scope=scope, limit=limit, lease=lease, worker=worker, using=using)
     if parts is None:
-        return record(outcomes, using=using), []
+        return record(outcomes, count=count, using=using), []
     ctes, update, params = parts
+    counted = (f", {ROLLUP_CTE}", f" WHERE {rollup.reads()}") if count else ("", "")
     sql = (
-        f"WITH {OUTCOME_CTES},{ctes}, claimed AS ({update})\n"
+        f"WITH {OUTCOME_CTES}{counted[0]},{ctes}, claimed AS ({update})\n"
         "SELECT *, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[] FROM claimed\n"
-        f"UNION ALL\n{_REPORT_ROW}"
+        f"UNION ALL\n{_REPORT_ROW}{counted[1]}"
     )
     with _db.bound_cursor(using) as cur:
         cur.execute(sql, {**outcome_params(outcomes, using), **params})

@@ -94,39 +94,44 @@ busy AS (
           SELECT 1 FROM jobs_job j
           WHERE j.id = o.id AND j.claim_token = o.token AND j.state = 'running'
       )
-),"""
-    # The console's history: the attempts written, per type, outcome and error code, added
-    # to this minute's rollup rows in the same statement. A hand-back ran nothing and is not
-    # counted, unless an operator's cancel ended the job there (counted, with no run time).
-    + rollup.cte(
-        """
-        SELECT name, CASE state WHEN 'queued' THEN 'retried' ELSE state END,
-               CASE WHEN state = 'succeeded' THEN '' ELSE code END, ran, waited
-        FROM written WHERE ran_attempt OR state <> 'queued'"""
-    )
+)
+"""
+)
+# The console's history: the attempts written, per type, outcome and error code, added to
+# this minute's rollup rows in the same statement. A hand-back ran nothing and is not
+# counted, unless an operator's cancel ended the job there (counted, with no run time). The
+# worker counts its own outcomes instead (``count=False``, jobs.worker.history).
+ROLLUP_CTE = rollup.cte(
+    """
+    SELECT name, CASE state WHEN 'queued' THEN 'retried' ELSE state END,
+           CASE WHEN state = 'succeeded' THEN '' ELSE code END, ran, waited
+    FROM written WHERE ran_attempt OR state <> 'queued'"""
 )
 
-_RECORD = (
-    "WITH "
-    + OUTCOME_CTES
-    + f"SELECT token, TRUE, stopped FROM written WHERE {rollup.reads()}"
-    + " UNION ALL SELECT token, FALSE, NULL FROM busy"
-)
+_REPORT = "SELECT token, TRUE, stopped FROM written{} UNION ALL SELECT token, FALSE, NULL FROM busy"
+_RECORD = {
+    True: f"WITH {OUTCOME_CTES}, {ROLLUP_CTE} " + _REPORT.format(f" WHERE {rollup.reads()}"),
+    False: f"WITH {OUTCOME_CTES} " + _REPORT.format(""),
+}
 
 # Error details are for people reading the admin; keep a runaway traceback from bloating rows.
 MAX_DETAIL = 8000
 
 
-def record(outcomes: Sequence[Outcome], *, using: str = DEFAULT_DB_ALIAS) -> OutcomeReport:
+def record(
+    outcomes: Sequence[Outcome], *, count: bool = True, using: str = DEFAULT_DB_ALIAS
+) -> OutcomeReport:
     """Write many outcomes in one statement; report which were applied, fenced or busy.
 
     *Busy* outcomes were not written because another session holds their row locked (an
-    operator's open transaction, say): the caller tries them again later.
+    operator's open transaction, say): the caller tries them again later. With ``count``
+    the attempts written are added to the console's history in the same statement; a caller
+    that counts them itself (the worker) passes False.
     """
     if not outcomes:
         return OutcomeReport((), ())
     with _db.bound_cursor(using) as cur:
-        cur.execute(_RECORD, outcome_params(outcomes, using))
+        cur.execute(_RECORD[count], outcome_params(outcomes, using))
         rows = cur.fetchall()
     return outcome_report(
         outcomes,

@@ -11,7 +11,9 @@ nothing). The upsert is a PL/pgSQL function (``jobs_rollup_add``), so each conne
 it once instead of with every outcome write. Each writing session adds to its own row
 (``shard`` is its backend pid), so workers finishing the same type in the same minute never
 wait on each other. A hand-back (an attempt returned untried at shutdown) ran nothing and is
-not counted.
+not counted. The worker's own passes are the exception: a writer that counts its attempts
+itself passes ``count=False`` and adds them with :func:`add` (jobs.worker.history, once a
+second), which keeps the per-statement cost off the hot path.
 
 **What a row holds.** Attempts counted per outcome (``succeeded``, ``failed``, ``cancelled``,
 ``retried``) and error code, the total run and queue-latency seconds, and both as histograms
@@ -42,6 +44,8 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from jobs.conf import jobs_settings
+from jobs.queue import _db
+from jobs.queue.types import Outcome
 
 #: Upper bounds (seconds) of the histogram buckets; bucket ``i`` holds values in
 #: ``[BOUNDS[i-1], BOUNDS[i])``, bucket 0 values below 1 ms, the last values from ~53 hours.
@@ -173,6 +177,40 @@ def cte(ended: str, *, name: str = "rolled") -> str:
 def reads(name: str = "rolled") -> str:
     """A condition that holds always and makes the statement run the CTE :func:`cte` names."""
     return f"(SELECT count(*) FROM {name}) >= 0"
+
+
+#: An attempt as the rollup counts it: job type, outcome, error code, run and wait seconds.
+Ended = tuple[str, str, str, float | None, float | None]
+
+
+def ended(name: str, sent: Outcome, written: Outcome, *, ran: float, waited: float) -> Ended | None:
+    """What the rollup counts for an outcome a caller wrote with ``count=False`` (None: a
+    hand-back, which ran nothing), as the outcome statement's own count would.
+
+    ``written`` is the outcome as the row got it (:meth:`OutcomeReport.as_written`).
+    """
+    handed_back = sent.attempts_delta < 0
+    if written.state == "queued":
+        if handed_back:
+            return None
+        return (name, "retried", written.code or "", max(0.0, ran), max(0.0, waited))
+    code = "" if written.state == "succeeded" else written.code or ""
+    return (name, written.state, code, None if handed_back else max(0.0, ran), max(0.0, waited))
+
+
+def add(items: Sequence[Ended], *, using: str = DEFAULT_DB_ALIAS) -> int:
+    """Add attempts counted by their writer to this minute's rollup rows: one statement."""
+    if not items:
+        return 0
+    names, outcomes, codes, ran, waited = (list(column) for column in zip(*items, strict=True))
+    with _db.bound_cursor(using) as cur:
+        cur.execute(
+            "SELECT jobs_rollup_add(%(names)b::text[], %(outcomes)b::text[], %(codes)b::text[],"
+            " %(ran)b::float8[], %(waited)b::float8[])",
+            {"names": names, "outcomes": outcomes, "codes": codes, "ran": ran, "waited": waited},
+        )
+        (written,) = cur.fetchone()
+    return int(written)
 
 
 def record_backlog(

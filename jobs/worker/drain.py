@@ -51,6 +51,8 @@ class Draining:
 
         def _pass(self) -> None: ...
 
+        def _flush_history(self, now: float | None = None, *, final: bool = False) -> None: ...
+
     def _drain(self) -> int:
         """Stop claiming, let handlers finish, then cancel and hand back what is left.
 
@@ -73,6 +75,7 @@ class Draining:
         self._cancel_leftovers()
         self._flush_until(time.monotonic() + self._cancel_grace)
         self._abandon_leftovers()
+        self._flush_history(final=True)
         logger.info("worker stopped", extra={"action": "stopped"})
         return 0
 

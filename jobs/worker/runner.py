@@ -46,6 +46,7 @@ from jobs.worker.execution import (
     sync_run_rows,
 )
 from jobs.worker.flush import one_line, refused_data, unreachable, write_one_by_one
+from jobs.worker.history import History
 from jobs.worker.leases import LeaseKeeper
 from jobs.worker.maintenance import WorkerMaintenance
 from jobs.worker.on_loop import execute_on_loop
@@ -83,6 +84,8 @@ class Worker(Draining):
         self._acks: list[tuple[Running, Outcome | None]] = []
         # Outcomes whose row was locked by another session, retried from _deferred_at on.
         self._deferred: list[tuple[Running, Outcome | None]] = []
+        self._history = History()
+        self._history_failing = False
         self._deferred_at = 0.0
         self._first_ack_at: float | None = None
         self._wake = threading.Event()
@@ -202,6 +205,7 @@ class Worker(Draining):
         requests = self._claim_requests(now)
         if not acks and not requests:
             self._errors = 0
+            self._flush_history(now)  # an idle worker still writes what it counted
             return
         outcomes = [(r, o) for r, o in acks if o is not None and not r.lost]
         try:
@@ -231,6 +235,24 @@ class Worker(Draining):
             acks, outcomes = self._defer_busy(acks, outcomes, report.busy_tokens)
         self._settle(acks, outcomes, report)
         self._dispatch(claimed)
+        self._flush_history(now)
+
+    def _flush_history(self, now: float | None = None, *, final: bool = False) -> None:
+        """Add the counted attempts to the console's history (about once a second, and at a
+        clean stop). A failure is logged once per streak and never stops the loop."""
+        try:
+            self._history.flush(now=now, force=final)
+        except Exception as exc:
+            if not self._history_failing or final:
+                logger.warning(
+                    "could not write the console's history (%s); %d attempts wait for the next try",
+                    one_line(exc),
+                    self._history.held,
+                    extra={"action": "history_failed"},
+                )
+            self._history_failing = True
+        else:
+            self._history_failing = False
 
     def _defer_busy(
         self,
@@ -264,11 +286,12 @@ class Worker(Draining):
         """
         if any(r.job_type.policy.run_model is not None for r, _ in outcomes):
             with transaction.atomic():
-                report = queue.record([o for _, o in outcomes])
+                report = queue.record([o for _, o in outcomes], count=False)
                 sync_run_rows(
                     [(r, report.as_written(o)) for r, o in outcomes if report.was_applied(o)]
                 )
                 claimed = self._claim(requests) if requests else []
+            self._history.count(outcomes, report)  # committed
             return report, claimed
         with self._lock:
             free = self.config.concurrency - self._in_flight
@@ -279,7 +302,9 @@ class Worker(Draining):
             limit=free,
             lease=self.config.lease_duration,
             worker=self.config.identity,
+            count=False,
         )
+        self._history.count(outcomes, report)
         self._note_claimed(requests, claimed, free)
         return (report if outcomes else None), claimed
 

@@ -337,3 +337,48 @@ def test_the_migrations_bounds_are_the_readers():
     frozen = [float(b) for b in migration.BOUNDS.split("'")[1].strip("{}").split(",")]
     assert frozen == list(rollup.BOUNDS)
     assert migration.BUCKETS == rollup.BUCKETS
+
+
+def test_a_pass_that_counts_its_own_attempts_writes_no_rollup_row():
+    JobFactory.create_batch(2)
+    first = claim(1)
+    report, claimed = queue.record_and_claim(
+        [Outcome.succeeded(first[0])], [ClaimRequest(NAME, 5)], scope=AllTenants(), count=False
+    )
+    assert report.applied == (first[0].id,) and len(claimed) == 1
+    assert not queue.record([Outcome.succeeded(claimed[0])], count=False).fenced
+    assert totals() == {}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_running_worker_adds_its_attempts_about_once_a_second_and_the_rest_at_stop():
+    from jobs import enqueue
+    from jobs.worker.config import WorkerConfig
+    from jobs.worker.runner import Worker
+    from tests.acceptance.conftest import wait_for
+    from tests.worker_support import Recorder, Step, registry
+
+    recorder = Recorder()
+    for _ in range(5):
+        enqueue(Step(plan=("ok",)))
+    enqueue(Step(plan=("reject",)))
+    worker = Worker(registry(recorder), WorkerConfig(install_signal_handlers=False))
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        # Written while the worker runs on, idle: not only at its stop.
+        wait_for(lambda: sum(totals().values()) == 6, timeout=10, what="the attempts in the rollup")
+        counted = totals()
+        enqueue(Step(plan=("ok",)))
+        wait_for(lambda: recorder.calls and len(recorder.calls) == 7, what="the last job ran")
+    finally:
+        worker.request_stop()
+        thread.join(10)
+    assert counted == {
+        (Step.job_name, "succeeded", ""): 5,
+        (Step.job_name, "failed", "rejected"): 1,
+    }
+    # The last attempt is added at the clean stop if not before.
+    assert totals()[(Step.job_name, "succeeded", "")] == 6
+    [item] = [b for b in rollup.bins(*_window(), timedelta(hours=1)) if b.outcome == "succeeded"]
+    assert item.run.n == item.wait.n == 6
