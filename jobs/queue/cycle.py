@@ -72,7 +72,7 @@ def record_and_claim(
     ctes, update, params = parts
     counted = (f", {ROLLUP_CTE}", f" WHERE {rollup.reads()}") if count else ("", "")
     sql = (
-        f"WITH {OUTCOME_CTES}{counted[0]},{ctes}, claimed AS ({update})\n"
+        f"WITH {OUTCOME_CTES[count]}{counted[0]},{ctes}, claimed AS ({update})\n"
         "SELECT *, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[] FROM claimed\n"
         f"UNION ALL\n{_REPORT_ROW}{counted[1]}"
     )

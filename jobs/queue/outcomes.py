@@ -28,7 +28,8 @@ _STOPPED_DETAIL = "('cancelled while running, asked by ' || j.cancel_requested_b
 
 # The outcome write's CTEs: the outcomes, the rows still held under their tokens (rows another
 # session holds locked are skipped and reported busy, never waited for), and the write.
-OUTCOME_CTES = (
+# {FIGURES} and {COUNTED} are where the rollup's figures go when the statement counts.
+_OUTCOME_CTES = (
     """
 o AS (
     SELECT * FROM unnest(
@@ -43,10 +44,7 @@ free AS (
            CASE WHEN j.cancel_requested_at IS NOT NULL AND o.state = 'queued'
                 THEN 'cancelled' ELSE o.state END AS state,
            j.cancel_requested_at IS NOT NULL
-               AND (o.state IN ('queued', 'cancelled')) AS stopped,
-           -- For the rollup: the attempt's run time and queue latency (as the claim has it).
-           GREATEST(0, EXTRACT(EPOCH FROM statement_timestamp() - j.started_at))::float8 AS ran,
-           GREATEST(0, EXTRACT(EPOCH FROM j.started_at - j.run_after))::float8 AS waited
+               AND (o.state IN ('queued', 'cancelled')) AS stopped{FIGURES}
     FROM jobs_job j JOIN o ON j.id = o.id
     WHERE j.claim_token = o.token AND j.state = 'running'
     FOR UPDATE OF j SKIP LOCKED
@@ -82,9 +80,7 @@ written AS (
     -- match the fresh one's row.
     FROM o JOIN free f ON f.id = o.id AND f.token = o.token
     WHERE j.id = o.id
-    RETURNING j.id, o.token, CASE WHEN f.stopped THEN j.error_detail END AS stopped,
-              j.name, f.state, j.last_error AS code, o.attempts_delta >= 0 AS ran_attempt,
-              CASE WHEN o.attempts_delta >= 0 THEN f.ran END AS ran, f.waited
+    RETURNING j.id, o.token, CASE WHEN f.stopped THEN j.error_detail END AS stopped{COUNTED}
 ),
 -- Held under their token but not written: another session holds the row locked.
 busy AS (
@@ -97,6 +93,21 @@ busy AS (
 )
 """
 )
+# For the rollup: the attempt's run time and queue latency (as the claim has it), and what
+# it ended as. Left out of statements that do not count: the worker counts its own.
+_FIGURES = """,
+           GREATEST(0, EXTRACT(EPOCH FROM statement_timestamp() - j.started_at))::float8 AS ran,
+           GREATEST(0, EXTRACT(EPOCH FROM j.started_at - j.run_after))::float8 AS waited"""
+_COUNTED = """,
+              j.name, f.state, j.last_error AS code, o.attempts_delta >= 0 AS ran_attempt,
+              CASE WHEN o.attempts_delta >= 0 THEN f.ran END AS ran, f.waited"""
+#: The outcome write's CTEs, ``True`` with the figures the rollup's CTE reads.
+OUTCOME_CTES = {
+    count: _OUTCOME_CTES.replace("{FIGURES}", _FIGURES if count else "").replace(
+        "{COUNTED}", _COUNTED if count else ""
+    )
+    for count in (True, False)
+}
 # The console's history: the attempts written, per type, outcome and error code, added to
 # this minute's rollup rows in the same statement. A hand-back ran nothing and is not
 # counted, unless an operator's cancel ended the job there (counted, with no run time). The
@@ -110,8 +121,8 @@ ROLLUP_CTE = rollup.cte(
 
 _REPORT = "SELECT token, TRUE, stopped FROM written{} UNION ALL SELECT token, FALSE, NULL FROM busy"
 _RECORD = {
-    True: f"WITH {OUTCOME_CTES}, {ROLLUP_CTE} " + _REPORT.format(f" WHERE {rollup.reads()}"),
-    False: f"WITH {OUTCOME_CTES} " + _REPORT.format(""),
+    True: f"WITH {OUTCOME_CTES[True]}, {ROLLUP_CTE} " + _REPORT.format(f" WHERE {rollup.reads()}"),
+    False: f"WITH {OUTCOME_CTES[False]} " + _REPORT.format(""),
 }
 
 # Error details are for people reading the admin; keep a runaway traceback from bloating rows.

@@ -12,8 +12,8 @@ it once instead of with every outcome write. Each writing session adds to its ow
 (``shard`` is its backend pid), so workers finishing the same type in the same minute never
 wait on each other. A hand-back (an attempt returned untried at shutdown) ran nothing and is
 not counted. The worker's own passes are the exception: a writer that counts its attempts
-itself passes ``count=False`` and adds them with :func:`add` (jobs.worker.history, once a
-second), which keeps the per-statement cost off the hot path.
+itself passes ``count=False``, adds them up in a :class:`Tally` and writes it with :func:`add`
+(jobs.worker.history, once a second), which keeps the per-statement cost off the hot path.
 
 **What a row holds.** Attempts counted per outcome (``succeeded``, ``failed``, ``cancelled``,
 ``retried``) and error code, the total run and queue-latency seconds, and both as histograms
@@ -198,19 +198,79 @@ def ended(name: str, sent: Outcome, written: Outcome, *, ran: float, waited: flo
     return (name, written.state, code, None if handed_back else max(0.0, ran), max(0.0, waited))
 
 
-def add(items: Sequence[Ended], *, using: str = DEFAULT_DB_ALIAS) -> int:
-    """Add attempts counted by their writer to this minute's rollup rows: one statement."""
-    if not items:
+class Tally:
+    """Attempts counted by their writer, added up per type, outcome and code (in memory).
+
+    The worker keeps one (jobs.worker.history) and writes it with :func:`add` about once a
+    second: its size is the number of groups, whatever the number of attempts.
+    """
+
+    def __init__(self) -> None:
+        # (name, outcome, code) -> [count, run seconds, wait seconds, run and wait buckets]
+        self.groups: dict[tuple[str, str, str], list[Any]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def add(self, item: Ended) -> None:
+        name, outcome, code, ran, waited = item
+        key = (name, outcome, code[:32])
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = [0, 0.0, 0.0, [0] * BUCKETS, [0] * BUCKETS]
+        group[0] += 1
+        if ran is not None:
+            group[1] += ran
+            group[3][bisect.bisect_right(BOUNDS, ran)] += 1
+        if waited is not None:
+            group[2] += waited
+            group[4][bisect.bisect_right(BOUNDS, waited)] += 1
+
+    @property
+    def attempts(self) -> int:
+        return sum(group[0] for group in self.groups.values())
+
+
+# One row per group, its histograms sliced from two flat arrays.
+_ADD_TALLY = f"""
+INSERT INTO jobs_rollup AS r ({_COLUMNS})
+SELECT date_trunc('minute', statement_timestamp(), 'UTC'), {MINUTE}, g.name, g.outcome, g.code,
+       pg_backend_pid(), g.n, g.ran, g.waited,
+       (%(run)b::int[])[(g.i - 1) * {BUCKETS} + 1 : g.i * {BUCKETS}],
+       (%(wait)b::int[])[(g.i - 1) * {BUCKETS} + 1 : g.i * {BUCKETS}]
+FROM unnest(%(names)b::text[], %(outcomes)b::text[], %(codes)b::text[], %(counts)b::bigint[],
+            %(ran)b::float8[], %(waited)b::float8[])
+     WITH ORDINALITY AS g(name, outcome, code, n, ran, waited, i)
+ON CONFLICT (period, width, name, outcome, code, shard) DO UPDATE SET
+    count = r.count + EXCLUDED.count,
+    run_seconds = r.run_seconds + EXCLUDED.run_seconds,
+    wait_seconds = r.wait_seconds + EXCLUDED.wait_seconds,
+    run_histogram = jobs_histogram_add(r.run_histogram, EXCLUDED.run_histogram),
+    wait_histogram = jobs_histogram_add(r.wait_histogram, EXCLUDED.wait_histogram)
+"""
+
+
+def add(tally: Tally, *, using: str = DEFAULT_DB_ALIAS) -> int:
+    """Add a writer's :class:`Tally` to this minute's rollup rows, in one statement."""
+    if not tally:
         return 0
-    names, outcomes, codes, ran, waited = (list(column) for column in zip(*items, strict=True))
+    keys = list(tally.groups)
+    groups = [tally.groups[key] for key in keys]
     with _db.bound_cursor(using) as cur:
         cur.execute(
-            "SELECT jobs_rollup_add(%(names)b::text[], %(outcomes)b::text[], %(codes)b::text[],"
-            " %(ran)b::float8[], %(waited)b::float8[])",
-            {"names": names, "outcomes": outcomes, "codes": codes, "ran": ran, "waited": waited},
+            _ADD_TALLY,
+            {
+                "names": [key[0] for key in keys],
+                "outcomes": [key[1] for key in keys],
+                "codes": [key[2] for key in keys],
+                "counts": [group[0] for group in groups],
+                "ran": [group[1] for group in groups],
+                "waited": [group[2] for group in groups],
+                "run": [count for group in groups for count in group[3]],
+                "wait": [count for group in groups for count in group[4]],
+            },
         )
-        (written,) = cur.fetchone()
-    return int(written)
+        return int(cur.rowcount)
 
 
 def record_backlog(

@@ -4,15 +4,15 @@ Every other statement that ends attempts adds them to the rollup itself (jobs.qu
 The worker's one-statement pass does not: at a few jobs a statement, the rollup's upsert
 would be paid on every pass (about 10 % of the drain benchmark's throughput). Instead the
 pass writes its outcomes with ``count=False``, and the attempts the report says were written
-(fenced and busy ones never are) are kept here as the statement would have counted them, and
-added in one statement about once a second, and at a clean stop. A worker killed outright
-loses at most the last second of its counts; the jobs themselves are unaffected. A flush that
-fails keeps its attempts for the next one, up to :data:`HELD_MAX`.
+(fenced and busy ones never are) are added up here as the statement would have counted them
+(a :class:`~jobs.queue.rollup.Tally`: a few numbers per type, outcome and code, however many
+jobs), and written in one statement about once a second, and at a clean stop. A worker
+killed outright loses at most the last second of its counts; the jobs themselves are
+unaffected. A write that fails keeps the tally for the next one.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 
@@ -22,12 +22,8 @@ from jobs.queue import rollup
 from jobs.queue.types import Outcome, OutcomeReport
 from jobs.worker.execution import Running
 
-logger = logging.getLogger("jobs.worker")
-
 #: Seconds between two writes of the counted attempts.
 INTERVAL = 1.0
-#: Attempts kept while the database refuses them; older ones are dropped beyond this.
-HELD_MAX = 100_000
 
 
 class History:
@@ -36,12 +32,11 @@ class History:
     def __init__(self, *, interval: float = INTERVAL, using: str = DEFAULT_DB_ALIAS) -> None:
         self.interval = interval
         self.using = using
-        self._held: list[rollup.Ended] = []
+        self._tally = rollup.Tally()
         self._due = time.monotonic() + interval
-        self._dropped = 0
 
     def count(self, outcomes: Sequence[tuple[Running, Outcome]], report: OutcomeReport) -> None:
-        """Keep the attempts of ``outcomes`` that ``report`` says were written."""
+        """Add the attempts of ``outcomes`` that ``report`` says were written."""
         now = time.monotonic()
         for running, outcome in outcomes:
             if not report.was_applied(outcome):
@@ -54,32 +49,19 @@ class History:
                 waited=running.job.latency,
             )
             if item is not None:
-                self._held.append(item)
-        if len(self._held) > HELD_MAX:
-            self._dropped += len(self._held) - HELD_MAX
-            del self._held[: len(self._held) - HELD_MAX]
+                self._tally.add(item)
 
     def flush(self, *, now: float | None = None, force: bool = False) -> None:
-        """Write the attempts held, if a second has passed (or ``force``); raises on failure,
-        keeping them for the next call."""
+        """Write the tally if a second has passed (or ``force``); raises on failure, keeping
+        it for the next call. Called from the thread that counts."""
         now = time.monotonic() if now is None else now
-        if not self._held or (not force and now < self._due):
+        if not self._tally or (not force and now < self._due):
             return
         self._due = now + self.interval
-        items, self._held = self._held, []
-        try:
-            rollup.add(items, using=self.using)
-        except BaseException:
-            self._held[:0] = items
-            raise
-        if self._dropped:
-            logger.warning(
-                "the console's history lost %d attempts: it could not be written meanwhile",
-                self._dropped,
-                extra={"action": "history_dropped", "count": self._dropped},
-            )
-            self._dropped = 0
+        rollup.add(self._tally, using=self.using)
+        self._tally = rollup.Tally()
 
     @property
     def held(self) -> int:
-        return len(self._held)
+        """Attempts counted and not written yet."""
+        return self._tally.attempts

@@ -382,3 +382,50 @@ def test_a_running_worker_adds_its_attempts_about_once_a_second_and_the_rest_at_
     assert totals()[(Step.job_name, "succeeded", "")] == 6
     [item] = [b for b in rollup.bins(*_window(), timedelta(hours=1)) if b.outcome == "succeeded"]
     assert item.run.n == item.wait.n == 6
+
+
+attempt_items = st.lists(
+    st.tuples(
+        st.sampled_from(["succeeded", "failed", "retried", "cancelled"]),
+        st.sampled_from(["", "handler_error", "x" * 40]),
+        st.none() | st.floats(min_value=0, max_value=1e6, allow_nan=False),
+        st.none() | st.floats(min_value=0, max_value=1e6, allow_nan=False),
+    ),
+    max_size=30,
+)
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(attempt_items)
+def test_a_writers_tally_adds_up_as_the_statement_would(items):
+    """The worker's path (a Tally written by add()) and the statement's (jobs_rollup_add over
+    the same attempts) leave the same figures."""
+
+    def figures():
+        found = rollup.bins(*_window(), timedelta(hours=1))
+        return {
+            (b.outcome, b.code): (b.count, b.run, b.wait, round(b.run_seconds, 3)) for b in found
+        }
+
+    Rollup.objects.all().delete()
+    tally = rollup.Tally()
+    for outcome, code, ran, waited in items:
+        tally.add((NAME, outcome, code, ran, waited))
+    rollup.add(tally)
+    by_tally = figures()
+    Rollup.objects.all().delete()
+    if items:
+        outcomes, codes, ran, waited = (list(column) for column in zip(*items, strict=True))
+        with connection.cursor() as cur:
+            cur.execute(
+                "WITH "
+                + rollup.cte(
+                    "SELECT %s::text, o, c, r, w FROM unnest(%s::text[], %s::text[],"
+                    " %s::float8[], %s::float8[]) AS u(o, c, r, w)"
+                )
+                + f" SELECT 1 WHERE {rollup.reads()}",
+                [NAME, outcomes, codes, ran, waited],
+            )
+    assert figures() == by_tally
