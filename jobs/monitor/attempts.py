@@ -14,7 +14,7 @@ from django.template.loader import render_to_string
 from django.utils.safestring import SafeString
 
 from jobs.models import Job, JobHistory
-from jobs.monitor.display import duration, second, span
+from jobs.monitor.display import duration, moment, span
 from jobs.queue import attempts
 from jobs.scheduler.clock import database_now
 
@@ -23,9 +23,10 @@ SUMMARY_MAX = 120
 
 
 def timeline(job: Job | JobHistory, now: datetime | None = None) -> list[dict[str, Any]]:
-    """The rows of the timeline, ready for the template (times to the second)."""
+    """The rows of the timeline, ready for the template (times to the second, with zone and
+    age by the database clock, read once unless given)."""
     found = attempts.of(job)
-    if now is None and any(a.ended_at is None and a.outcome == "running" for a in found):
+    if now is None and found:
         now = database_now()
     rows = []
     for attempt in found:
@@ -38,8 +39,8 @@ def timeline(job: Job | JobHistory, now: datetime | None = None) -> list[dict[st
         rows.append(
             {
                 "attempt": attempt.attempt,
-                "started": second(attempt.started_at),
-                "ended": second(attempt.ended_at),
+                "started": moment(attempt.started_at, now),
+                "ended": moment(attempt.ended_at, now),
                 "took": took,
                 "running": running,
                 "worker": attempt.worker or "—",

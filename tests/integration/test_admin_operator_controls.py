@@ -364,7 +364,10 @@ class TestAttempts:
         timeline = page[page.index('id="attempt-timeline"') :]
         rows = timeline.split("<tbody data-attempt=")[1:]
         assert [row.split('"')[1] for row in rows] == ["1", "2", "3"]
-        assert "2025-03-04 10:00:00" in rows[0] and "2025-03-04 10:00:01" in rows[0]
+        # To the second with zone and age (the instant in the <time> element).
+        assert 'datetime="2025-03-04T10:00:00+00:00"' in rows[0]
+        assert 'datetime="2025-03-04T10:00:01' in rows[0]
+        assert '10:00:00 <span class="jobs-zone">UTC</span>' in rows[0] and "ago)" in rows[0]
         assert "1.2s" in rows[0] and "web-1:101:a1b2" in rows[0]
         assert 'jobs-badge-retry">retry<' in rows[0]
         assert "<summary>ConnectionError: upstream refused the connection</summary>" in rows[0]
