@@ -469,12 +469,7 @@ def bins(
     (data older than :data:`MINUTES_KEPT`) to the bin its hour starts in, so bins finer than
     an hour show hour rows in their first bin. ``names`` limits the job types read.
     """
-    seconds = _step_seconds(step)
-    where = "period >= %(since)s AND period < %(until)s"
-    params: dict[str, Any] = {"since": since, "until": until, "step": seconds}
-    if names is not None:
-        where += " AND name = ANY(%(names)s::text[])"
-        params["names"] = list(names)
+    where, params = _window(since, until, step, names)
     sql = f"""
     WITH rows AS (
         SELECT to_timestamp(floor(extract(epoch FROM period) / %(step)s) * %(step)s) AS start,
@@ -529,12 +524,7 @@ def backlog_points(
     using: str = DEFAULT_DB_ALIAS,
 ) -> list[BacklogPoint]:
     """The largest sampled backlog per bin of ``step`` and job type in ``[since, until)``."""
-    seconds = _step_seconds(step)
-    where = "period >= %(since)s AND period < %(until)s"
-    params: dict[str, Any] = {"since": since, "until": until, "step": seconds}
-    if names is not None:
-        where += " AND name = ANY(%(names)s::text[])"
-        params["names"] = list(names)
+    where, params = _window(since, until, step, names)
     with connections[using].cursor() as cur:
         cur.execute(
             f"""
@@ -550,6 +540,19 @@ def backlog_points(
         BacklogPoint(start, name, int(queued), int(due), oldest)
         for start, name, queued, due, oldest in found
     ]
+
+
+def _window(
+    since: datetime, until: datetime, step: timedelta, names: Collection[str] | None
+) -> tuple[str, dict[str, Any]]:
+    """The WHERE clause and parameters of a read: periods in ``[since, until)``, bins of
+    ``step`` (``%(step)s`` seconds), and the job types asked for."""
+    where = "period >= %(since)s AND period < %(until)s"
+    params: dict[str, Any] = {"since": since, "until": until, "step": _step_seconds(step)}
+    if names is not None:
+        where += " AND name = ANY(%(names)s::text[])"
+        params["names"] = list(names)
+    return where, params
 
 
 def _step_seconds(step: timedelta) -> int:
