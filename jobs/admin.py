@@ -47,12 +47,13 @@ from jobs.control.replays import REPLAY_ALL_LIMIT
 from jobs.models import Job, JobHistory, Pause, Process, TenantOverride
 from jobs.monitor import attempts, live, overview, performance, schedules, views
 from jobs.monitor.cancels import ELIGIBLE, cancel_url, cancel_view, effects, eligible
-from jobs.monitor.display import moment, now_of, second
+from jobs.monitor.display import moment, now_of
 from jobs.monitor.modeladmin import InputFilter, RunTableAdmin
 from jobs.monitor.pauses import PauseAdmin, pause_links
 from jobs.monitor.processes import ProcessAdmin
 from jobs.registry import get_registry
 from jobs.runs import RunState
+from jobs.scheduler.clock import database_now
 
 if TYPE_CHECKING:
     from django_stubs_ext import StrOrPromise
@@ -196,10 +197,11 @@ class JobAdmin(JobDisplay):
     def cancel_requested(self, obj: Job) -> str:
         if obj.cancel_requested_at is None:
             return "—"
-        return gettext("by %(by)s at %(at)s") % {
-            "by": obj.cancel_requested_by or "?",
-            "at": second(obj.cancel_requested_at),
-        }
+        return format_html(
+            gettext("by {by} at {at}"),
+            by=obj.cancel_requested_by or "?",
+            at=moment(obj.cancel_requested_at, now_of(obj)),
+        )
 
     def has_cancel_permission(self, request: HttpRequest) -> bool:
         return cancels.can_cancel(request.user)
@@ -381,7 +383,7 @@ class JobAdmin(JobDisplay):
             if asked is not None:
                 extra["cancel_requested"] = {
                     "by": job.cancel_requested_by or "?",
-                    "at": second(asked),
+                    "at": moment(asked, now_of(job) or database_now()),
                 }
         return super().change_view(request, object_id, form_url, extra)
 

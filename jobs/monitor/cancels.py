@@ -21,8 +21,9 @@ from django.utils.translation import ngettext
 
 from jobs.control import cancels
 from jobs.models import Job
-from jobs.monitor.display import second
+from jobs.monitor.display import moment, now_of
 from jobs.runs import RunState
+from jobs.scheduler.clock import database_now
 
 #: The jobs a cancel acts on: queued ones, and running ones not asked to stop yet.
 ELIGIBLE = Q(state=RunState.QUEUED) | Q(state=RunState.RUNNING, cancel_requested_at__isnull=True)
@@ -97,7 +98,9 @@ def cancel_view(
         "notes": effects(job.state == RunState.QUEUED, job.state == RunState.RUNNING)
         if acts
         else [],
-        "asked": second(job.cancel_requested_at) if job.cancel_requested_at else "",
+        "asked": moment(job.cancel_requested_at, now_of(job) or database_now())
+        if job.cancel_requested_at
+        else "",
         "back": back,
     }
     return TemplateResponse(request, "admin/jobs/job/cancel_confirmation.html", context)

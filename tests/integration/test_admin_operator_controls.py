@@ -316,6 +316,9 @@ class TestCancel:
         )
         body = first.content.decode()
         assert 'id="cancel-requested"' in body and "Cancel requested by canceller at " in body
+        # The moment with zone and age, as markup (not escaped into the text).
+        notice = body[body.index('id="cancel-requested"') :].split("</p>")[0]
+        assert "<time datetime=" in notice and ("(just now)" in notice or "ago)" in notice)
         assert url not in body  # nothing left to cancel
         assert messages_of(first)[0].startswith("Asked 1 running job to stop")
         assert messages_of(second)[0].startswith("1 job was left alone")
