@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from django.db import connections
+from django.db import connection, connections
 
 from jobs import queue
 from jobs.queue import AllTenants, ClaimedJob, ClaimRequest
@@ -238,7 +238,10 @@ OVERFLOW = """() => {
 
 
 def seed_console() -> None:
-    """Rows as an operator meets them: long type names, tenants and errors, in every state."""
+    """Rows as an operator meets them: long type names, tenants and errors, in every state,
+    and ids of a table that has run for years (ten digits, not the test database's few)."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT setval(pg_get_serial_sequence('jobs_job', 'id'), 4200000000)")
     for n in range(6):
         JobFactory(
             failed=True,
