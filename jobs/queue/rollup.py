@@ -19,8 +19,8 @@ itself passes ``count=False``, adds them up in a :class:`Tally` and writes it wi
 ``retried``) and error code, the total run and queue-latency seconds, and both as histograms
 over :data:`BOUNDS`: 57 buckets a factor √2 wide from 1 ms to 53 hours, so a quantile read
 from them is within about ±20 % (:meth:`Distribution.quantile`; above the last bound it is
-that bound, a floor). Queue latency is the attempt's
-start minus the time it became due, as the claim computes it.
+that bound, a floor). Queue latency is the attempt's start minus the time it became due, as
+the claim computes it.
 
 **Compaction** (:func:`compact`, the scheduler's retention pass): minute rows older than
 :data:`SHARD_FOLD_AFTER` are folded into one row per minute (shard 0); minute rows older than
@@ -133,21 +133,15 @@ class BacklogPoint:
 # --- writing ---------------------------------------------------------------------------------
 
 
-def _added(left: str, right: str) -> str:
-    """SQL: two histograms added bucket by bucket."""
-    return (
-        f"ARRAY(SELECT a + b FROM unnest({left}, {right}) WITH ORDINALITY AS u(a, b, i) "
-        "ORDER BY i)::int[]"
-    )
-
-
-_MERGE = f"""
+# Adding into an existing row: counts and totals summed, histograms bucket by bucket
+# (jobs_histogram_add, migration 0007).
+_MERGE = """
 ON CONFLICT (period, width, name, outcome, code, shard) DO UPDATE SET
     count = r.count + EXCLUDED.count,
     run_seconds = r.run_seconds + EXCLUDED.run_seconds,
     wait_seconds = r.wait_seconds + EXCLUDED.wait_seconds,
-    run_histogram = {_added("r.run_histogram", "EXCLUDED.run_histogram")},
-    wait_histogram = {_added("r.wait_histogram", "EXCLUDED.wait_histogram")}"""
+    run_histogram = jobs_histogram_add(r.run_histogram, EXCLUDED.run_histogram),
+    wait_histogram = jobs_histogram_add(r.wait_histogram, EXCLUDED.wait_histogram)"""
 
 _COLUMNS = (
     "period, width, name, outcome, code, shard, count, run_seconds, wait_seconds, "
@@ -241,12 +235,7 @@ SELECT date_trunc('minute', statement_timestamp(), 'UTC'), {MINUTE}, g.name, g.o
 FROM unnest(%(names)b::text[], %(outcomes)b::text[], %(codes)b::text[], %(counts)b::bigint[],
             %(ran)b::float8[], %(waited)b::float8[])
      WITH ORDINALITY AS g(name, outcome, code, n, ran, waited, i)
-ON CONFLICT (period, width, name, outcome, code, shard) DO UPDATE SET
-    count = r.count + EXCLUDED.count,
-    run_seconds = r.run_seconds + EXCLUDED.run_seconds,
-    wait_seconds = r.wait_seconds + EXCLUDED.wait_seconds,
-    run_histogram = jobs_histogram_add(r.run_histogram, EXCLUDED.run_histogram),
-    wait_histogram = jobs_histogram_add(r.wait_histogram, EXCLUDED.wait_histogram)
+{_MERGE}
 """
 
 
