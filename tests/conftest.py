@@ -11,6 +11,16 @@ from typing import Any
 import pytest
 from django.db import connection
 
+#: Acceptance tests of real worker and scheduler processes (signals, kill -9, SIGSTOP).
+PROCESS_MODULES = frozenset(
+    {
+        "test_worker_processes.py",
+        "test_scheduler_processes.py",
+        "test_process_registry.py",
+        "test_operator_controls_processes.py",
+    }
+)
+
 
 def pytest_collection_modifyitems(config, items):
     """In a later leg of scripts/test's matrix, leave out the tests marked ``once``.
@@ -19,10 +29,13 @@ def pytest_collection_modifyitems(config, items):
     bench), so the first leg runs them and the others save the minutes. The browser tests
     (``tests/acceptance/test_browser*.py``) count as ``once`` too: they drive the pages'
     markup and scripts in Chromium, while the views behind them run on every leg in the
-    integration tests.
+    integration tests. So do the tests that drive real ``runworker`` and ``runscheduler``
+    processes through signals, crashes and stalls (:data:`PROCESS_MODULES`): what they add is
+    the operating system's side, while the commands, the worker and the scheduler run on
+    every leg in the integration tests.
     """
     for item in items:
-        if item.path.name.startswith("test_browser"):
+        if item.path.name.startswith("test_browser") or item.path.name in PROCESS_MODULES:
             item.add_marker(pytest.mark.once)
     if not os.environ.get("JOBS_TEST_LATER_LEG"):
         return
