@@ -12,7 +12,7 @@ from jobs.context import JobContext
 from jobs.errors import Cancelled, Reject, RetryAfter
 from jobs.payloads import InvalidPayload, Payload
 from jobs.producer import JobSpec, enqueue, enqueue_many
-from jobs.registry import Backoff, Policy, job, register
+from jobs.registry import Backoff, Policy, Rate, job, register
 
 __all__ = [
     "Backoff",
@@ -22,6 +22,7 @@ __all__ = [
     "JobSpec",
     "Payload",
     "Policy",
+    "Rate",
     "Reject",
     "RetryAfter",
     "enqueue",

@@ -18,13 +18,21 @@ class Reject(Exception):
 
 
 class RetryAfter(Exception):
-    """Retry this job after ``delay`` (seconds or a timedelta)."""
+    """Retry this job after ``delay`` (seconds or a timedelta).
 
-    def __init__(self, delay: timedelta | float, message: str = "") -> None:
+    With ``throttle=True`` the upstream told the handler to slow down for everyone: no worker
+    starts another job of this type for ``delay`` either (a timed pause of the type, shown on
+    the admin's Pauses page, which an operator may resume early).
+    """
+
+    def __init__(
+        self, delay: timedelta | float, message: str = "", *, throttle: bool = False
+    ) -> None:
         seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
         if seconds < 0:
             raise ValueError("RetryAfter delay must not be negative")
         self.delay = seconds
+        self.throttle = throttle
         super().__init__(message or f"retry requested after {seconds:g}s")
 
 

@@ -80,6 +80,9 @@ class Job(RunContract):
         db_default=True,
         help_text=_("The job_id was given by the caller (an idempotency key), not generated."),
     )
+    # Set by enqueue for job types the claim reads tenant by tenant (fairness, tenant limits;
+    # jobs.queue.flow): such rows are in the per-tenant claim index too, and no other row is.
+    fair = models.BooleanField(_("in tenant order"), db_default=False, editable=False)
     # Running jobs are recovered through their leases and retry policy, not stale reaping.
     reaped_when_stale = False
     # Jobs replay through jobs.queue.replay (jobs.control dispatches there), not a method
@@ -146,6 +149,18 @@ class Job(RunContract):
                 F("id"),
                 condition=Q(state=RunState.QUEUED),
                 name="jobs_job_claim",
+            ),
+            # The claim path of types read tenant by tenant (jobs.queue.flow): the tenants
+            # with queued rows of a type, and each tenant's rows in claim order. Only rows of
+            # such types are in it, so other types pay nothing for it.
+            models.Index(
+                F("name"),
+                F("tenant"),
+                F("priority").desc(),
+                F("run_after"),
+                F("id"),
+                condition=Q(state=RunState.QUEUED, fair=True),
+                name="jobs_job_tenant_claim",
             ),
             # Running rows (few): lease sweeps, per-type running counts, the watchdog.
             models.Index(
@@ -306,6 +321,8 @@ class Pause(models.Model):
     reason = models.CharField(_("reason"), max_length=200, blank=True, default="")
     paused_at = models.DateTimeField(_("paused at"), db_default=Now(), editable=False)
     paused_by = models.CharField(_("paused by"), max_length=150, blank=True, default="")
+    # A timed pause (a handler's throttle signal) ends by itself at this time.
+    until = models.DateTimeField(_("until"), null=True, blank=True)
 
     class Meta:
         verbose_name = _("pause")
@@ -494,3 +511,69 @@ class BacklogSample(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} @ {self.period.isoformat()}: {self.queued}"
+
+
+class FlowGate(models.Model):
+    """One row per job type with a limit the whole fleet shares (jobs.queue.flow).
+
+    Every claim of such a type locks its row and, when it starts jobs, bumps ``version``: a
+    claim that finds the row changed since its snapshot claims nothing this time, so the
+    running jobs and buckets each claim reads are exact. ``tokens`` and ``refilled_at`` are
+    the type's rate-limit bucket. ``tenant_ordered`` tells enqueue to put the type's jobs in
+    the per-tenant claim index. Written by workers from their registry and by claims only.
+    """
+
+    name = models.CharField(_("job type"), max_length=200, primary_key=True)
+    version = models.BigIntegerField(default=0)
+    tokens = models.FloatField(null=True)
+    refilled_at = models.DateTimeField(db_default=Now())
+    tenant_ordered = models.BooleanField(default=False)
+    updated_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "jobs_flow"
+        verbose_name = _("flow gate")
+        verbose_name_plural = _("flow gates")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class TenantBucket(models.Model):
+    """A (job type, tenant) rate-limit bucket, written by the claims of that type only."""
+
+    pk = models.CompositePrimaryKey("name", "tenant")
+    name = models.CharField(_("job type"), max_length=200)
+    tenant = models.CharField(_("tenant"), max_length=64)
+    tokens = models.FloatField()
+    refilled_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "jobs_flowtenant"
+        verbose_name = _("tenant bucket")
+        verbose_name_plural = _("tenant buckets")
+
+    def __str__(self) -> str:
+        return f"{self.name} / {self.tenant}"
+
+
+class TenantWeight(models.Model):
+    """A tenant's weight in the fair order of fair job types: twice the weight, twice the share.
+
+    Tenants without a row weigh 1.
+    """
+
+    tenant = models.CharField(_("tenant"), max_length=64, primary_key=True)
+    weight = models.PositiveIntegerField(_("weight"), default=1)
+
+    class Meta:
+        verbose_name = _("tenant weight")
+        verbose_name_plural = _("tenant weights")
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(weight__gte=1, weight__lte=1000), name="jobs_tenantweight_range"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant} (weight {self.weight})"

@@ -1,4 +1,4 @@
-"""Per-type execution policy: concurrency, timeout, attempts, backoff and error classes.
+"""Per-type execution policy: concurrency, timeout, attempts, backoff, error classes and flow.
 
 A policy says how the worker runs one job type; ``None`` fields fall back to the ``JOBS``
 settings when used, so changing a setting changes every type that did not choose otherwise.
@@ -8,6 +8,7 @@ Nothing here does I/O.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("jobs.registry")
 
 CONCURRENCY_MAX = 100
+# Limits shared by the fleet are not bounded by one process's slots.
+GLOBAL_CONCURRENCY_MAX = 1_000_000
+RATE_COUNT_MAX = 1_000_000_000
 MAX_ATTEMPTS_MAX = 2_147_483_647  # the column is a PostgreSQL integer
 
 type Classification = Literal["reject", "retry_after", "transient", "permanent"]
@@ -71,6 +75,54 @@ class Backoff:
         return rand() * ceiling
 
 
+@dataclass(frozen=True)
+class Rate:
+    """At most ``count`` starts per ``per`` (seconds or a timedelta), shared by every worker.
+
+    A token bucket in PostgreSQL: it refills at ``count / per`` tokens a second up to
+    ``burst`` tokens, and every start takes one. So starts are spread evenly over the period
+    instead of ``count`` at once at each period's start; a larger ``burst`` lets that many
+    start together after a quiet spell. The default burst is 100 ms worth of starts (at least
+    1), which lets workers that claim every few milliseconds keep up with the rate.
+    """
+
+    count: int
+    per: timedelta = timedelta(seconds=1)
+    burst: int | None = None
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self, count: int, per: timedelta | float = ..., burst: int | None = None
+        ) -> None: ...
+
+    def __post_init__(self) -> None:
+        if not _whole(self.count, 1, RATE_COUNT_MAX):
+            raise ValueError(_range("Rate count", 1, RATE_COUNT_MAX, self.count))
+        per = _seconds(self.per)
+        if not isinstance(per, timedelta) or per <= timedelta(0):
+            raise ValueError(f"Rate per must be a positive duration, got {self.per!r}")
+        object.__setattr__(self, "per", per)
+        if self.burst is not None and not _whole(self.burst, 1, RATE_COUNT_MAX):
+            raise ValueError(_range("Rate burst", 1, RATE_COUNT_MAX, self.burst))
+
+    @property
+    def per_second(self) -> float:
+        return self.count / self.per.total_seconds()
+
+    @property
+    def capacity(self) -> int:
+        """The bucket's size: ``burst``, or 100 ms worth of starts (at least one)."""
+        if self.burst is not None:
+            return self.burst
+        return max(1, math.ceil(self.per_second * 0.1))
+
+    def __str__(self) -> str:
+        seconds = self.per.total_seconds()
+        per = {1: "s", 60: "min", 3600: "h"}.get(int(seconds)) if seconds.is_integer() else None
+        return f"{self.count}/{per or f'{seconds:g}s'}"
+
+
 def default_backoff() -> Backoff:
     """The backoff of policies that do not set one: ``JOBS["BACKOFF_BASE"/"BACKOFF_CAP"]``."""
     return Backoff(jobs_settings.BACKOFF_BASE, jobs_settings.BACKOFF_CAP)
@@ -101,6 +153,14 @@ class Policy:
     # key, and the worker keeps that row in step with the job (see jobs.runs.bound).
     run_model: type[RunContract] | None = None
     run_field: str = "run_id"
+    # Flow control, held by the claim across every worker (jobs.queue.flow): at most this
+    # many running at once, in all and per tenant; at most this many starts per period, in
+    # all and per tenant; and a weighted fair order between tenants.
+    global_concurrency: int | None = None
+    tenant_concurrency: int | None = None
+    rate_limit: Rate | None = None
+    tenant_rate_limit: Rate | None = None
+    fair: bool = False
 
     if TYPE_CHECKING:
         # __post_init__ normalizes durations and exception classes, so the constructor takes
@@ -160,7 +220,34 @@ class Policy:
                 problems.append(
                     f"run_model must be a concrete RunContract model, got {self.run_model!r}"
                 )
+        for name in ("global_concurrency", "tenant_concurrency"):
+            value = getattr(self, name)
+            if value is not None and not _whole(value, 1, GLOBAL_CONCURRENCY_MAX):
+                problems.append(_range(name, 1, GLOBAL_CONCURRENCY_MAX, value))
+        for name in ("rate_limit", "tenant_rate_limit"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Rate):
+                problems.append(f"{name} must be a jobs.Rate or None, got {value!r}")
+        if not isinstance(self.fair, bool):
+            problems.append(f"fair must be True or False, got {self.fair!r}")
         return problems
+
+    @property
+    def tenant_ordered(self) -> bool:
+        """True when the claim reads this type's jobs tenant by tenant (fair or tenant limits)."""
+        return bool(
+            self.fair or self.tenant_concurrency is not None or self.tenant_rate_limit is not None
+        )
+
+    @property
+    def flow_limited(self) -> bool:
+        """True when every claim of this type takes its gate (any limit shared by workers)."""
+        return (
+            self.global_concurrency is not None
+            or self.tenant_concurrency is not None
+            or self.rate_limit is not None
+            or self.tenant_rate_limit is not None
+        )
 
     def resolved_backoff(self) -> Backoff:
         """This policy's backoff, or the settings' default."""
@@ -200,6 +287,11 @@ class PolicyOptions(TypedDict, total=False):
     classify: Callable[[BaseException], str | None] | None
     run_model: type[RunContract] | None
     run_field: str
+    global_concurrency: int | None
+    tenant_concurrency: int | None
+    rate_limit: Rate | None
+    tenant_rate_limit: Rate | None
+    fair: bool
 
 
 def classify(policy: Policy, exc: BaseException) -> Classification:

@@ -34,6 +34,7 @@ from jobs.policy import Backoff as Backoff
 from jobs.policy import Classification as Classification
 from jobs.policy import Policy as Policy
 from jobs.policy import PolicyOptions as PolicyOptions
+from jobs.policy import Rate as Rate
 from jobs.policy import classify as classify
 from jobs.policy import default_backoff as default_backoff
 

@@ -24,7 +24,7 @@ The worker, the scheduler, the admin and management commands call these function
 them writes the jobs table itself.
 """
 
-from jobs.queue import attempts, history, pauses, processes, rollup
+from jobs.queue import attempts, flow, history, pauses, processes, rollup
 from jobs.queue.claim import claim, claim_sql, next_attempt, renew, renew_leases, renew_tokens
 from jobs.queue.cycle import record_and_claim
 from jobs.queue.enqueue import enqueue, enqueue_many
@@ -38,7 +38,7 @@ from jobs.queue.maintenance import (
 )
 from jobs.queue.operations import cancel, cancel_active, cancel_running, replay, run_now
 from jobs.queue.outcomes import complete, fail, record, release, retry
-from jobs.queue.pauses import pause, paused, resume
+from jobs.queue.pauses import pause, paused, resume, throttle
 from jobs.queue.types import (
     BACKLOG_CAP,
     RESULT_MAX,
@@ -97,6 +97,7 @@ __all__ = [
     "enqueue_many",
     "fail",
     "fail_exhausted",
+    "flow",
     "history",
     "next_attempt",
     "pause",
@@ -118,4 +119,5 @@ __all__ = [
     "rollup",
     "run_now",
     "table_health",
+    "throttle",
 ]

@@ -19,7 +19,7 @@ entries once where the walk crosses them twice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -27,7 +27,7 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS
 
 from jobs.conf import jobs_settings
-from jobs.queue import _db, attempts, pauses, processes, rollup, text
+from jobs.queue import _db, attempts, flow, pauses, processes, rollup, text
 from jobs.queue.types import ClaimedJob, ClaimRequest, ProcessBeat, Renewal, Scope
 
 # The claim's CTEs: what is paused, what each name asks for (paused names left out), and the
@@ -110,6 +110,32 @@ LIMIT w.lim
 )
 
 
+# With flow controls (jobs.queue.flow): the names' rooms after their gates, then for each
+# name either the due rows as above or, for a tenant-ordered name, its tenants' shares.
+_FLOW_CTES = (
+    pauses.PAUSED_CTE
+    + ","
+    + flow.WANTED.format(paused_names=pauses.PAUSED_NAMES)
+    + ","
+    + flow.GATE
+    + """,
+picked AS (
+    SELECT c.id, w.cap, w.ord
+    FROM room w
+    CROSS JOIN LATERAL (
+        SELECT d.id FROM ({due}
+        ) d WHERE NOT w.ordered
+        UNION ALL
+        SELECT t.id FROM ({tenant_rows}
+        ) t WHERE w.ordered
+    ) c
+    WHERE w.lim > 0
+    LIMIT %(total)s
+)
+"""
+)
+
+
 def claim_sql(
     scope: Scope, *, walk: bool | None = None, using: str = DEFAULT_DB_ALIAS
 ) -> tuple[str, dict[str, Any]]:
@@ -122,12 +148,27 @@ def claim_sql(
     return "WITH " + ctes + _CLAIM_UPDATE, scope_params
 
 
-def _claim_ctes(scope: Scope, walk: bool | None, using: str) -> tuple[str, dict[str, Any]]:
+def _claim_ctes(
+    scope: Scope, walk: bool | None, using: str, *, flowing: bool = False
+) -> tuple[str, dict[str, Any]]:
     if walk is None:
         walk = _db.server_version(using) < 180000
     scope_sql, scope_params = scope.sql("j")
     due = (_DUE_WALK if walk else _DUE_SCAN).format(scope=scope_sql, paused=pauses.PAUSED_ROWS)
-    return _CLAIM_CTES.replace("{due}", due), scope_params
+    if not flowing:
+        return _CLAIM_CTES.replace("{due}", due), scope_params
+    tenant_rows = flow.TENANT_ROWS.replace("{scope}", scope_sql).replace(
+        "{paused}", pauses.PAUSED_ROWS
+    )
+    return _FLOW_CTES.replace("{due}", due).replace("{tenant_rows}", tenant_rows), scope_params
+
+
+def flow_sql(scope: Scope, *, using: str = DEFAULT_DB_ALIAS) -> tuple[str, dict[str, Any]]:
+    """The claim statement with flow controls (for EXPLAIN); see :func:`claim_sql`."""
+    ctes, scope_params = _claim_ctes(scope, None, using, flowing=True)
+    return f"WITH {ctes}, claimed AS ({_CLAIM_UPDATE}),{flow.AFTER_CLAIM}\n" + (
+        "SELECT * FROM claimed"
+    ), scope_params
 
 
 def claim_parts(
@@ -138,10 +179,15 @@ def claim_parts(
     lease: timedelta | None,
     worker: str,
     using: str,
-) -> tuple[str, str, dict[str, Any]] | None:
-    """The claim as its CTEs, its UPDATE and their parameters; None when nothing is asked.
+    limits: Mapping[str, flow.FlowLimits] | None = None,
+    after: Mapping[str, str] | None = None,
+) -> tuple[str, str, dict[str, Any], str] | None:
+    """The claim as its CTEs, its UPDATE, their parameters and the CTEs that must follow the
+    UPDATE (named ``claimed``; empty without flow controls); None when nothing is asked.
 
-    For statements that claim along with other work (:mod:`jobs.queue.cycle`).
+    For statements that claim along with other work (:mod:`jobs.queue.cycle`). ``limits``
+    are the flow controls of the names that have them; ``after`` each tenant-ordered name's
+    cursor (:func:`jobs.queue.flow.next_cursor`).
     """
     requests = [r for r in requests if r.limit > 0]
     total = (
@@ -151,7 +197,8 @@ def claim_parts(
     )
     if total <= 0:
         return None
-    ctes, scope_params = _claim_ctes(scope, None, using)
+    flowing = bool(limits) and any(r.name in limits for r in requests)
+    ctes, scope_params = _claim_ctes(scope, None, using, flowing=flowing)
     params = {
         "names": [r.name for r in requests],
         "limits": [r.limit for r in requests],
@@ -161,7 +208,10 @@ def claim_parts(
         "worker": worker,
         **scope_params,
     }
-    return ctes, _CLAIM_UPDATE, params
+    if not flowing:
+        return ctes, _CLAIM_UPDATE, params, ""
+    params.update(flow.request_params(requests, limits or {}, after or {}))
+    return ctes, _CLAIM_UPDATE, params, "," + flow.AFTER_CLAIM
 
 
 def claimed_jobs(rows: Sequence[Sequence[Any]]) -> list[ClaimedJob]:
@@ -196,19 +246,36 @@ def claim(
     limit: int | None = None,
     lease: timedelta | None = None,
     worker: str = "",
+    limits: Mapping[str, flow.FlowLimits] | None = None,
+    after: Mapping[str, str] | None = None,
     using: str = DEFAULT_DB_ALIAS,
 ) -> list[ClaimedJob]:
     """Claim up to ``limit`` due jobs (default: the sum of the requests' limits).
 
     Within a name, jobs come highest priority first, then earliest due, then oldest. A
-    returned job's ``max_attempts`` is the lower of its own limit and the request's.
+    returned job's ``max_attempts`` is the lower of its own limit and the request's. Names
+    in ``limits`` are claimed within their flow controls (:mod:`jobs.queue.flow`).
     """
-    parts = claim_parts(requests, scope=scope, limit=limit, lease=lease, worker=worker, using=using)
+    parts = claim_parts(
+        requests,
+        scope=scope,
+        limit=limit,
+        lease=lease,
+        worker=worker,
+        using=using,
+        limits=limits,
+        after=after,
+    )
     if parts is None:
         return []
-    ctes, update, params = parts
+    ctes, update, params, post = parts
+    sql = (
+        f"WITH {ctes}, claimed AS ({update}){post}\nSELECT * FROM claimed"
+        if post
+        else "WITH " + ctes + update
+    )
     with _db.bound_cursor(using) as cur:
-        cur.execute("WITH " + ctes + update, params)
+        cur.execute(sql, params)
         return claimed_jobs(cur.fetchall())
 
 

@@ -18,13 +18,14 @@ detail written).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 from django.db import DEFAULT_DB_ALIAS
 
 from jobs.queue import _db, rollup
 from jobs.queue.claim import claim, claim_parts, claimed_jobs
+from jobs.queue.flow import FlowLimits
 from jobs.queue.outcomes import (
     OUTCOME_CTES,
     ROLLUP_CTE,
@@ -55,6 +56,8 @@ def record_and_claim(
     lease: timedelta | None = None,
     worker: str = "",
     count: bool = True,
+    limits: Mapping[str, FlowLimits] | None = None,
+    after: Mapping[str, str] | None = None,
     using: str = DEFAULT_DB_ALIAS,
 ) -> tuple[OutcomeReport, list[ClaimedJob]]:
     """Write ``outcomes`` and claim as :func:`~jobs.queue.claim` would, in one statement.
@@ -63,16 +66,21 @@ def record_and_claim(
     report and the claimed jobs are what :func:`~jobs.queue.record` and
     :func:`~jobs.queue.claim` would return; ``count`` is :func:`~jobs.queue.record`'s.
     """
+    flows = {"limits": limits, "after": after}
     if not outcomes:  # a claim-only pass (an idle worker's pickup): no outcome CTEs to plan
-        jobs = claim(requests, scope=scope, limit=limit, lease=lease, worker=worker, using=using)
+        jobs = claim(
+            requests, scope=scope, limit=limit, lease=lease, worker=worker, using=using, **flows
+        )
         return OutcomeReport((), ()), jobs
-    parts = claim_parts(requests, scope=scope, limit=limit, lease=lease, worker=worker, using=using)
+    parts = claim_parts(
+        requests, scope=scope, limit=limit, lease=lease, worker=worker, using=using, **flows
+    )
     if parts is None:
         return record(outcomes, count=count, using=using), []
-    ctes, update, params = parts
+    ctes, update, params, post = parts
     counted = (f", {ROLLUP_CTE}", f" WHERE {rollup.reads()}") if count else ("", "")
     sql = (
-        f"WITH {OUTCOME_CTES[count]}{counted[0]},{ctes}, claimed AS ({update})\n"
+        f"WITH {OUTCOME_CTES[count]}{counted[0]},{ctes}, claimed AS ({update}){post}\n"
         "SELECT *, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[] FROM claimed\n"
         f"UNION ALL\n{_REPORT_ROW}{counted[1]}"
     )

@@ -21,6 +21,7 @@ from jobs.conf import NOTIFY_CHANNEL, jobs_settings
 from jobs.models import PRIORITY_MAX, PRIORITY_MIN, new_job_id
 from jobs.policy import MAX_ATTEMPTS_MAX
 from jobs.queue import _db, keys, text
+from jobs.queue.flow import FAIR_AT_ENQUEUE as _FAIR
 from jobs.queue.types import Enqueued, InvalidJob, NewJob, validate_key
 
 #: The furthest ahead ``delay`` may put a job; ``run_after`` is bounded by datetime itself.
@@ -288,12 +289,14 @@ def _insert(
             INSERT INTO jobs_job (
                 id, job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
                 state, attempts, last_error, error_detail, claimed_by, key_held, keyed,
-                replayed_by, created_at
+                replayed_by, created_at, fair
             )
             SELECT r.id, r.job_id, r.name, r.payload, r.tenant, r.queue, r.priority,
                    r.max_attempts,
                    COALESCE(r.run_after, %(base)s + make_interval(secs => r.delay)),
-                   'queued', 0, '', '', '', TRUE, r.keyed, '', %(base)s
+                   'queued', 0, '', '', '', TRUE, r.keyed, '', %(base)s, """
+        + _FAIR.format(name="r.name")
+        + """
             FROM unnest(
                 %(id)b::bigint[], %(job_id)b::text[], %(name)b::text[], %(payload)b::jsonb[],
                 %(tenant)b::text[], %(queue)b::text[], %(priority)b::smallint[],
@@ -348,12 +351,14 @@ def _insert_one(cur: CursorWrapper, row: dict[str, Any], base: datetime | None) 
             INSERT INTO jobs_job (
                 job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
                 state, attempts, last_error, error_detail, claimed_by, key_held, keyed,
-                replayed_by, created_at
+                replayed_by, created_at, fair
             )
             SELECT %(job_id)s, %(name)s, %(payload)s::jsonb, %(tenant)s, %(queue)s,
                    %(priority)s, %(max_attempts)s,
                    COALESCE(%(run_after)s::timestamptz, b.at + make_interval(secs => %(delay)s)),
-                   'queued', 0, '', '', '', TRUE, %(keyed)s, '', b.at
+                   'queued', 0, '', '', '', TRUE, %(keyed)s, '', b.at, """
+        + _FAIR.format(name="%(name)s::varchar")
+        + """
             FROM (SELECT COALESCE(%(base)s::timestamptz, statement_timestamp()) AS at) b
             ON CONFLICT (tenant, job_id) WHERE key_held DO NOTHING
             RETURNING id, name, run_after, created_at

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, transaction
 
 from jobs import binding
-from jobs.queue import _db, attempts, history, keys, rollup
+from jobs.queue import _db, attempts, flow, history, keys, rollup
 from jobs.queue.types import ReplayReport
 from jobs.runs import ErrorCode
 
@@ -30,6 +30,9 @@ WITH target AS (
 )
 UPDATE jobs_job j
 SET state = 'queued', attempts = 0, run_after = statement_timestamp(), key_held = TRUE,
+    fair = """
+    + flow.FAIR_AT_ENQUEUE.format(name="j.name")
+    + """,
     started_at = NULL, finished_at = NULL, heartbeat_at = NULL, result = NULL,
     replayed_at = statement_timestamp(), replayed_by = %(by)s,
     cancel_requested_at = NULL, cancel_requested_by = '',

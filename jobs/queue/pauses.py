@@ -31,6 +31,8 @@ paused AS (
            COALESCE(array_agg(p.value::text) FILTER (WHERE p.kind = 'queue'), '{}') AS queues,
            COALESCE(array_agg(p.value::text) FILTER (WHERE p.kind = 'tenant'), '{}') AS tenants
     FROM jobs_pause p
+    -- A timed pause (a handler's throttle signal) ends by itself.
+    WHERE p.until IS NULL OR p.until > statement_timestamp()
 )"""
 #: The filter a claim applies to the rows it reads (``j`` is the jobs table). It compares an
 #: expression (``|| ''``), not the column: the planner cannot see the array, and with the
@@ -54,6 +56,7 @@ class PauseRow:
     reason: str
     paused_at: datetime
     paused_by: str
+    until: datetime | None = None  # a timed pause (a throttle) ends by itself then
 
 
 def validate(kind: str, value: str) -> None:
@@ -82,19 +85,66 @@ def validate(kind: str, value: str) -> None:
 def pause(
     kind: str, value: str, *, by: str, reason: str = "", using: str = DEFAULT_DB_ALIAS
 ) -> bool:
-    """Pause a job type, queue, tenant or schedule; False when it was paused already."""
+    """Pause a job type, queue, tenant or schedule; False when it was paused already.
+
+    A throttle in force (a timed pause) becomes this pause, which lasts until resumed.
+    """
     validate(kind, value)
     with _db.cursor(using) as cur:
         cur.execute(
             """
             INSERT INTO jobs_pause (kind, value, reason, paused_by)
             VALUES (%(kind)s, %(value)s, %(reason)s, %(by)s)
-            ON CONFLICT (kind, value) DO NOTHING
+            -- An operator's pause replaces a throttle's timed one: it lasts until resumed.
+            ON CONFLICT (kind, value) DO UPDATE
+            SET until = NULL, reason = EXCLUDED.reason, paused_by = EXCLUDED.paused_by,
+                paused_at = statement_timestamp()
+            WHERE jobs_pause.until IS NOT NULL
             RETURNING 1
             """,
             {"kind": kind, "value": value, "reason": text.clean(reason)[:200], "by": by[:150]},
         )
         return cur.fetchone() is not None
+
+
+#: Who a throttle's pause is recorded as paused by.
+THROTTLED_BY = "throttle"
+
+
+def throttle(
+    name: str, seconds: float, *, reason: str = "", using: str = DEFAULT_DB_ALIAS
+) -> datetime | None:
+    """Pause a job type for ``seconds`` (a handler's upstream said to slow down); the end.
+
+    A throttle only ever lengthens a timed pause, and never shortens or ends an operator's
+    pause (which has no end): the result is None then. Workers of the type claim again when
+    the pause ends, at their next poll.
+    """
+    validate(PauseKind.JOB_TYPE, name)
+    with _db.cursor(using) as cur:
+        cur.execute(
+            """
+            INSERT INTO jobs_pause (kind, value, reason, paused_by, until)
+            VALUES ('job_type', %(name)s, %(reason)s, %(by)s,
+                    statement_timestamp() + make_interval(secs => %(seconds)s))
+            ON CONFLICT (kind, value) DO UPDATE
+            SET until = EXCLUDED.until, reason = EXCLUDED.reason,
+                paused_by = EXCLUDED.paused_by,
+                paused_at = CASE WHEN jobs_pause.until > statement_timestamp()
+                                 THEN jobs_pause.paused_at ELSE statement_timestamp() END
+            WHERE jobs_pause.until IS NOT NULL
+              AND (jobs_pause.until < EXCLUDED.until)
+            RETURNING until
+            """,
+            {
+                "name": name,
+                "reason": text.clean(reason)[:200],
+                "by": THROTTLED_BY,
+                "seconds": max(0.0, min(float(seconds), 30 * 86400.0)),
+            },
+        )
+        row = cur.fetchone()
+    return None if row is None else row[0]
 
 
 # Queued job types, one hop down the claim index each (a loose index scan): the names a
@@ -137,8 +187,8 @@ def paused(*, using: str = DEFAULT_DB_ALIAS) -> list[PauseRow]:
     """Every pause, oldest first."""
     with _db.cursor(using) as cur:
         cur.execute(
-            "SELECT kind, value, reason, paused_at, paused_by FROM jobs_pause "
-            "ORDER BY paused_at, id"
+            "SELECT kind, value, reason, paused_at, paused_by, until FROM jobs_pause "
+            "WHERE until IS NULL OR until > statement_timestamp() ORDER BY paused_at, id"
         )
         return [PauseRow(*row) for row in cur.fetchall()]
 

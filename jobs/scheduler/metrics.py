@@ -90,10 +90,43 @@ last_autoanalyze = Gauge(
     ["table"],
 )
 
+# Flow control, per job type with any (jobs.queue.flow); never per tenant.
+flow_running = Gauge(
+    "jobs_flow_running",
+    "Jobs of the type running now on every worker, for types with flow control.",
+    ["job_type"],
+)
+flow_limit = Gauge(
+    "jobs_flow_limit",
+    "The type's global concurrency: the most that may run at once across every worker.",
+    ["job_type"],
+)
+flow_limited = Gauge(
+    "jobs_flow_limited",
+    "Due jobs of the type held back now by a limit with no room for them (the type full, its "
+    "bucket empty, a throttle, or their tenant full); 0 while every limit has room.",
+    ["job_type"],
+)
+flow_tokens = Gauge(
+    "jobs_flow_rate_tokens",
+    "Tokens left now in the type's rate-limit bucket (a start takes one).",
+    ["job_type"],
+)
+flow_throttled = Gauge(
+    "jobs_flow_throttled_seconds",
+    "Seconds left of a throttle a handler asked for (RetryAfter(..., throttle=True)); 0: none.",
+    ["job_type"],
+)
+
 #: Everything the gauges duty sets, withdrawn together when this process stops leading.
 LEADER_GAUGES = (
     backlog,
     oldest_due,
+    flow_running,
+    flow_limit,
+    flow_limited,
+    flow_tokens,
+    flow_throttled,
     live_tuples,
     dead_tuples,
     table_size,

@@ -79,6 +79,8 @@ class Running:
     claimed_at: float = field(default_factory=time.monotonic)
     attempt: int = 0  # the attempt the queue recorded last (claim or next_attempt)
     run_pk: object = None  # the bound run row (policy.run_model), once the payload is decoded
+    # RetryAfter(throttle=True): pause the whole type this many seconds, for this reason.
+    throttle: tuple[float, str] | None = None
 
 
 @cache
@@ -210,6 +212,9 @@ def judge(
         delay = clamp_delay(error.delay)
         otherwise = failure_outcome(running, ErrorCode.HANDLER_ERROR, detail, delay=delay)
         threshold = job_type.policy.in_process_limit().total_seconds()
+        if error.throttle:  # the type pauses: the job waits in the queue, not in a slot
+            running.throttle = (delay, detail)
+            return otherwise
         if current_attempt(running) < job.max_attempts and delay <= threshold:
             return WaitAndRetry(delay, otherwise)
         return otherwise

@@ -40,6 +40,11 @@ lost_leases = Counter(
 released = Counter(
     "jobs_released_total", "Jobs handed back to the queue untried at shutdown.", ["job_type"]
 )
+throttles = Counter(
+    "jobs_throttles_total",
+    "Times a handler's RetryAfter(throttle=True) paused its job type for every worker.",
+    ["job_type"],
+)
 handler_duration = Histogram(
     "jobs_handler_duration_seconds",
     "Wall time of handler calls.",

@@ -32,7 +32,7 @@ from django.db import connection, transaction
 
 from jobs import dbbounds, queue
 from jobs.process import install_stop_signals, restore_signals, start_http
-from jobs.queue import ClaimedJob, ClaimRequest, Outcome, OutcomeReport
+from jobs.queue import ClaimedJob, ClaimRequest, Outcome, OutcomeReport, flow
 from jobs.registry import Registry
 from jobs.runs import ErrorCode, RunState
 from jobs.worker import metrics
@@ -75,6 +75,17 @@ class Worker(Draining):
         self.config = config or WorkerConfig()
         self._on_terminal = on_terminal_failure
         self._names = list(registry.names())
+        # Flow controls held by the claim (jobs.queue.flow): each type's limits, its gate row
+        # made once, each tenant-ordered type's cursor, and when a type held back by its
+        # limits is worth another try (with the streak of empty tries that set it).
+        self._limits = {
+            name: limits
+            for name in self._names
+            if (limits := flow.limits_of(registry[name].policy)) is not None
+        }
+        self._gates_made = not self._limits
+        self._cursors: dict[str, str] = {}
+        self._held_back: dict[str, tuple[float, int]] = {}
         self._lock = threading.Lock()
         # Keyed by (id, claim token): after a stall the worker may hold a stale attempt and a
         # fresh claim of the same job at once, and each must be settled on its own.
@@ -202,6 +213,15 @@ class Worker(Draining):
             self._loop_error(exc)
             return
         acks = self._take_acks(now)
+        try:
+            if not self._gates_made:
+                flow.ensure(self._limits)
+                self._gates_made = True
+            self._throttle(acks)
+        except Exception as exc:
+            self._put_back(acks)
+            self._loop_error(exc)
+            return
         requests = self._claim_requests(now)
         if not acks and not requests:
             self._errors = 0
@@ -236,6 +256,28 @@ class Worker(Draining):
         self._settle(acks, outcomes, report)
         self._dispatch(claimed)
         self._flush_history(now)
+
+    def _throttle(self, acks: list[tuple[Running, Outcome | None]]) -> None:
+        """Pause the types whose handlers said the upstream wants them slower (before the
+        pass's claim, so it already holds); each only once."""
+        for running, _ in acks:
+            if running.throttle is None:
+                continue
+            delay, detail = running.throttle
+            job = running.job
+            until = queue.throttle(
+                job.name, delay, reason=f"throttled by job {job.job_id}: {detail}"[:200]
+            )
+            running.throttle = None
+            metrics.throttles.labels(job.name).inc()
+            logger.warning(
+                "job type %s throttled for %.1fs by job %s%s",
+                job.name,
+                delay,
+                job.job_id,
+                "" if until is not None else " (it is paused by an operator already)",
+                extra={"job_id": job.job_id, "job_type": job.name, "action": "throttled"},
+            )
 
     def _flush_history(self, now: float | None = None, *, final: bool = False) -> None:
         """Add the counted attempts to the console's history (about once a second, and at a
@@ -303,6 +345,8 @@ class Worker(Draining):
             lease=self.config.lease_duration,
             worker=self.config.identity,
             count=False,
+            limits=self._limits,
+            after=self._cursors,
         )
         self._history.count(outcomes, report)
         self._note_claimed(requests, claimed, free)
@@ -370,7 +414,7 @@ class Worker(Draining):
         self._rotation = (self._rotation + 1) % count
         rooms = []
         for name in self._names[self._rotation :] + self._names[: self._rotation]:
-            if name in self._exhausted:
+            if name in self._exhausted or self._held_back.get(name, (0.0, 0))[0] > now:
                 continue
             policy = self.registry[name].policy
             room = free
@@ -394,6 +438,8 @@ class Worker(Draining):
             limit=free,
             lease=self.config.lease_duration,
             worker=self.config.identity,
+            limits=self._limits,
+            after=self._cursors,
         )
         self._note_claimed(requests, claimed, free)
         return claimed
@@ -402,12 +448,46 @@ class Worker(Draining):
         self, requests: list[ClaimRequest], claimed: list[ClaimedJob], free: int
     ) -> None:
         got = Counter(job.name for job in claimed)
+        if self._limits:
+            self._note_flow(requests, claimed, got)
+            requests = [r for r in requests if r.name not in self._limits]
         if len(claimed) < free:
             # A name that gave fewer jobs than asked has nothing more due right now; skip it
             # until a NOTIFY for it or the next poll.
             self._exhausted.update(r.name for r in requests if got[r.name] < r.limit)
             if any(got[r.name] >= r.limit for r in requests if r.name in self._shared):
                 self._wake.set()  # a name held to its share may take the slots left over
+
+    def _note_flow(
+        self, requests: list[ClaimRequest], claimed: list[ClaimedJob], got: Counter[str]
+    ) -> None:
+        """Move tenant cursors on; hold back a limited type that gave fewer jobs than asked.
+
+        A limited type can come up short with jobs due (its limit had no room, or another
+        worker held its gate), and no NOTIFY says when a place frees elsewhere in the fleet.
+        So it is tried again soon: at its bucket's next token or 50 ms, doubling while its
+        claims come back empty, up to the poll interval.
+        """
+        now = time.monotonic()
+        for request in requests:
+            limits = self._limits.get(request.name)
+            if limits is None:
+                continue
+            if limits.tenant_ordered:
+                tenants = [job.tenant for job in claimed if job.name == request.name]
+                after = self._cursors.get(request.name, "")
+                self._cursors[request.name] = flow.next_cursor(after, tenants)
+            if got[request.name] >= request.limit:
+                self._held_back.pop(request.name, None)
+                continue
+            streak = (
+                self._held_back.get(request.name, (0.0, 0))[1] + 1 if not got[request.name] else 0
+            )
+            delay = min(
+                self.config.poll_interval,
+                flow.rate_retry_seconds(limits) * 2 ** min(streak, 16),
+            )
+            self._held_back[request.name] = (now + delay, streak)
 
     def _dispatch(self, claimed: list[ClaimedJob]) -> None:
         on_loop: list[Running] = []
@@ -582,6 +662,7 @@ class Worker(Draining):
         if now < self._retry_at:
             return self._retry_at - now
         waits = [self._next_poll - now, self._next_maintenance - now, self._next_recovery - now]
+        waits.extend(at - now for at, _ in self._held_back.values() if at > now)
         with self._lock:
             if self._deferred:
                 waits.append(self._deferred_at - now)
@@ -593,8 +674,10 @@ class Worker(Draining):
         """NOTIFY listener callback (another thread)."""
         if name is None:
             self._exhausted.clear()
+            self._held_back.clear()
         else:
             self._exhausted.discard(name)
+            self._held_back.pop(name, None)
         self._wake.set()
 
     # -- maintenance -------------------------------------------------------------------------

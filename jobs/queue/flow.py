@@ -1,0 +1,432 @@
+"""Flow control held by the claim: global and tenant concurrency, rate limits, tenant fairness.
+
+Every limit is read and enforced inside the claim statement, so it holds across any number of
+workers on any number of hosts with nothing kept in a worker's memory.
+
+**The gate.** A job type with a limit the fleet shares has a row in ``jobs_flow``. A claim of
+the type locks the row (``SKIP LOCKED``: a claim that finds it locked takes none of the type
+this time) and, when it starts jobs, bumps the row's ``version`` in the same statement. The
+lock is taken only on the version the claim's snapshot saw; a row changed since then is
+skipped too. So a claim that passes the gate sees every start of the type that committed
+before it, and none is in progress: the running jobs it counts and the buckets it reads are
+exact, and two claims cannot both take the last free place. Ends of jobs need no write here:
+a job that stops running (an outcome, a lease sweep, a cancel) frees its place by not being
+``running`` any more, so no count can drift. A claim that reads a job as running that has
+just ended is only cautious: the next claim sees it.
+
+**Rate limits** are token buckets refilled continuously (``Rate``): one per type in the gate
+row, one per (type, tenant) in ``jobs_flowtenant``, written by the gated claims only.
+
+**Tenant order.** For a type that is fair or has tenant limits, the claim reads tenant by
+tenant: the tenants with queued jobs of the type (one hop each down the per-tenant claim
+index, starting after the tenant the worker's previous claim ended at, so every tenant comes
+round), each one's free room (tenant limit, tenant bucket) and due jobs (up to the claim's
+limit), and gives each tenant a share of the claim weighted by ``jobs_tenantweight``, handing
+what a tenant cannot use to the others. Enqueue puts such types' rows in the per-tenant index
+(the ``fair`` column), as the gate rows say (:func:`ensure`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import DEFAULT_DB_ALIAS, transaction
+
+from jobs.queue import _db
+from jobs.queue.types import ClaimRequest
+
+# Seconds since a bucket was last refilled, as a float (EXTRACT gives numeric).
+_SINCE = "EXTRACT(EPOCH FROM statement_timestamp() - {})::float8"
+
+
+@dataclass(frozen=True, slots=True)
+class FlowLimits:
+    """A job type's flow controls, as the claim applies them (rates in starts a second)."""
+
+    global_concurrency: int | None = None
+    tenant_concurrency: int | None = None
+    rate: float | None = None
+    burst: float | None = None
+    tenant_rate: float | None = None
+    tenant_burst: float | None = None
+    fair: bool = False
+
+    @property
+    def gated(self) -> bool:
+        """Claims take the type's gate: some limit is shared by every worker."""
+        return (
+            self.global_concurrency is not None
+            or self.tenant_concurrency is not None
+            or self.rate is not None
+            or self.tenant_rate is not None
+        )
+
+    @property
+    def tenant_ordered(self) -> bool:
+        """Claims read the type tenant by tenant."""
+        return self.fair or self.tenant_concurrency is not None or self.tenant_rate is not None
+
+
+def limits_of(policy: object) -> FlowLimits | None:
+    """A policy's flow controls (:class:`jobs.Policy`), or None when it has none."""
+    rate = getattr(policy, "rate_limit", None)
+    tenant_rate = getattr(policy, "tenant_rate_limit", None)
+    limits = FlowLimits(
+        global_concurrency=getattr(policy, "global_concurrency", None),
+        tenant_concurrency=getattr(policy, "tenant_concurrency", None),
+        rate=None if rate is None else rate.per_second,
+        burst=None if rate is None else float(rate.capacity),
+        tenant_rate=None if tenant_rate is None else tenant_rate.per_second,
+        tenant_burst=None if tenant_rate is None else float(tenant_rate.capacity),
+        fair=bool(getattr(policy, "fair", False)),
+    )
+    return limits if limits.gated or limits.tenant_ordered else None
+
+
+def ensure(limits: Mapping[str, FlowLimits], *, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Give each type with flow controls its gate row, saying whether it is tenant-ordered.
+
+    Workers call this at start from their registry. When a type becomes tenant-ordered (or
+    stops being so), its queued jobs are moved into (or out of) the per-tenant claim index;
+    jobs enqueued while the change commits may miss it until the next worker start.
+    """
+    if not limits:
+        return
+    names = sorted(limits)
+    ordered = [limits[name].tenant_ordered for name in names]
+    with transaction.atomic(using=using), _db.bound_cursor(using) as cur:
+        cur.execute(
+            """
+            WITH wanted AS (
+                SELECT * FROM unnest(%(names)b::text[], %(ordered)b::bool[]) AS w(name, ordered)
+            ),
+            before AS (
+                SELECT f.name, f.tenant_ordered FROM jobs_flow f JOIN wanted w USING (name)
+            ),
+            upserted AS (
+                INSERT INTO jobs_flow (name, version, tenant_ordered)
+                SELECT name, 0, ordered FROM wanted ORDER BY name
+                ON CONFLICT (name) DO UPDATE
+                SET tenant_ordered = EXCLUDED.tenant_ordered, updated_at = statement_timestamp()
+                WHERE jobs_flow.tenant_ordered IS DISTINCT FROM EXCLUDED.tenant_ordered
+                RETURNING name, tenant_ordered
+            )
+            SELECT u.name, u.tenant_ordered FROM upserted u
+            LEFT JOIN before b USING (name)
+            WHERE u.tenant_ordered IS DISTINCT FROM COALESCE(b.tenant_ordered, FALSE)
+            """,
+            {"names": names, "ordered": ordered},
+        )
+        changed = cur.fetchall()
+        for name, tenant_ordered in changed:
+            cur.execute(
+                "UPDATE jobs_job SET fair = %s WHERE state = 'queued' AND name = %s "
+                "AND fair IS DISTINCT FROM %s",
+                [tenant_ordered, name, tenant_ordered],
+            )
+
+
+#: Enqueue's value for the ``fair`` column of a row named ``{name}``: whether its type is
+#: read tenant by tenant. One scan of the (small) gate table per statement.
+FAIR_AT_ENQUEUE = (
+    "({name} = ANY((SELECT COALESCE(array_agg(f.name::text), '{{}}') FROM jobs_flow f "
+    "WHERE f.tenant_ordered)::text[]))"
+)
+
+
+def request_params(
+    requests: list[ClaimRequest],
+    limits: Mapping[str, FlowLimits],
+    after: Mapping[str, str],
+) -> dict[str, list[object]]:
+    """The claim's per-request flow parameters, aligned with its names."""
+    none = FlowLimits()
+    rows = [limits.get(r.name, none) for r in requests]
+    return {
+        "gcaps": [f.global_concurrency for f in rows],
+        "tcaps": [f.tenant_concurrency for f in rows],
+        "rates": [f.rate for f in rows],
+        "bursts": [f.burst for f in rows],
+        "trates": [f.tenant_rate for f in rows],
+        "tbursts": [f.tenant_burst for f in rows],
+        "gated": [f.gated for f in rows],
+        "ordered": [f.tenant_ordered for f in rows],
+        "afters": [after.get(r.name, "") for r in requests],
+    }
+
+
+#: What each name asks for, with its flow controls (see :func:`request_params`).
+WANTED = """
+wanted AS (
+    SELECT * FROM unnest(
+        %(names)b::text[], %(limits)b::int[], %(caps)b::int[], %(gcaps)b::int[],
+        %(tcaps)b::int[], %(rates)b::float8[], %(bursts)b::float8[], %(trates)b::float8[],
+        %(tbursts)b::float8[], %(gated)b::bool[], %(ordered)b::bool[], %(afters)b::text[]
+    ) WITH ORDINALITY AS w(name, asked, cap, gcap, tcap, rate, burst, trate, tburst, gated,
+                           ordered, after, ord)
+    WHERE {paused_names}
+)"""
+
+# The gates of the gated names, locked only at the version this statement's snapshot saw,
+# then each name's room: what it asks, within its global limit and its bucket.
+GATE = f"""
+seen AS MATERIALIZED (
+    SELECT f.name, f.version FROM jobs_flow f
+    WHERE f.name IN (SELECT w.name FROM wanted w WHERE w.gated)
+),
+gate AS MATERIALIZED (
+    SELECT f.name, f.tokens, f.refilled_at
+    FROM jobs_flow f JOIN seen s ON f.name = s.name AND f.version = s.version
+    FOR UPDATE OF f SKIP LOCKED
+),
+room AS MATERIALIZED (
+    SELECT w.name, w.cap, w.ord, w.tcap, w.trate, w.tburst, w.ordered, w.after,
+        CASE WHEN NOT w.gated THEN w.asked
+             WHEN g.name IS NULL THEN 0
+             ELSE GREATEST(0, LEAST(
+                 w.asked,
+                 CASE WHEN w.gcap IS NOT NULL THEN w.gcap - (SELECT count(*) FROM (
+                     SELECT 1 FROM jobs_job r WHERE r.state = 'running' AND r.name = w.name
+                     LIMIT w.gcap) running)::int END,
+                 floor(LEAST(w.burst, g.tokens + w.rate * {_SINCE.format("g.refilled_at")}))::int
+             )) END AS lim
+    FROM wanted w LEFT JOIN gate g ON g.name = w.name
+)"""
+
+# A tenant-ordered name's due rows (``w`` is its room row): the tenants with queued rows,
+# after the worker's cursor and then from the start, one index hop each and only as many as
+# the claim may use; each one's room and due rows (counted up to the claim's limit, unlocked);
+# two rounds of weighted shares; then each tenant's share of rows, locked as pulled.
+TENANT_ROWS = (
+    """
+WITH RECURSIVE ahead(tenant) AS (
+    (SELECT j.tenant FROM jobs_job j
+     WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant > w.after
+     ORDER BY j.tenant LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.tenant FROM jobs_job j
+            WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant > a.tenant
+            ORDER BY j.tenant LIMIT 1)
+    FROM ahead a WHERE a.tenant IS NOT NULL
+),
+behind(tenant) AS (
+    (SELECT j.tenant FROM jobs_job j
+     WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant <= w.after
+     ORDER BY j.tenant LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.tenant FROM jobs_job j
+            WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant > b.tenant
+              AND j.tenant <= w.after
+            ORDER BY j.tenant LIMIT 1)
+    FROM behind b WHERE b.tenant IS NOT NULL
+),
+busy AS MATERIALIZED (
+    SELECT r.tenant, count(*)::int AS n FROM jobs_job r
+    WHERE w.tcap IS NOT NULL AND r.state = 'running' AND r.name = w.name
+    GROUP BY r.tenant
+),
+tenants AS MATERIALIZED (
+    SELECT t.tenant, t.weight, LEAST(t.room, (
+        SELECT count(*) FROM (
+            SELECT 1 FROM jobs_job j
+            WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant = t.tenant
+              AND j.run_after <= statement_timestamp()
+              AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
+            LIMIT LEAST(t.room, w.lim)) due)::int) AS avail
+    FROM (
+        SELECT c.tenant,
+            COALESCE((SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = c.tenant), 1)
+                AS weight,
+            GREATEST(0, LEAST(
+                w.lim,
+                w.tcap - COALESCE((SELECT b.n FROM busy b WHERE b.tenant = c.tenant), 0),
+                COALESCE((SELECT floor(LEAST(w.tburst, tb.tokens + w.trate * """
+    + _SINCE.format("tb.refilled_at")
+    + """))::int
+                 FROM jobs_flowtenant tb WHERE tb.name = w.name AND tb.tenant = c.tenant),
+                 floor(w.tburst)::int)
+            )) AS room
+        FROM (SELECT tenant FROM ahead WHERE tenant IS NOT NULL
+              UNION ALL
+              SELECT tenant FROM behind WHERE tenant IS NOT NULL) c
+        WHERE c.tenant || '' <> ALL((SELECT tenants FROM paused)::text[])
+    ) t
+    WHERE t.room > 0
+    LIMIT GREATEST(w.lim, 1)
+),
+first_round AS (
+    SELECT tenant, weight, avail,
+        LEAST(avail, ceil(w.lim * weight::float8 / sum(weight) OVER ())::int) AS got
+    FROM tenants
+),
+shares AS (
+    SELECT tenant, got + LEAST(avail - got, ceil(
+        GREATEST(0, w.lim - sum(got) OVER ()) * weight::float8
+        / NULLIF(sum(weight) FILTER (WHERE avail > got) OVER (), 0))::int) AS share
+    FROM first_round
+)
+SELECT due.id FROM shares s
+CROSS JOIN LATERAL (
+    SELECT j.id FROM jobs_job j
+    WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant = s.tenant
+      AND j.run_after <= statement_timestamp()
+      AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
+      AND {scope}
+      AND {paused}
+    ORDER BY j.priority DESC, j.run_after, j.id
+    LIMIT s.share
+    FOR UPDATE SKIP LOCKED
+) due
+WHERE s.share > 0
+"""
+)
+
+# After the claim (``claimed``, its RETURNING rows): a gated name that started jobs bumps its
+# gate's version and takes the tokens from its bucket; each tenant bucket likewise.
+AFTER_CLAIM = f"""
+flow_gates AS (
+    UPDATE jobs_flow f
+    SET version = f.version + 1,
+        tokens = LEAST(w.burst, f.tokens + w.rate * {_SINCE.format("f.refilled_at")}) - n.started,
+        refilled_at = statement_timestamp()
+    FROM (SELECT c.name, count(*) AS started FROM claimed c GROUP BY c.name) n
+    JOIN wanted w ON w.name = n.name
+    WHERE f.name = n.name AND w.gated
+    RETURNING f.name
+),
+flow_tenants AS (
+    INSERT INTO jobs_flowtenant (name, tenant, tokens, refilled_at)
+    SELECT n.name, n.tenant,
+        LEAST(w.tburst, tb.tokens + w.trate * {_SINCE.format("tb.refilled_at")}) - n.started,
+        statement_timestamp()
+    FROM (SELECT c.name, c.tenant, count(*) AS started FROM claimed c GROUP BY 1, 2) n
+    JOIN wanted w ON w.name = n.name AND w.trate IS NOT NULL
+    LEFT JOIN jobs_flowtenant tb ON tb.name = n.name AND tb.tenant = n.tenant
+    ON CONFLICT (name, tenant) DO UPDATE
+    SET tokens = EXCLUDED.tokens, refilled_at = EXCLUDED.refilled_at
+    RETURNING name
+)"""
+
+
+def next_cursor(after: str, tenants: Iterable[str]) -> str:
+    """Where a tenant-ordered name's next claim starts: after the last tenant this one reached.
+
+    The claim reads the tenants after ``after`` first, then wraps round to the start, so the
+    last one reached is the highest claimed at or before ``after`` if it wrapped, else the
+    highest claimed.
+    """
+    tenants = set(tenants)
+    if not tenants:
+        return after
+    wrapped = [t for t in tenants if t <= after]
+    return max(wrapped) if wrapped else max(tenants)
+
+
+@dataclass(frozen=True, slots=True)
+class FlowState:
+    """A type's flow right now: running jobs, bucket tokens, due jobs (for the console)."""
+
+    name: str
+    running: int
+    due: int
+    tokens: float | None
+    refilled_at: datetime | None
+
+
+def state(
+    limits: Mapping[str, FlowLimits], *, using: str = DEFAULT_DB_ALIAS
+) -> dict[str, FlowState]:
+    """Each type's running and due jobs and its bucket's tokens now (refilled to now)."""
+    if not limits:
+        return {}
+    names = sorted(limits)
+    rates = [limits[name].rate for name in names]
+    bursts = [limits[name].burst for name in names]
+    with _db.bound_cursor(using) as cur:
+        cur.execute(
+            f"""
+            SELECT w.name,
+                (SELECT count(*) FROM jobs_job r
+                 WHERE r.state = 'running' AND r.name = w.name)::int,
+                (SELECT count(*) FROM jobs_job q
+                 WHERE q.state = 'queued' AND q.name = w.name
+                   AND q.run_after <= statement_timestamp())::int,
+                LEAST(w.burst, f.tokens + w.rate * {_SINCE.format("f.refilled_at")}),
+                f.refilled_at
+            FROM unnest(%(names)b::text[], %(rates)b::float8[], %(bursts)b::float8[])
+                AS w(name, rate, burst)
+            LEFT JOIN jobs_flow f ON f.name = w.name
+            """,
+            {"names": names, "rates": rates, "bursts": bursts},
+        )
+        rows = cur.fetchall()
+    return {
+        name: FlowState(
+            name, running, due, None if limits[name].rate is None else tokens, refilled_at
+        )
+        for name, running, due, tokens, refilled_at in rows
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class TenantFlow:
+    """One tenant of a tenant-ordered type: its due and running jobs and its weight."""
+
+    tenant: str
+    due: int
+    running: int
+    weight: int
+
+
+def tenant_backlog(
+    name: str, *, limit: int = 20, using: str = DEFAULT_DB_ALIAS
+) -> list[TenantFlow]:
+    """The tenants of a tenant-ordered type with the most due jobs (counts of queued rows in
+    the per-tenant index, one group per tenant), with their running jobs and weights."""
+    with _db.bound_cursor(using) as cur:
+        cur.execute(
+            """
+            WITH due AS (
+                SELECT j.tenant, count(*)::int AS n FROM jobs_job j
+                WHERE j.state = 'queued' AND j.fair AND j.name = %(name)s
+                  AND j.run_after <= statement_timestamp()
+                GROUP BY j.tenant
+            ),
+            running AS (
+                SELECT r.tenant, count(*)::int AS n FROM jobs_job r
+                WHERE r.state = 'running' AND r.name = %(name)s
+                GROUP BY r.tenant
+            )
+            SELECT t.tenant, COALESCE(d.n, 0), COALESCE(r.n, 0), COALESCE(tw.weight, 1)
+            FROM (SELECT tenant FROM due UNION SELECT tenant FROM running) t
+            LEFT JOIN due d USING (tenant)
+            LEFT JOIN running r USING (tenant)
+            LEFT JOIN jobs_tenantweight tw ON tw.tenant = t.tenant
+            ORDER BY COALESCE(d.n, 0) DESC, COALESCE(r.n, 0) DESC, t.tenant
+            LIMIT %(limit)s
+            """,
+            {"name": name, "limit": limit},
+        )
+        return [TenantFlow(*row) for row in cur.fetchall()]
+
+
+def rate_retry_seconds(limits: FlowLimits | None, *, floor: float = 0.005) -> float:
+    """How soon a worker tries a limited type again after a claim left it short.
+
+    A freed place or a token elsewhere in the fleet sends no notice, so the worker looks
+    again shortly: at the bucket's next token, between ``floor`` and 50 ms.
+    """
+    if limits is None:
+        return 0.05
+    rates = [r for r in (limits.rate, limits.tenant_rate) if r]
+    if not rates:
+        return 0.05
+    return min(0.05, max(floor, 1.0 / max(rates)))
+
+
+def whole(value: float) -> int:
+    """Tokens as whole starts (the claim takes floor(tokens))."""
+    return math.floor(value)
