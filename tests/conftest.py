@@ -18,6 +18,7 @@ PROCESS_MODULES = frozenset(
         "test_scheduler_processes.py",
         "test_process_registry.py",
         "test_operator_controls_processes.py",
+        "test_flow_processes.py",
     }
 )
 

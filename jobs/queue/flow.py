@@ -199,7 +199,8 @@ room AS MATERIALIZED (
 # A tenant-ordered name's due rows (``w`` is its room row): the tenants with queued rows,
 # after the worker's cursor and then from the start, one index hop each and only as many as
 # the claim may use; each one's room and due rows (counted up to the claim's limit, unlocked);
-# two rounds of weighted shares; then each tenant's share of rows, locked as pulled.
+# two rounds of weighted shares; then each tenant's share of rows in cursor order, locked as
+# pulled.
 TENANT_ROWS = (
     """
 WITH RECURSIVE ahead(tenant) AS (
@@ -229,7 +230,7 @@ busy AS MATERIALIZED (
     GROUP BY r.tenant
 ),
 tenants AS MATERIALIZED (
-    SELECT t.tenant, t.weight, LEAST(t.room, (
+    SELECT t.tenant, t.pass, t.weight, LEAST(t.room, (
         SELECT count(*) FROM (
             SELECT 1 FROM jobs_job j
             WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant = t.tenant
@@ -237,7 +238,7 @@ tenants AS MATERIALIZED (
               AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
             LIMIT LEAST(t.room, w.lim)) due)::int) AS avail
     FROM (
-        SELECT c.tenant,
+        SELECT c.tenant, c.pass,
             COALESCE((SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = c.tenant), 1)
                 AS weight,
             GREATEST(0, LEAST(
@@ -249,26 +250,41 @@ tenants AS MATERIALIZED (
                  FROM jobs_flowtenant tb WHERE tb.name = w.name AND tb.tenant = c.tenant),
                  floor(w.tburst)::int)
             )) AS room
-        FROM (SELECT tenant FROM ahead WHERE tenant IS NOT NULL
+        FROM (SELECT tenant, 1 AS pass FROM ahead WHERE tenant IS NOT NULL
               UNION ALL
-              SELECT tenant FROM behind WHERE tenant IS NOT NULL) c
+              SELECT tenant, 2 FROM behind WHERE tenant IS NOT NULL) c
         WHERE c.tenant || '' <> ALL((SELECT tenants FROM paused)::text[])
     ) t
     WHERE t.room > 0
     LIMIT GREATEST(w.lim, 1)
 ),
-first_round AS (
-    SELECT tenant, weight, avail,
-        LEAST(avail, ceil(w.lim * weight::float8 / sum(weight) OVER ())::int) AS got
+-- Round one: each tenant's weighted part of the claim (whole jobs, the remainder one each
+-- to the first tenants in cursor order), up to what it can take.
+round_one AS (
+    SELECT tenant, avail, weight, row_number() OVER (ORDER BY pass, tenant) AS pos,
+        floor(w.lim * weight::float8 / sum(weight) OVER ())::int AS part
     FROM tenants
 ),
+taken AS (
+    SELECT tenant, avail, weight, pos,
+        LEAST(avail, part + (pos <= w.lim - sum(part) OVER ())::int) AS got
+    FROM round_one
+),
+-- Round two: what the tenants left is shared the same way among those with jobs to spare.
+round_two AS (
+    SELECT tenant, avail, pos, got, w.lim - sum(got) OVER () AS spare,
+        CASE WHEN avail > got THEN floor((w.lim - sum(got) OVER ()) * weight::float8
+            / NULLIF(sum(weight) FILTER (WHERE avail > got) OVER (), 0))::int END AS part,
+        row_number() OVER (PARTITION BY avail > got ORDER BY pos) AS upos
+    FROM taken
+),
 shares AS (
-    SELECT tenant, got + LEAST(avail - got, ceil(
-        GREATEST(0, w.lim - sum(got) OVER ()) * weight::float8
-        / NULLIF(sum(weight) FILTER (WHERE avail > got) OVER (), 0))::int) AS share
-    FROM first_round
+    SELECT tenant, pos, got + CASE WHEN avail > got
+        THEN LEAST(avail - got, part + (upos <= spare - sum(part) OVER ())::int)
+        ELSE 0 END AS share
+    FROM round_two
 )
-SELECT due.id FROM shares s
+SELECT due.id FROM (SELECT * FROM shares ORDER BY pos) s
 CROSS JOIN LATERAL (
     SELECT j.id FROM jobs_job j
     WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant = s.tenant
@@ -430,3 +446,33 @@ def rate_retry_seconds(limits: FlowLimits | None, *, floor: float = 0.005) -> fl
 def whole(value: float) -> int:
     """Tokens as whole starts (the claim takes floor(tokens))."""
     return math.floor(value)
+
+
+# Reads for the console and the gauges duty (jobs.monitor.flow, jobs.scheduler.gauges) --------
+
+
+def tenant_tokens(
+    name: str, tenants: Iterable[str], limits: FlowLimits, *, using: str = DEFAULT_DB_ALIAS
+) -> dict[str, float]:
+    """The tokens in these tenants' buckets of a type with a tenant rate limit, refilled to
+    now, as the claim reads them (a tenant without a bucket row has a full one); one query."""
+    tenants = sorted(set(tenants))
+    if limits.tenant_rate is None or not tenants:
+        return {}
+    with _db.bound_cursor(using) as cur:
+        cur.execute(
+            f"""
+            SELECT t.tenant, COALESCE(
+                LEAST(%(burst)s, tb.tokens + %(rate)s * {_SINCE.format("tb.refilled_at")}),
+                %(burst)s)
+            FROM unnest(%(tenants)b::text[]) AS t(tenant)
+            LEFT JOIN jobs_flowtenant tb ON tb.name = %(name)s AND tb.tenant = t.tenant
+            """,
+            {
+                "name": name,
+                "tenants": tenants,
+                "rate": limits.tenant_rate,
+                "burst": limits.tenant_burst,
+            },
+        )
+        return {tenant: float(tokens) for tenant, tokens in cur.fetchall()}

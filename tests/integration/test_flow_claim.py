@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+
 import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jobs import queue
-from jobs.models import FlowGate, Job
-from jobs.queue import AllTenants, ClaimRequest, NewJob, flow
+from jobs.models import FlowGate, Job, TenantBucket, TenantWeight
+from jobs.queue import AllTenants, ClaimRequest, NewJob, OnlyTenant, flow
 from jobs.queue.flow import FlowLimits
+from jobs.scheduler.clock import database_now
+from tests.acceptance.conftest import wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -66,3 +77,214 @@ def test_tenant_limit():
     enqueue("b", 10)
     claimed = take(limits)
     assert sorted(job.tenant for job in claimed) == ["a", "a", "b", "b"]
+
+
+# -- any backlog: limits hold, shares are fair, nothing due is left while there is room ----
+
+backlogs = st.dictionaries(
+    st.sampled_from(["a", "b", "c", "d", "e"]),
+    st.tuples(st.integers(0, 12), st.integers(0, 3)),  # (due jobs, of them running already)
+    min_size=1,
+)
+
+
+@given(
+    backlog=backlogs,
+    asked=st.integers(1, 15),
+    tcap=st.sampled_from([None, 1, 2, 4]),
+    gcap=st.sampled_from([None, 3, 8, 30]),
+    after=st.sampled_from(["", "b", "c", "z"]),
+)
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_any_tenant_backlog_is_claimed_within_limits_and_in_fair_shares(
+    backlog, asked, tcap, gcap, after
+):
+    limits = FlowLimits(fair=True, tenant_concurrency=tcap, global_concurrency=gcap)
+    with transaction.atomic():
+        flow.ensure({NAME: limits})
+        running: dict[str, int] = {}
+        for tenant, (due, busy) in backlog.items():
+            enqueue(tenant, due + busy)
+            if busy:  # some of each tenant's jobs are running already (another worker's)
+                held = queue.claim(
+                    [ClaimRequest(NAME, busy)], scope=OnlyTenant(tenant), worker="other"
+                )
+                running[tenant] = len(held)
+
+        claimed = take(limits, asked=asked, after={NAME: after})
+
+        got = Counter(job.tenant for job in claimed)
+        total_running = sum(running.values())
+        # Never past a limit.
+        if gcap is not None:
+            assert total_running + len(claimed) <= max(gcap, total_running)
+        for tenant, count in got.items():
+            if tcap is not None:
+                assert running.get(tenant, 0) + count <= max(tcap, running.get(tenant, 0))
+        # What each tenant could take: its due jobs, within its tenant limit.
+        room = {
+            tenant: min(due, due if tcap is None else max(0, tcap - running.get(tenant, 0)))
+            for tenant, (due, _) in backlog.items()
+        }
+        budget = asked if gcap is None else max(0, min(asked, gcap - total_running))
+        assert len(claimed) <= budget
+        # Work-conserving: with room left, no tenant that could take more is left out.
+        if len(claimed) < budget:
+            assert all(got[t] == room[t] for t in room if room[t] > 0) or len(claimed) >= budget
+        # Fair: tenants that wanted more than they got differ by at most two jobs.
+        wanting = [got[t] for t in room if room[t] > got[t]]
+        if wanting:
+            assert max(wanting) - min(wanting) <= 2
+        assert {job.tenant for job in claimed} <= {t for t in room if room[t] > 0}
+        transaction.set_rollback(True)
+
+
+def test_weights_share_a_claim_in_proportion():
+    limits = FlowLimits(fair=True)
+    flow.ensure({NAME: limits})
+    TenantWeight.objects.create(tenant="big", weight=3)
+    enqueue("big", 50)
+    enqueue("small", 50)
+
+    got = Counter(job.tenant for job in take(limits, asked=20))
+
+    assert got == {"big": 15, "small": 5}
+
+
+def test_the_cursor_brings_every_tenant_round_when_there_are_more_than_a_claim_takes():
+    limits = FlowLimits(fair=True)
+    flow.ensure({NAME: limits})
+    tenants = [f"t{i:02d}" for i in range(12)]
+    for tenant in tenants:
+        enqueue(tenant, 3)
+    after = ""
+    seen: list[str] = []
+    for _ in range(3):
+        claimed = take(limits, asked=4, after={NAME: after})
+        seen.extend(job.tenant for job in claimed)
+        after = flow.next_cursor(after, [job.tenant for job in claimed])
+
+    assert sorted(seen) == tenants  # twelve tenants, four a claim, each once
+
+
+def test_rows_enqueued_before_a_type_became_fair_are_moved_into_tenant_order():
+    enqueue("a", 3)
+    assert not Job.objects.filter(fair=True).exists()
+
+    flow.ensure({NAME: FlowLimits(fair=True)})
+    assert Job.objects.filter(fair=True).count() == 3
+    flow.ensure({NAME: FlowLimits(global_concurrency=2)})
+    assert not Job.objects.filter(fair=True).exists()
+
+
+def test_a_type_without_controls_keeps_the_plain_claim_statement():
+    FlowGate.objects.create(name=NAME, tenant_ordered=True)
+    enqueue("a", 2)
+
+    with CaptureQueriesContext(connection) as queries:
+        queue.claim([ClaimRequest("other.v1", 5)], scope=AllTenants())
+
+    assert "jobs_flow" not in queries[-1]["sql"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_gate_held_by_another_claim_is_skipped_not_waited_for():
+    limits = FlowLimits(global_concurrency=5)
+    flow.ensure({NAME: limits})
+    enqueue("a", 5)
+    locked, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # a claim of the type in progress on another connection
+        with transaction.atomic(), connection.cursor() as cur:
+            cur.execute("SELECT 1 FROM jobs_flow WHERE name = %s FOR UPDATE", [NAME])
+            locked.set()
+            release.wait(10)
+        connection.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert locked.wait(10)
+    started = time.monotonic()
+    assert take(limits) == []
+    assert time.monotonic() - started < 1
+    release.set()
+    holder.join(10)
+    assert len(take(limits)) == 5
+
+
+def test_an_expired_bucket_refills_continuously_up_to_its_burst():
+    limits = FlowLimits(rate=10.0, burst=3.0)
+    flow.ensure({NAME: limits})
+    enqueue("a", 20)
+    assert len(take(limits)) == 3
+    # A bucket last refilled 0.25 s ago holds 2.5 tokens: two starts, half a token left.
+    FlowGate.objects.filter(name=NAME).update(
+        tokens=0.0, refilled_at=database_now() - timedelta(seconds=0.25)
+    )
+    assert len(take(limits)) == 2
+    gate = FlowGate.objects.get(name=NAME)
+    assert 0.4 < gate.tokens < 0.6
+    # Long idle: never more than the burst.
+    FlowGate.objects.filter(name=NAME).update(refilled_at=database_now() - timedelta(hours=1))
+    assert len(take(limits)) == 3
+
+
+def test_tenant_buckets_are_kept_per_tenant():
+    limits = FlowLimits(tenant_rate=1.0, tenant_burst=2.0)
+    flow.ensure({NAME: limits})
+    enqueue("a", 5)
+    enqueue("b", 5)
+    assert sorted(job.tenant for job in take(limits)) == ["a", "a", "b", "b"]
+    assert take(limits) == []
+    assert {(b.tenant, b.tokens < 1) for b in TenantBucket.objects.all()} == {
+        ("a", True),
+        ("b", True),
+    }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_claimers_never_run_more_than_the_global_limit():
+    limits = FlowLimits(global_concurrency=4)
+    flow.ensure({NAME: limits})
+    enqueue("a", 300)
+    stop = threading.Event()
+    peaks: list[int] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(7)
+
+    def claimer() -> None:
+        try:
+            barrier.wait()
+            while not stop.is_set():
+                for job in take(limits, asked=3):
+                    queue.complete(job)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    def watcher() -> None:
+        barrier.wait()
+        while not stop.is_set():
+            peaks.append(Job.objects.filter(state="running").count())
+        connection.close()
+
+    threads = [threading.Thread(target=claimer) for _ in range(6)]
+    threads.append(threading.Thread(target=watcher))
+    for thread in threads:
+        thread.start()
+    wait_for(
+        lambda: Job.objects.filter(state="succeeded").count() >= 300 or errors,
+        timeout=60,
+        what="the backlog drained",
+    )
+    stop.set()
+    for thread in threads:
+        thread.join(10)
+
+    assert not errors
+    assert Job.objects.filter(state="succeeded").count() == 300
+    assert max(peaks) <= 4
+    assert max(peaks) >= 2  # the claimers did overlap

@@ -6,7 +6,7 @@ import os
 import time
 from datetime import timedelta
 
-from jobs import JobContext, Payload, RetryAfter, job
+from jobs import JobContext, Payload, Rate, RetryAfter, job
 from jobs.registry import Backoff
 
 
@@ -50,3 +50,56 @@ def retry_trace(payload: RetryTrace, ctx: JobContext) -> None:
     with open(payload.path, "a") as out:
         out.write(f"start {os.getpid()} {ctx.attempt}\n")
     raise RetryAfter(payload.seconds)
+
+
+# -- flow control: handlers that record when they run, in the database ----------------------
+
+
+class FlowEntry(Payload, name="test.flow_global.v1"):
+    """Record this handler's entry and exit in ``test_flow_entries``; sleep in between.
+
+    The test creates the table. ``throttle_first`` makes the first attempt ask the whole type
+    to slow down for that many seconds.
+    """
+
+    seconds: float = 0.05
+    throttle_first: float = 0.0
+
+
+def _flow_entry(payload: FlowEntry, ctx: JobContext) -> None:
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute(
+            "INSERT INTO test_flow_entries (job_id, type, tenant, pid, entered) "
+            "VALUES (%s, %s, %s, %s, clock_timestamp()) RETURNING id",
+            [ctx.job_id, ctx.name, ctx.tenant, os.getpid()],
+        )
+        (entry,) = cur.fetchone()
+    try:
+        if payload.throttle_first and ctx.attempt == 1:
+            raise RetryAfter(payload.throttle_first, "upstream said 429", throttle=True)
+        ctx.sleep(payload.seconds)
+    finally:
+        with connection.cursor() as cur:
+            cur.execute(
+                "UPDATE test_flow_entries SET left_at = clock_timestamp() WHERE id = %s", [entry]
+            )
+
+
+class FlowTenant(FlowEntry, name="test.flow_tenant.v1"):
+    pass
+
+
+class FlowRate(FlowEntry, name="test.flow_rate.v1"):
+    pass
+
+
+class FlowFair(FlowEntry, name="test.flow_fair.v1"):
+    pass
+
+
+job(FlowEntry, global_concurrency=3, timeout=30, max_attempts=5)(_flow_entry)
+job(FlowTenant, tenant_concurrency=2, timeout=30, max_attempts=5)(_flow_entry)
+job(FlowRate, rate_limit=Rate(20, per=1), timeout=30, max_attempts=5)(_flow_entry)
+job(FlowFair, fair=True, timeout=30, max_attempts=5)(_flow_entry)

@@ -1,0 +1,165 @@
+"""Flow controls held across real ``runworker`` processes: limits, a killed worker's share,
+the rate, fair order and the throttle signal. Handlers record their entries and exits in
+the database (``test_flow_entries``), so the peaks are counted where the limits live."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+from django.db import connection
+
+from jobs import enqueue, enqueue_many
+from jobs.models import Job, Pause
+from tests.acceptance.conftest import wait_for
+from tests.procapp.jobs import FlowEntry, FlowFair, FlowRate, FlowTenant
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.acceptance, pytest.mark.slow]
+
+FAST = ["--poll-interval", "0.5", "--maintenance-interval", "0.2"]
+
+
+@pytest.fixture(autouse=True)
+def entries():
+    with connection.cursor() as cur:
+        cur.execute(
+            "CREATE TABLE IF NOT EXISTS test_flow_entries (id bigserial PRIMARY KEY, "
+            "job_id text, type text, tenant text, pid int, entered timestamptz, "
+            "left_at timestamptz)"
+        )
+        cur.execute("TRUNCATE test_flow_entries")
+    yield
+    with connection.cursor() as cur:
+        cur.execute("DROP TABLE test_flow_entries")
+
+
+def peak(type_name: str, *, by_tenant: bool = False, dead_pid: int | None = None) -> int:
+    """The most handlers of a type (of one tenant) inside at once. A killed process's
+    handlers stopped when it died: their open entries end at the kill."""
+    partition = "PARTITION BY tenant" if by_tenant else ""
+    with connection.cursor() as cur:
+        cur.execute(
+            f"""
+            WITH spans AS (
+                SELECT tenant, entered,
+                       COALESCE(left_at, CASE WHEN pid = %(dead)s THEN %(killed)s END,
+                                'infinity') AS left_at
+                FROM test_flow_entries WHERE type = %(type)s
+            ),
+            edges AS (
+                SELECT tenant, entered AS at, 1 AS step FROM spans
+                UNION ALL SELECT tenant, left_at, -1 FROM spans
+            )
+            SELECT COALESCE(max(inside), 0) FROM (
+                SELECT sum(step) OVER ({partition} ORDER BY at, step) AS inside FROM edges
+            ) s
+            """,
+            {"type": type_name, "dead": dead_pid or -1, "killed": KILLED.get("at")},
+        )
+        return cur.fetchone()[0]
+
+
+KILLED: dict[str, object] = {}
+
+
+def states(name: str) -> dict[str, int]:
+    rows = Job.objects.filter(name=name).values_list("state", flat=True)
+    counts: dict[str, int] = {}
+    for state in rows:
+        counts[state] = counts.get(state, 0) + 1
+    return counts
+
+
+def test_a_global_limit_holds_across_workers_and_a_killed_workers_share_comes_back(spawn):
+    workers = [spawn("runworker", *FAST, "--concurrency", "20", lease=1.0) for _ in range(3)]
+    for worker in workers:
+        worker.wait_for_output("worker .* started")
+    enqueue_many([FlowEntry(seconds=0.1) for _ in range(60)])
+    # Kill a worker while it runs jobs of the type: its places stay taken until its leases
+    # expire and a sweep puts the jobs back.
+    victim = workers[0]
+    wait_for(
+        lambda: Job.objects.filter(state="running", claimed_by__contains=f":{victim.pid}:"),
+        timeout=20,
+        what="the first worker runs a job",
+    )
+    victim.proc.kill()
+    victim.wait()
+    with connection.cursor() as cur:
+        cur.execute("SELECT clock_timestamp()")
+        KILLED["at"] = cur.fetchone()[0]
+
+    wait_for(lambda: states(FlowEntry.job_name) == {"succeeded": 60}, timeout=60)
+    assert peak(FlowEntry.job_name, dead_pid=victim.pid) <= 3
+    assert peak(FlowEntry.job_name, dead_pid=victim.pid) == 3  # the limit was reached
+
+
+def test_a_tenant_limit_holds_per_tenant_while_tenants_run_side_by_side(spawn):
+    for _ in range(2):
+        spawn("runworker", *FAST, "--concurrency", "20").wait_for_output("worker .* started")
+    for tenant in ("a", "b", "c"):
+        enqueue_many([FlowTenant(seconds=0.1) for _ in range(12)], tenant=tenant)
+
+    wait_for(lambda: states(FlowTenant.job_name) == {"succeeded": 36}, timeout=60)
+    assert peak(FlowTenant.job_name, by_tenant=True) == 2
+    assert peak(FlowTenant.job_name) >= 4  # tenants were not serialized behind each other
+
+
+def test_a_rate_limit_is_shared_by_the_workers_and_smooth(spawn):
+    for _ in range(2):
+        spawn("runworker", *FAST, "--concurrency", "10").wait_for_output("worker .* started")
+    enqueue_many([FlowRate(seconds=0) for _ in range(100)])
+
+    wait_for(lambda: states(FlowRate.job_name) == {"succeeded": 100}, timeout=60)
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT EXTRACT(EPOCH FROM entered - min(entered) OVER ())::float8 "
+            "FROM test_flow_entries ORDER BY entered"
+        )
+        starts = [row[0] for row in cur.fetchall()]
+    # 20 a second with a burst of 2: the first two at once, then one every 50 ms.
+    rate = (len(starts) - 2) / (starts[-1] - starts[1])
+    assert 18 <= rate <= 21, rate
+    assert max(sum(1 for s in starts if t <= s < t + 1) for t in starts) <= 22
+
+
+def test_fair_order_serves_a_small_tenant_beside_a_flood(spawn):
+    for _ in range(2):
+        spawn("runworker", *FAST, "--concurrency", "4").wait_for_output("worker .* started")
+    enqueue_many([FlowFair(seconds=0.01) for _ in range(1500)], tenant="flood")
+    wait_for(lambda: states(FlowFair.job_name).get("succeeded", 0) >= 50, timeout=30)
+    small = [enqueue(FlowFair(seconds=0.01), tenant="small").id for _ in range(20)]
+
+    wait_for(lambda: Job.objects.filter(pk__in=small, state="succeeded").count() == 20, timeout=30)
+    # The small tenant's jobs waited about their share, not for the flood to drain.
+    assert Job.objects.filter(name=FlowFair.job_name, state="queued").count() > 500
+    waits = [
+        (job.started_at - job.run_after).total_seconds() for job in Job.objects.filter(pk__in=small)
+    ]
+    assert statistics.median(waits) < 1.0, waits
+
+
+def test_a_throttle_pauses_the_type_on_every_worker_for_its_delay(spawn):
+    for _ in range(2):
+        spawn("runworker", *FAST, "--concurrency", "4").wait_for_output("worker .* started")
+    first = enqueue(FlowEntry(seconds=0, throttle_first=2.0))
+    pause = wait_for(
+        lambda: Pause.objects.filter(kind="job_type", value=FlowEntry.job_name).first(),
+        timeout=20,
+        what="the throttle's pause",
+    )
+    assert pause.until is not None and pause.paused_by == "throttle"
+    others = [enqueue(FlowEntry(seconds=0)).id for _ in range(5)]
+    asked = time.monotonic()
+
+    wait_for(lambda: states(FlowEntry.job_name) == {"succeeded": 6}, timeout=30)
+    # Nothing of the type started before the throttle ended.
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT count(*) FROM test_flow_entries WHERE job_id <> %s AND entered < %s",
+            [first.job_id, pause.until],
+        )
+        assert cur.fetchone()[0] == 0
+    assert time.monotonic() - asked < 10
+    assert len(others) == 5
