@@ -110,30 +110,42 @@ LIMIT w.lim
 )
 
 
-# With flow controls (jobs.queue.flow): the names' rooms after their gates, then for each
-# name either the due rows as above or, for a tenant-ordered name, its tenants' shares.
-_FLOW_CTES = (
-    pauses.PAUSED_CTE
-    + ","
-    + flow.WANTED.format(paused_names=pauses.PAUSED_NAMES)
-    + ","
-    + flow.GATE
-    + """,
+# With flow controls (jobs.queue.flow): the names' rooms (after their gates when any name
+# has a shared limit), then for each name either the due rows as above or, for a
+# tenant-ordered name, its tenants' shares. Parts no requested name needs are left out, so
+# they are not planned.
+_FLOW_PICKED = """,
 picked AS (
     SELECT c.id, w.cap, w.ord
     FROM room w
-    CROSS JOIN LATERAL (
-        SELECT d.id FROM ({due}
-        ) d WHERE NOT w.ordered
-        UNION ALL
-        SELECT t.id FROM ({tenant_rows}
-        ) t WHERE w.ordered
+    CROSS JOIN LATERAL ({branches}
     ) c
     WHERE w.lim > 0
     LIMIT %(total)s
 )
 """
-)
+_PLAIN_BRANCH = """
+        SELECT d.id FROM ({due}
+        ) d WHERE NOT w.ordered"""
+_TENANT_BRANCH = """
+        SELECT t.id FROM ({tenant_rows}
+        ) t WHERE w.ordered"""
+
+
+def _flow_ctes(due: str, tenant_rows: str, flows: flow.FlowForm) -> str:
+    branches = []
+    if flows.plain:
+        branches.append(_PLAIN_BRANCH.replace("{due}", due))
+    if flows.ordered:
+        branches.append(_TENANT_BRANCH.replace("{tenant_rows}", tenant_rows))
+    return (
+        pauses.PAUSED_CTE
+        + ","
+        + flow.WANTED.format(paused_names=pauses.PAUSED_NAMES)
+        + ","
+        + (flow.GATE if flows.gated else flow.NO_GATE)
+        + _FLOW_PICKED.replace("{branches}", "\n        UNION ALL".join(branches))
+    )
 
 
 def claim_sql(
@@ -149,26 +161,29 @@ def claim_sql(
 
 
 def _claim_ctes(
-    scope: Scope, walk: bool | None, using: str, *, flowing: bool = False
+    scope: Scope, walk: bool | None, using: str, flows: flow.FlowForm | None = None
 ) -> tuple[str, dict[str, Any]]:
     if walk is None:
         walk = _db.server_version(using) < 180000
     scope_sql, scope_params = scope.sql("j")
     due = (_DUE_WALK if walk else _DUE_SCAN).format(scope=scope_sql, paused=pauses.PAUSED_ROWS)
-    if not flowing:
+    if flows is None:
         return _CLAIM_CTES.replace("{due}", due), scope_params
     tenant_rows = flow.TENANT_ROWS.replace("{scope}", scope_sql).replace(
         "{paused}", pauses.PAUSED_ROWS
     )
-    return _FLOW_CTES.replace("{due}", due).replace("{tenant_rows}", tenant_rows), scope_params
+    return _flow_ctes(due, tenant_rows, flows), scope_params
 
 
-def flow_sql(scope: Scope, *, using: str = DEFAULT_DB_ALIAS) -> tuple[str, dict[str, Any]]:
+def flow_sql(
+    scope: Scope, flows: flow.FlowForm, *, using: str = DEFAULT_DB_ALIAS
+) -> tuple[str, dict[str, Any]]:
     """The claim statement with flow controls (for EXPLAIN); see :func:`claim_sql`."""
-    ctes, scope_params = _claim_ctes(scope, None, using, flowing=True)
-    return f"WITH {ctes}, claimed AS ({_CLAIM_UPDATE}),{flow.AFTER_CLAIM}\n" + (
-        "SELECT * FROM claimed"
-    ), scope_params
+    ctes, scope_params = _claim_ctes(scope, None, using, flows)
+    after = flow.after_claim(flows)
+    return f"WITH {ctes}, claimed AS ({_CLAIM_UPDATE}){after}\nSELECT * FROM claimed", (
+        scope_params
+    )
 
 
 def claim_parts(
@@ -197,8 +212,8 @@ def claim_parts(
     )
     if total <= 0:
         return None
-    flowing = bool(limits) and any(r.name in limits for r in requests)
-    ctes, scope_params = _claim_ctes(scope, None, using, flowing=flowing)
+    flows = flow.form(requests, limits)
+    ctes, scope_params = _claim_ctes(scope, None, using, flows)
     params = {
         "names": [r.name for r in requests],
         "limits": [r.limit for r in requests],
@@ -208,10 +223,10 @@ def claim_parts(
         "worker": worker,
         **scope_params,
     }
-    if not flowing:
+    if flows is None:
         return ctes, _CLAIM_UPDATE, params, ""
     params.update(flow.request_params(requests, limits or {}, after or {}))
-    return ctes, _CLAIM_UPDATE, params, "," + flow.AFTER_CLAIM
+    return ctes, _CLAIM_UPDATE, params, flow.after_claim(flows)
 
 
 def claimed_jobs(rows: Sequence[Sequence[Any]]) -> list[ClaimedJob]:

@@ -158,6 +158,33 @@ def request_params(
     }
 
 
+@dataclass(frozen=True, slots=True)
+class FlowForm:
+    """Which parts of the flow claim a set of requests needs (the rest is not planned)."""
+
+    gated: bool  # some name takes its gate
+    plain: bool  # some name is claimed in the plain order
+    ordered: bool  # some name is tenant-ordered
+    tenant_rated: bool  # some name has a tenant rate limit
+
+
+def form(
+    requests: Iterable[ClaimRequest], limits: Mapping[str, FlowLimits] | None
+) -> FlowForm | None:
+    """The flow claim's form for these requests; None when no name has flow controls."""
+    if not limits:
+        return None
+    asked = [limits.get(r.name) for r in requests]
+    if not any(asked):
+        return None
+    return FlowForm(
+        gated=any(f is not None and f.gated for f in asked),
+        plain=any(f is None or not f.tenant_ordered for f in asked),
+        ordered=any(f is not None and f.tenant_ordered for f in asked),
+        tenant_rated=any(f is not None and f.tenant_rate is not None for f in asked),
+    )
+
+
 #: What each name asks for, with its flow controls (see :func:`request_params`).
 WANTED = """
 wanted AS (
@@ -194,6 +221,13 @@ room AS MATERIALIZED (
                  floor(LEAST(w.burst, g.tokens + w.rate * {_SINCE.format("g.refilled_at")}))::int
              )) END AS lim
     FROM wanted w LEFT JOIN gate g ON g.name = w.name
+)"""
+
+# No name takes a gate: each name's room is what it asks.
+NO_GATE = """
+room AS MATERIALIZED (
+    SELECT w.name, w.cap, w.ord, w.tcap, w.trate, w.tburst, w.ordered, w.after, w.asked AS lim
+    FROM wanted w
 )"""
 
 # A tenant-ordered name's due rows (``w`` is its room row): the tenants with queued rows,
@@ -302,7 +336,7 @@ WHERE s.share > 0
 
 # After the claim (``claimed``, its RETURNING rows): a gated name that started jobs bumps its
 # gate's version and takes the tokens from its bucket; each tenant bucket likewise.
-AFTER_CLAIM = f"""
+_AFTER_GATES = f"""
 flow_gates AS (
     UPDATE jobs_flow f
     SET version = f.version + 1,
@@ -312,7 +346,8 @@ flow_gates AS (
     JOIN wanted w ON w.name = n.name
     WHERE f.name = n.name AND w.gated
     RETURNING f.name
-),
+)"""
+_AFTER_TENANTS = f"""
 flow_tenants AS (
     INSERT INTO jobs_flowtenant (name, tenant, tokens, refilled_at)
     SELECT n.name, n.tenant,
@@ -325,6 +360,14 @@ flow_tenants AS (
     SET tokens = EXCLUDED.tokens, refilled_at = EXCLUDED.refilled_at
     RETURNING name
 )"""
+
+
+def after_claim(flows: FlowForm) -> str:
+    """The CTEs that follow the claim's UPDATE for this form ("" when none is needed)."""
+    parts = [_AFTER_GATES] if flows.gated else []
+    if flows.tenant_rated:
+        parts.append(_AFTER_TENANTS)
+    return "".join("," + part for part in parts)
 
 
 def next_cursor(after: str, tenants: Iterable[str]) -> str:
