@@ -127,17 +127,31 @@ picked AS (
 _PLAIN_BRANCH = """
         SELECT d.id FROM ({due}
         ) d WHERE NOT w.ordered"""
-_TENANT_BRANCH = """
+_TIERED_BRANCH = """
+        (SELECT t.id FROM ({tenant_rows}
+        ) t WHERE w.ordered AND w.tcap IS NULL AND w.trate IS NULL
+        LIMIT w.lim)"""
+_CAPPED_BRANCH = """
         SELECT t.id FROM ({tenant_rows}
-        ) t WHERE w.ordered"""
+        ) t WHERE w.ordered AND (w.tcap IS NOT NULL OR w.trate IS NOT NULL)"""
 
 
 def _flow_ctes(due: str, tenant_rows: str, flows: flow.FlowForm) -> str:
     branches = []
     if flows.plain:
         branches.append(_PLAIN_BRANCH.replace("{due}", due))
-    if flows.ordered:
-        branches.append(_TENANT_BRANCH.replace("{tenant_rows}", tenant_rows))
+    if flows.tiered:
+        below = due.replace("\n  AND j.name = w.name", "\n  AND j.name = w.name" + flow.BELOW_TOP)
+        fill = flow.FILL.replace("{due}", below)
+        rows = (
+            tenant_rows.replace("{top}", flow.TOP_LEVEL)
+            .replace("{level}", flow.TOP_LEVEL_ROWS)
+            .replace("{fill}", fill)
+        )
+        branches.append(_TIERED_BRANCH.replace("{tenant_rows}", rows))
+    if flows.capped:
+        rows = tenant_rows.replace("{top}", "").replace("{level}", "").replace("{fill}", "")
+        branches.append(_CAPPED_BRANCH.replace("{tenant_rows}", rows))
     return (
         pauses.PAUSED_CTE
         + ","

@@ -69,6 +69,11 @@ class FlowLimits:
         """Claims read the type tenant by tenant."""
         return self.fair or self.tenant_concurrency is not None or self.tenant_rate is not None
 
+    @property
+    def tiered(self) -> bool:
+        """Fair with no tenant limit: fair within the highest class with due jobs."""
+        return self.fair and self.tenant_concurrency is None and self.tenant_rate is None
+
 
 def limits_of(policy: object) -> FlowLimits | None:
     """A policy's flow controls (:class:`jobs.Policy`), or None when it has none."""
@@ -164,7 +169,8 @@ class FlowForm:
 
     gated: bool  # some name takes its gate
     plain: bool  # some name is claimed in the plain order
-    ordered: bool  # some name is tenant-ordered
+    tiered: bool  # some name is fair with no tenant limit (fair within its top class)
+    capped: bool  # some name is tenant-ordered with a tenant limit
     tenant_rated: bool  # some name has a tenant rate limit
 
 
@@ -180,7 +186,8 @@ def form(
     return FlowForm(
         gated=any(f is not None and f.gated for f in asked),
         plain=any(f is None or not f.tenant_ordered for f in asked),
-        ordered=any(f is not None and f.tenant_ordered for f in asked),
+        tiered=any(f is not None and f.tiered for f in asked),
+        capped=any(f is not None and f.tenant_ordered and not f.tiered for f in asked),
         tenant_rated=any(f is not None and f.tenant_rate is not None for f in asked),
     )
 
@@ -237,7 +244,7 @@ room AS MATERIALIZED (
 # pulled.
 TENANT_ROWS = (
     """
-WITH RECURSIVE ahead(tenant) AS (
+WITH RECURSIVE {top}ahead(tenant) AS (
     (SELECT j.tenant FROM jobs_job j
      WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant > w.after
      ORDER BY j.tenant LIMIT 1)
@@ -267,7 +274,7 @@ tenants AS MATERIALIZED (
     SELECT t.tenant, t.pass, t.weight, LEAST(t.room, (
         SELECT count(*) FROM (
             SELECT 1 FROM jobs_job j
-            WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant = t.tenant
+            WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant = t.tenant{level}
               AND j.run_after <= statement_timestamp()
               AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
             LIMIT LEAST(t.room, w.lim)) due)::int) AS avail
@@ -321,7 +328,7 @@ shares AS (
 SELECT due.id FROM (SELECT * FROM shares ORDER BY pos) s
 CROSS JOIN LATERAL (
     SELECT j.id FROM jobs_job j
-    WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant = s.tenant
+    WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant = s.tenant{level}
       AND j.run_after <= statement_timestamp()
       AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
       AND {scope}
@@ -330,9 +337,39 @@ CROSS JOIN LATERAL (
     LIMIT s.share
     FOR UPDATE SKIP LOCKED
 ) due
-WHERE s.share > 0
+WHERE s.share > 0{fill}
 """
 )
+
+# A fair type without tenant limits is fair within its highest priority that has due jobs:
+# a higher class is served first, and the claim's room its tenants leave is filled in the
+# plain order from the classes below. The priorities with queued rows are walked as the
+# claim's walk does, one hop each, down to the first with a due row.
+TOP_LEVEL = """levels(priority) AS (
+    (SELECT j.priority FROM jobs_job j WHERE j.state = 'queued' AND j.name = w.name
+     ORDER BY j.priority DESC LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.priority FROM jobs_job j
+            WHERE j.state = 'queued' AND j.name = w.name AND j.priority < l.priority
+            ORDER BY j.priority DESC LIMIT 1)
+    FROM levels l WHERE l.priority IS NOT NULL
+),
+top AS MATERIALIZED (
+    SELECT l.priority FROM levels l
+    WHERE l.priority IS NOT NULL AND EXISTS (
+        SELECT 1 FROM jobs_job j
+        WHERE j.state = 'queued' AND j.name = w.name AND j.priority = l.priority
+          AND j.run_after <= statement_timestamp())
+    LIMIT 1
+),
+"""
+TOP_LEVEL_ROWS = "\n              AND j.priority = (SELECT priority FROM top)"
+#: The plain due rows below the top class (the claim's due-rows text, ``{due}``).
+FILL = """
+UNION ALL
+SELECT f.id FROM ({due}
+) f"""
+BELOW_TOP = "\n  AND j.priority < (SELECT priority FROM top)"
 
 # After the claim (``claimed``, its RETURNING rows): a gated name that started jobs bumps its
 # gate's version and takes the tokens from its bucket; each tenant bucket likewise.

@@ -288,3 +288,28 @@ def test_concurrent_claimers_never_run_more_than_the_global_limit():
     assert Job.objects.filter(state="succeeded").count() == 300
     assert max(peaks) <= 4
     assert max(peaks) >= 2  # the claimers did overlap
+
+
+def test_a_fair_type_serves_its_highest_class_first_and_fills_from_the_classes_below():
+    limits = FlowLimits(fair=True)
+    flow.ensure({NAME: limits})
+    queue.enqueue_many([NewJob(NAME, {}, tenant="a", priority=5) for _ in range(3)])
+    enqueue("a", 20)
+    enqueue("b", 20)
+
+    claimed = take(limits, asked=10)
+
+    assert len(claimed) == 10
+    assert sum(job.priority == 5 for job in claimed) == 3
+    # Once the high class is done, the tenants share the class below.
+    got = Counter(job.tenant for job in take(limits, asked=10))
+    assert got == {"a": 5, "b": 5}
+
+
+def test_with_a_tenant_limit_a_capped_tenants_high_class_does_not_hold_back_the_others():
+    limits = FlowLimits(tenant_concurrency=1)
+    flow.ensure({NAME: limits})
+    queue.enqueue_many([NewJob(NAME, {}, tenant="a", priority=5) for _ in range(3)])
+    enqueue("b", 3)
+
+    assert sorted((job.tenant, job.priority) for job in take(limits)) == [("a", 5), ("b", 0)]
