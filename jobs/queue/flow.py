@@ -237,6 +237,16 @@ room AS MATERIALIZED (
     FROM wanted w
 )"""
 
+#: A tenant's room, as far as its due rows go (counted up to the claim's limit, unlocked):
+#: what a tenant cannot use goes to the other tenants in round two.
+AVAIL = """LEAST(t.room, (
+        SELECT count(*) FROM (
+            SELECT 1 FROM jobs_job j
+            WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant = t.tenant{level}
+              AND j.run_after <= statement_timestamp()
+              AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
+            LIMIT LEAST(t.room, w.lim)) due)::int)"""
+
 # A tenant-ordered name's due rows (``w`` is its room row): the tenants with queued rows,
 # after the worker's cursor and then from the start, one index hop each and only as many as
 # the claim may use; each one's room and due rows (counted up to the claim's limit, unlocked);
@@ -271,13 +281,9 @@ busy AS MATERIALIZED (
     GROUP BY r.tenant
 ),
 tenants AS MATERIALIZED (
-    SELECT t.tenant, t.pass, t.weight, LEAST(t.room, (
-        SELECT count(*) FROM (
-            SELECT 1 FROM jobs_job j
-            WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant = t.tenant{level}
-              AND j.run_after <= statement_timestamp()
-              AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
-            LIMIT LEAST(t.room, w.lim)) due)::int) AS avail
+    SELECT t.tenant, t.pass, t.weight, """
+    + AVAIL
+    + """ AS avail
     FROM (
         SELECT c.tenant, c.pass,
             COALESCE((SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = c.tenant), 1)
@@ -324,7 +330,8 @@ shares AS (
         THEN LEAST(avail - got, part + (upos <= spare - sum(part) OVER ())::int)
         ELSE 0 END AS share
     FROM round_two
-)
+),
+fair_rows AS MATERIALIZED (
 SELECT due.id FROM (SELECT * FROM shares ORDER BY pos) s
 CROSS JOIN LATERAL (
     SELECT j.id FROM jobs_job j
@@ -337,9 +344,12 @@ CROSS JOIN LATERAL (
     LIMIT s.share
     FOR UPDATE SKIP LOCKED
 ) due
-WHERE s.share > 0{fill}
+WHERE s.share > 0
+)
+SELECT id FROM fair_rows{fill}
 """
 )
+
 
 # A fair type without tenant limits is fair within its highest priority that has due jobs:
 # a higher class is served first, and the claim's room its tenants leave is filled in the

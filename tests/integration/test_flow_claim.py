@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from jobs import queue
@@ -88,6 +88,9 @@ backlogs = st.dictionaries(
 )
 
 
+@example(
+    backlog={"a": (12, 0), "b": (12, 0), "c": (1, 0)}, asked=15, tcap=None, gcap=None, after=""
+)
 @given(
     backlog=backlogs,
     asked=st.integers(1, 15),
@@ -96,7 +99,7 @@ backlogs = st.dictionaries(
     after=st.sampled_from(["", "b", "c", "z"]),
 )
 @settings(
-    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 def test_any_tenant_backlog_is_claimed_within_limits_and_in_fair_shares(
     backlog, asked, tcap, gcap, after
