@@ -9,7 +9,9 @@ log one entry per changed row:
 * cancel queued and running jobs (``jobs.cancel_job``), from the list or the job's page;
 * run delayed jobs now ("retry now") (``jobs.change_job``);
 * pause and resume job types, queues and tenants (``jobs.pause_work``), on the pauses page
-  and the overview (:mod:`jobs.monitor.pauses`).
+  and the overview (:mod:`jobs.monitor.pauses`);
+* set tenant weights for fair job types (``jobs.change_tenantweight``), each change logged
+  (:mod:`jobs.monitor.flow`).
 
 List actions take the newest ``ACTION_LIMIT`` eligible rows of a selection at most, as
 replay-all. The failure monitor, its grouped view, replay and the overview are mounted under
@@ -44,8 +46,8 @@ from jobs.control import cancels, pauses
 from jobs.control.checks import check_run_tables
 from jobs.control.failures import MAX_ROWS
 from jobs.control.replays import REPLAY_ALL_LIMIT
-from jobs.models import Job, JobHistory, Pause, Process, TenantOverride
-from jobs.monitor import attempts, live, overview, performance, schedules, views
+from jobs.models import Job, JobHistory, Pause, Process, TenantOverride, TenantWeight
+from jobs.monitor import attempts, flow, live, overview, performance, schedules, views
 from jobs.monitor.cancels import ELIGIBLE, cancel_url, cancel_view, effects, eligible
 from jobs.monitor.display import moment, now_of
 from jobs.monitor.modeladmin import InputFilter, RunTableAdmin
@@ -354,6 +356,7 @@ class JobAdmin(JobDisplay):
             path("overview/", wrap(overview.overview), name="jobs_overview"),
             *performance.urls(wrap),
             *schedules.urls(wrap),
+            *flow.urls(wrap),
             *super().get_urls(),
         ]
 
@@ -390,6 +393,7 @@ class JobAdmin(JobDisplay):
 
 admin.site.register(Pause, PauseAdmin)
 admin.site.register(Process, ProcessAdmin)
+admin.site.register(TenantWeight, flow.TenantWeightAdmin)
 
 
 @admin.register(JobHistory)

@@ -8,7 +8,8 @@ and failed rows); they never read the queued rows, and cost what the table holds
 backlog. Finished jobs in the history table are counted per state from PostgreSQL's
 statistics of its partitions (shown as ``≈N``), and its failed rows per type exactly, as
 they are the ones awaiting replay. Overdue schedules come from :func:`jobs.scheduler.status`
-when the scheduler is there. What is paused comes from the small pauses table, and the live
+when the scheduler is there. What is paused comes from the small pauses table (a throttle's
+timed pause only while in force), and the live
 workers' capacity from the processes table (:func:`jobs.queue.processes.capacity`), one
 query each.
 
@@ -98,7 +99,9 @@ def overview_data(
     ):
         counts = per_type.setdefault(row["name"], {"name": row["name"]})
         counts[RunState.FAILED] = counts.get(RunState.FAILED, 0) + row["n"]
-    paused = list(Pause.objects.order_by("paused_at", "pk"))
+    # A throttle's timed pause that has ended holds nothing back: it is not shown.
+    in_force = Q(until__isnull=True) | Q(until__gt=now)
+    paused = list(Pause.objects.filter(in_force).order_by("paused_at", "pk"))
     paused_types = {p.value: p for p in paused if p.kind == PauseKind.JOB_TYPE}
     oldest_due = min((r.oldest_due for r in backlog.values() if r.oldest_due), default=None)
     types = [
@@ -140,6 +143,7 @@ def overview_data(
                 "kind": p.get_kind_display(),
                 "since": second(p.paused_at),
                 "age": duration((now - p.paused_at).total_seconds()),
+                "left": duration((p.until - now).total_seconds()) if p.until else "",
             }
             for p in paused
         ],

@@ -14,24 +14,36 @@ leader, so one bounded count serves the whole deployment instead of one per work
   (:func:`jobs.queue.rollup.record_backlog`), the latest of the minute's passes.
 * ``jobs_table_*{table}``: live and dead tuples, sizes, last autovacuum and autoanalyze of
   ``jobs_job``, from :func:`jobs.queue.table_health` (catalog reads only).
+* ``jobs_flow_*{job_type}``: for each type with flow control (a limit the fleet shares, or
+  fairness) and each type a throttle holds now: its running jobs and global limit, its rate
+  bucket's tokens, the seconds left of a throttle, and its due jobs a limit holds back now
+  (:func:`held_back`), from :func:`jobs.queue.flow.state`, the pauses and, for types read
+  tenant by tenant, :func:`jobs.queue.flow.tenant_backlog`. Never per tenant.
 
 A standby exports none of these, and a leader that stands down withdraws them (the runner
 calls :meth:`Gauges.withdraw`), so the figure a dashboard reads is the current leader's. One
-part failing (a statement timeout on the count) is logged and counted; the other is still
+part failing (a statement timeout on the count) is logged and counted; the others are still
 exported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 
 from django.db import DEFAULT_DB_ALIAS
+from prometheus_client import Gauge
 
 from jobs import queue
-from jobs.queue import BacklogRow, TableHealth
+from jobs.models import PauseKind
+from jobs.queue import BacklogRow, TableHealth, flow
+from jobs.queue.flow import FlowLimits, FlowState, TenantFlow
+from jobs.queue.pauses import PauseRow
+from jobs.registry import get_registry
 from jobs.scheduler import metrics
 from jobs.scheduler.clock import database_now
 
@@ -39,23 +51,100 @@ logger = logging.getLogger("jobs.scheduler")
 
 #: The tables whose health the duty exports.
 TABLES = ("jobs_job",)
+#: Tenants read per tenant-ordered type, the most due first: the console's list and the bound
+#: of the tenant part of ``jobs_flow_limited``.
+TENANT_ROWS = 20
+
+#: What may hold a type's due jobs back now, in the order :func:`held_back` reports them.
+PAUSED, THROTTLE, GLOBAL, RATE, TENANT = "paused", "throttle", "global", "rate", "tenant"
+
+
+@dataclass(frozen=True)
+class Held:
+    """What holds a type's due jobs back now: the limits with no room, and how many jobs.
+
+    ``tenants`` are the listed tenants with due jobs whose own limit has no room.
+    """
+
+    reasons: tuple[str, ...] = ()
+    jobs: int = 0
+    tenants: tuple[str, ...] = ()
+
+
+def held_back(
+    limits: FlowLimits | None,
+    state: FlowState | None,
+    pause: PauseRow | None = None,
+    tenants: Sequence[TenantFlow] = (),
+    tenant_tokens: Mapping[str, float] | None = None,
+    *,
+    now: datetime,
+) -> Held:
+    """Which limits hold due jobs of one type back now, and how many of them.
+
+    A pause or a throttle in force, the type at its global limit, or its bucket without a
+    whole token holds back every due job; otherwise the listed tenants with due jobs at their
+    tenant limit or without a token in their bucket hold back theirs (a floor when the type
+    has more tenants than are listed). Nothing is held back while nothing is due.
+    """
+    if state is None or state.due <= 0:
+        return Held()
+    reasons: list[str] = []
+    if pause is not None and (pause.until is None or pause.until > now):
+        reasons.append(PAUSED if pause.until is None else THROTTLE)
+    if limits is not None:
+        if limits.global_concurrency is not None and state.running >= limits.global_concurrency:
+            reasons.append(GLOBAL)
+        if limits.rate is not None and state.tokens is not None and state.tokens < 1:
+            reasons.append(RATE)
+    full = tuple(t.tenant for t in tenants if tenant_full(limits, t, tenant_tokens))
+    if reasons:  # every due job waits, whatever its tenant
+        return Held((*reasons, *([TENANT] if full else [])), state.due, full)
+    if full:
+        waiting = sum(t.due for t in tenants if t.tenant in full)
+        return Held((TENANT,), min(state.due, waiting), full)
+    return Held()
+
+
+def tenant_full(
+    limits: FlowLimits | None, tenant: TenantFlow, tokens: Mapping[str, float] | None = None
+) -> bool:
+    """The tenant has due jobs and its own limit (concurrency or bucket) has no room."""
+    if limits is None or tenant.due <= 0:
+        return False
+    cap = limits.tenant_concurrency
+    if cap is not None and tenant.running >= cap:
+        return True
+    left = (tokens or {}).get(tenant.tenant)
+    return limits.tenant_rate is not None and left is not None and left < 1
 
 
 class Gauges:
     """Counts the backlog and reads the jobs table's health; exports both as gauges."""
 
-    def __init__(self, names: Collection[str], *, using: str = DEFAULT_DB_ALIAS) -> None:
+    def __init__(
+        self,
+        names: Collection[str],
+        *,
+        limits: Mapping[str, FlowLimits] | None = None,
+        using: str = DEFAULT_DB_ALIAS,
+    ) -> None:
+        """``limits``: the flow controls of the types that have them (default: the registry's
+        for ``names``)."""
         self.names = frozenset(names)
+        self.limits = dict(_registered_limits(self.names) if limits is None else limits)
         self.using = using
         self._unsupported_total = 0
         self._backlog_labels: set[tuple[str, str]] = set()
         self._index_labels: set[tuple[str, str]] = set()
+        self._flow_labels: set[str] = set()
 
     def run_once(self, now: datetime | None = None) -> Counter[str]:
         """Refresh every gauge at ``now`` (default: database clock); counts types and errors."""
         now = now or database_now(self.using)
         counts: Counter[str] = Counter()
         self._part(counts, "the backlog count", lambda: self._backlog(now, counts))
+        self._part(counts, "the flow read", lambda: self._flow(now, counts))
         self._part(counts, "the table health read", lambda: self._health(counts))
         return counts
 
@@ -65,6 +154,7 @@ class Gauges:
             gauge.clear()
         self._backlog_labels.clear()
         self._index_labels.clear()
+        self._flow_labels.clear()
         self._unsupported_total = 0
 
     def _part(self, counts: Counter[str], what: str, run: Callable[[], None]) -> None:
@@ -128,6 +218,42 @@ class Gauges:
             )
         self._unsupported_total = total
 
+    def _flow(self, now: datetime, counts: Counter[str]) -> None:
+        """Each flow-controlled or throttled type's running jobs, limit, tokens, throttle and
+        held-back due jobs; types that no longer have any are withdrawn."""
+        pauses = {
+            p.value: p for p in queue.paused(using=self.using) if p.kind == PauseKind.JOB_TYPE
+        }
+        throttled = {name for name, p in pauses.items() if p.until is not None}
+        names = set(self.limits) | throttled
+        none = FlowLimits()
+        states = flow.state({n: self.limits.get(n, none) for n in names}, using=self.using)
+        for name in sorted(names):
+            limits, state, pause = self.limits.get(name), states.get(name), pauses.get(name)
+            tenants: list[TenantFlow] = []
+            tokens: dict[str, float] = {}
+            if limits is not None and limits.tenant_ordered and state is not None and state.due:
+                tenants = flow.tenant_backlog(name, limit=TENANT_ROWS, using=self.using)
+                if limits.tenant_rate is not None:
+                    tokens = flow.tenant_tokens(
+                        name, [t.tenant for t in tenants], limits, using=self.using
+                    )
+            held = held_back(limits, state, pause, tenants, tokens, now=now)
+            metrics.flow_running.labels(name).set(state.running if state else 0)
+            metrics.flow_limited.labels(name).set(held.jobs)
+            if limits is not None and limits.global_concurrency is not None:
+                metrics.flow_limit.labels(name).set(limits.global_concurrency)
+            if state is not None and state.tokens is not None:
+                metrics.flow_tokens.labels(name).set(max(0.0, state.tokens))
+            until = pause.until if pause is not None else None
+            left = (until - now).total_seconds() if until is not None else 0.0
+            metrics.flow_throttled.labels(name).set(max(0.0, left))
+        for name in self._flow_labels - names:
+            for gauge in FLOW_GAUGES:
+                _remove(gauge, name)
+        self._flow_labels = names
+        counts["flow"] = len(names)
+
     def _health(self, counts: Counter[str]) -> None:
         indexes: set[tuple[str, str]] = set()
         for table in TABLES:
@@ -152,3 +278,30 @@ class Gauges:
 
 def _timestamp(moment: datetime | None) -> float:
     return moment.timestamp() if moment else 0.0
+
+
+#: The per-type flow gauges, withdrawn together for a type that no longer has flow control.
+FLOW_GAUGES = (
+    metrics.flow_running,
+    metrics.flow_limit,
+    metrics.flow_limited,
+    metrics.flow_tokens,
+    metrics.flow_throttled,
+)
+
+
+def _remove(gauge: Gauge, name: str) -> None:
+    """Drop one type's series of a gauge, whether it had one or not."""
+    with contextlib.suppress(KeyError):
+        gauge.remove(name)
+
+
+def _registered_limits(names: Collection[str]) -> dict[str, FlowLimits]:
+    """The flow controls of the registered types among ``names``."""
+    registry = get_registry()
+    found = {}
+    for name in names:
+        job_type = registry.get(name)
+        if job_type is not None and (limits := flow.limits_of(job_type.policy)) is not None:
+            found[name] = limits
+    return found
