@@ -66,14 +66,27 @@ def record_and_claim(
     report and the claimed jobs are what :func:`~jobs.queue.record` and
     :func:`~jobs.queue.claim` would return; ``count`` is :func:`~jobs.queue.record`'s.
     """
-    flows = {"limits": limits, "after": after}
     if not outcomes:  # a claim-only pass (an idle worker's pickup): no outcome CTEs to plan
         jobs = claim(
-            requests, scope=scope, limit=limit, lease=lease, worker=worker, using=using, **flows
+            requests,
+            scope=scope,
+            limit=limit,
+            lease=lease,
+            worker=worker,
+            using=using,
+            limits=limits,
+            after=after,
         )
         return OutcomeReport((), ()), jobs
     parts = claim_parts(
-        requests, scope=scope, limit=limit, lease=lease, worker=worker, using=using, **flows
+        requests,
+        scope=scope,
+        limit=limit,
+        lease=lease,
+        worker=worker,
+        using=using,
+        limits=limits,
+        after=after,
     )
     if parts is None:
         return record(outcomes, count=count, using=using), []
