@@ -161,6 +161,9 @@ class Policy:
     rate_limit: Rate | None = None
     tenant_rate_limit: Rate | None = None
     fair: bool = False
+    # Of each claim of the type, this share (0 < share < 1) goes first to due jobs below its
+    # highest due priority, so a steady stream of high-priority jobs cannot starve the rest.
+    lower_priority_share: float | None = None
 
     if TYPE_CHECKING:
         # __post_init__ normalizes durations and exception classes, so the constructor takes
@@ -230,6 +233,14 @@ class Policy:
                 problems.append(f"{name} must be a jobs.Rate or None, got {value!r}")
         if not isinstance(self.fair, bool):
             problems.append(f"fair must be True or False, got {self.fair!r}")
+        share = self.lower_priority_share
+        if share is not None and not (
+            isinstance(share, int | float) and not isinstance(share, bool) and 0 < share < 1
+        ):
+            problems.append(
+                f"lower_priority_share must be a fraction between 0 and 1 (exclusive), got "
+                f"{share!r}"
+            )
         return problems
 
     @property
@@ -292,6 +303,7 @@ class PolicyOptions(TypedDict, total=False):
     rate_limit: Rate | None
     tenant_rate_limit: Rate | None
     fair: bool
+    lower_priority_share: float | None
 
 
 def classify(policy: Policy, exc: BaseException) -> Classification:

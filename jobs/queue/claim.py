@@ -136,21 +136,51 @@ _CAPPED_BRANCH = """
         ) t WHERE w.ordered AND (w.tcap IS NOT NULL OR w.trate IS NOT NULL)"""
 
 
+_RESERVED_BRANCH = """
+        (SELECT r.id FROM ({reserved}
+        ) r WHERE NOT w.ordered
+        LIMIT w.lim)"""
+
+
 def _flow_ctes(due: str, tenant_rows: str, flows: flow.FlowForm) -> str:
+    def narrowed(extra: str) -> str:  # the due rows, with one more condition
+        return due.replace("\n  AND j.name = w.name", "\n  AND j.name = w.name" + extra)
+
+    low = flow.LOW.replace("{due}", narrowed(flow.BELOW_TOP))
     branches = []
-    if flows.plain:
+    if flows.plain and flows.reserved:
+        # The kept places first, then the plain order past them.
+        reserved = (
+            "\nWITH RECURSIVE "
+            + flow.TOP_LEVEL
+            + low.rstrip().rstrip(",")
+            + "\n"
+            + flow.LOW_ROWS
+            + "SELECT p.id FROM ("
+            + narrowed(flow.NOT_LOW)
+            + "\n) p"
+        )
+        branches.append(_RESERVED_BRANCH.replace("{reserved}", reserved))
+    elif flows.plain:
         branches.append(_PLAIN_BRANCH.replace("{due}", due))
     if flows.tiered:
-        below = due.replace("\n  AND j.name = w.name", "\n  AND j.name = w.name" + flow.BELOW_TOP)
-        fill = flow.FILL.replace("{due}", below)
+        fill = flow.FILL.replace("{due}", narrowed(flow.BELOW_TOP + flow.NOT_LOW))
         rows = (
-            tenant_rows.replace("{top}", flow.TOP_LEVEL)
+            tenant_rows.replace("{top}", flow.TOP_LEVEL + low)
+            .replace("{budget}", flow.LOW_BUDGET)
             .replace("{level}", flow.TOP_LEVEL_ROWS)
+            .replace("{low_rows}", flow.LOW_ROWS)
             .replace("{fill}", fill)
         )
         branches.append(_TIERED_BRANCH.replace("{tenant_rows}", rows))
     if flows.capped:
-        rows = tenant_rows.replace("{top}", "").replace("{level}", "").replace("{fill}", "")
+        rows = (
+            tenant_rows.replace("{top}", "")
+            .replace("{budget}", "w.lim")
+            .replace("{level}", "")
+            .replace("{low_rows}", "")
+            .replace("{fill}", "")
+        )
         branches.append(_CAPPED_BRANCH.replace("{tenant_rows}", rows))
     return (
         pauses.PAUSED_CTE

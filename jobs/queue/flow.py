@@ -53,6 +53,7 @@ class FlowLimits:
     tenant_rate: float | None = None
     tenant_burst: float | None = None
     fair: bool = False
+    lower_share: float | None = None  # of each claim, kept for jobs below the top class
 
     @property
     def gated(self) -> bool:
@@ -87,8 +88,10 @@ def limits_of(policy: object) -> FlowLimits | None:
         tenant_rate=None if tenant_rate is None else tenant_rate.per_second,
         tenant_burst=None if tenant_rate is None else float(tenant_rate.capacity),
         fair=bool(getattr(policy, "fair", False)),
+        lower_share=getattr(policy, "lower_priority_share", None),
     )
-    return limits if limits.gated or limits.tenant_ordered else None
+    controlled = limits.gated or limits.tenant_ordered or limits.lower_share is not None
+    return limits if controlled else None
 
 
 def ensure(limits: Mapping[str, FlowLimits], *, using: str = DEFAULT_DB_ALIAS) -> None:
@@ -160,6 +163,7 @@ def request_params(
         "gated": [f.gated for f in rows],
         "ordered": [f.tenant_ordered for f in rows],
         "afters": [after.get(r.name, "") for r in requests],
+        "lshares": [f.lower_share for f in rows],
     }
 
 
@@ -172,6 +176,7 @@ class FlowForm:
     tiered: bool  # some name is fair with no tenant limit (fair within its top class)
     capped: bool  # some name is tenant-ordered with a tenant limit
     tenant_rated: bool  # some name has a tenant rate limit
+    reserved: bool  # some name claimed in the plain order keeps a share for lower classes
 
 
 def form(
@@ -189,6 +194,9 @@ def form(
         tiered=any(f is not None and f.tiered for f in asked),
         capped=any(f is not None and f.tenant_ordered and not f.tiered for f in asked),
         tenant_rated=any(f is not None and f.tenant_rate is not None for f in asked),
+        reserved=any(
+            f is not None and not f.tenant_ordered and f.lower_share is not None for f in asked
+        ),
     )
 
 
@@ -198,9 +206,10 @@ wanted AS (
     SELECT * FROM unnest(
         %(names)b::text[], %(limits)b::int[], %(caps)b::int[], %(gcaps)b::int[],
         %(tcaps)b::int[], %(rates)b::float8[], %(bursts)b::float8[], %(trates)b::float8[],
-        %(tbursts)b::float8[], %(gated)b::bool[], %(ordered)b::bool[], %(afters)b::text[]
+        %(tbursts)b::float8[], %(gated)b::bool[], %(ordered)b::bool[], %(afters)b::text[],
+        %(lshares)b::float8[]
     ) WITH ORDINALITY AS w(name, asked, cap, gcap, tcap, rate, burst, trate, tburst, gated,
-                           ordered, after, ord)
+                           ordered, after, lshare, ord)
     WHERE {paused_names}
 )"""
 
@@ -217,7 +226,7 @@ gate AS MATERIALIZED (
     FOR UPDATE OF f SKIP LOCKED
 ),
 room AS MATERIALIZED (
-    SELECT w.name, w.cap, w.ord, w.tcap, w.trate, w.tburst, w.ordered, w.after,
+    SELECT w.name, w.cap, w.ord, w.tcap, w.trate, w.tburst, w.ordered, w.after, w.lshare,
         CASE WHEN NOT w.gated THEN w.asked
              WHEN g.name IS NULL THEN 0
              ELSE GREATEST(0, LEAST(
@@ -233,7 +242,8 @@ room AS MATERIALIZED (
 # No name takes a gate: each name's room is what it asks.
 NO_GATE = """
 room AS MATERIALIZED (
-    SELECT w.name, w.cap, w.ord, w.tcap, w.trate, w.tburst, w.ordered, w.after, w.asked AS lim
+    SELECT w.name, w.cap, w.ord, w.tcap, w.trate, w.tburst, w.ordered, w.after, w.lshare,
+        w.asked AS lim
     FROM wanted w
 )"""
 
@@ -254,7 +264,8 @@ AVAIL = """LEAST(t.room, (
 # pulled.
 TENANT_ROWS = (
     """
-WITH RECURSIVE {top}ahead(tenant) AS (
+WITH RECURSIVE {top}budget AS MATERIALIZED (SELECT {budget} AS n),
+ahead(tenant) AS (
     (SELECT j.tenant FROM jobs_job j
      WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant > w.after
      ORDER BY j.tenant LIMIT 1)
@@ -289,7 +300,7 @@ tenants AS MATERIALIZED (
             COALESCE((SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = c.tenant), 1)
                 AS weight,
             GREATEST(0, LEAST(
-                w.lim,
+                (SELECT n FROM budget),
                 w.tcap - COALESCE((SELECT b.n FROM busy b WHERE b.tenant = c.tenant), 0),
                 COALESCE((SELECT floor(LEAST(w.tburst, tb.tokens + w.trate * """
     + _SINCE.format("tb.refilled_at")
@@ -303,24 +314,25 @@ tenants AS MATERIALIZED (
         WHERE c.tenant || '' <> ALL((SELECT tenants FROM paused)::text[])
     ) t
     WHERE t.room > 0
-    LIMIT GREATEST(w.lim, 1)
+    LIMIT GREATEST((SELECT n FROM budget), 1)
 ),
 -- Round one: each tenant's weighted part of the claim (whole jobs, the remainder one each
 -- to the first tenants in cursor order), up to what it can take.
 round_one AS (
     SELECT tenant, avail, weight, row_number() OVER (ORDER BY pass, tenant) AS pos,
-        floor(w.lim * weight::float8 / sum(weight) OVER ())::int AS part
-    FROM tenants
+        floor((SELECT n FROM budget) * weight::float8 / sum(weight) OVER ())::int AS part
+    FROM tenants WHERE avail > 0  -- a tenant with nothing due here takes no part
 ),
 taken AS (
     SELECT tenant, avail, weight, pos,
-        LEAST(avail, part + (pos <= w.lim - sum(part) OVER ())::int) AS got
+        LEAST(avail, part + (pos <= (SELECT n FROM budget) - sum(part) OVER ())::int) AS got
     FROM round_one
 ),
 -- Round two: what the tenants left is shared the same way among those with jobs to spare.
 round_two AS (
-    SELECT tenant, avail, pos, got, w.lim - sum(got) OVER () AS spare,
-        CASE WHEN avail > got THEN floor((w.lim - sum(got) OVER ()) * weight::float8
+    SELECT tenant, avail, pos, got, (SELECT n FROM budget) - sum(got) OVER () AS spare,
+        CASE WHEN avail > got
+            THEN floor(((SELECT n FROM budget) - sum(got) OVER ()) * weight::float8
             / NULLIF(sum(weight) FILTER (WHERE avail > got) OVER (), 0))::int END AS part,
         row_number() OVER (PARTITION BY avail > got ORDER BY pos) AS upos
     FROM taken
@@ -346,15 +358,17 @@ CROSS JOIN LATERAL (
 ) due
 WHERE s.share > 0
 )
-SELECT id FROM fair_rows{fill}
+{low_rows}SELECT id FROM fair_rows{fill}
 """
 )
 
 
 # A fair type without tenant limits is fair within its highest priority that has due jobs:
 # a higher class is served first, and the claim's room its tenants leave is filled in the
-# plain order from the classes below. The priorities with queued rows are walked as the
-# claim's walk does, one hop each, down to the first with a due row.
+# plain order from the classes below. A type with ``lower_priority_share`` keeps that share
+# of each claim for the due jobs below the top class first (:data:`LOW`). The priorities
+# with queued rows are walked as the claim's walk does, one hop each, down to the first
+# with a due row.
 TOP_LEVEL = """levels(priority) AS (
     (SELECT j.priority FROM jobs_job j WHERE j.state = 'queued' AND j.name = w.name
      ORDER BY j.priority DESC LIMIT 1)
@@ -373,6 +387,25 @@ top AS MATERIALIZED (
     LIMIT 1
 ),
 """
+#: Of a claim (``w.lim``) with a share for lower classes, the places kept for them: whole
+#: places and, for the fraction, one more that often, so small claims keep the share too.
+RESERVE = "floor(w.lim * COALESCE(w.lshare, 0) + random())::int"
+#: The kept places' jobs: the due rows below the top class, up to the reserve (``{due}``).
+LOW = (
+    """reserve AS MATERIALIZED (SELECT """
+    + RESERVE
+    + """ AS n),
+low AS MATERIALIZED (
+    SELECT b.id FROM ({due}
+    ) b
+    LIMIT (SELECT n FROM reserve)
+),
+"""
+)
+#: A tenant-ordered claim's budget after the kept places.
+LOW_BUDGET = "w.lim - (SELECT count(*) FROM low)::int"
+LOW_ROWS = "SELECT id FROM low\nUNION ALL\n"
+NOT_LOW = "\n  AND j.id <> ALL(ARRAY(SELECT id FROM low))"
 TOP_LEVEL_ROWS = "\n              AND j.priority = (SELECT priority FROM top)"
 #: The plain due rows below the top class (the claim's due-rows text, ``{due}``).
 FILL = """

@@ -102,7 +102,7 @@ backlogs = st.dictionaries(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 def test_any_tenant_backlog_is_claimed_within_limits_and_in_fair_shares(
-    backlog, asked, tcap, gcap, after
+    claim_form, backlog, asked, tcap, gcap, after
 ):
     limits = FlowLimits(fair=True, tenant_concurrency=tcap, global_concurrency=gcap)
     with transaction.atomic():
@@ -293,7 +293,7 @@ def test_concurrent_claimers_never_run_more_than_the_global_limit():
     assert max(peaks) >= 2  # the claimers did overlap
 
 
-def test_a_fair_type_serves_its_highest_class_first_and_fills_from_the_classes_below():
+def test_a_fair_type_serves_its_highest_class_first_and_fills_from_the_classes_below(claim_form):
     limits = FlowLimits(fair=True)
     flow.ensure({NAME: limits})
     queue.enqueue_many([NewJob(NAME, {}, tenant="a", priority=5) for _ in range(3)])
@@ -316,3 +316,44 @@ def test_with_a_tenant_limit_a_capped_tenants_high_class_does_not_hold_back_the_
     enqueue("b", 3)
 
     assert sorted((job.tenant, job.priority) for job in take(limits)) == [("a", 5), ("b", 0)]
+
+
+def test_a_share_for_lower_classes_goes_to_them_first_in_every_claim(claim_form):
+    limits = FlowLimits(lower_share=0.25)
+    flow.ensure({NAME: limits})
+    queue.enqueue_many([NewJob(NAME, {}, tenant="a", priority=5) for _ in range(40)])
+    enqueue("a", 40)
+
+    claimed = take(limits, asked=8)
+
+    assert [job.priority for job in claimed].count(0) == 2  # a quarter of 8
+    assert [job.priority for job in claimed].count(5) == 6  # the rest highest first
+
+
+def test_small_claims_keep_the_lower_share_on_average():
+    limits = FlowLimits(lower_share=0.25)
+    queue.enqueue_many([NewJob(NAME, {}, priority=5) for _ in range(200)])
+    enqueue("a", 200)
+
+    low = sum(job.priority == 0 for _ in range(200) for job in take(limits, asked=1))
+
+    assert 25 <= low <= 75  # about 50 of 200 claims of one job (binomial, p = 0.25)
+
+
+def test_the_lower_share_yields_to_the_top_class_when_nothing_below_is_due():
+    limits = FlowLimits(lower_share=0.5)
+    queue.enqueue_many([NewJob(NAME, {}, priority=5) for _ in range(10)])
+
+    assert len(take(limits, asked=6)) == 6
+
+
+def test_a_fair_type_keeps_the_lower_share_too(claim_form):
+    limits = FlowLimits(fair=True, lower_share=0.5)
+    flow.ensure({NAME: limits})
+    queue.enqueue_many([NewJob(NAME, {}, tenant="a", priority=5) for _ in range(20)])
+    queue.enqueue_many([NewJob(NAME, {}, tenant="b", priority=5) for _ in range(20)])
+    enqueue("c", 20)
+
+    got = Counter((job.tenant, job.priority) for job in take(limits, asked=8))
+
+    assert got == {("c", 0): 4, ("a", 5): 2, ("b", 5): 2}
