@@ -5,7 +5,12 @@
 - ``bench.append.v1``: one ``O_APPEND`` write of a line to the file named by
   ``BENCH_APPEND_FILE`` (the side-by-side benchmark's job: the same work for every queue);
 - ``bench.sleep.v1`` / ``bench.asleep.v1``: wait ``ms`` milliseconds, in ``time.sleep`` and in
-  an ``async def`` handler awaiting ``asyncio.sleep`` (handlers that wait on I/O).
+  an ``async def`` handler awaiting ``asyncio.sleep`` (handlers that wait on I/O);
+- ``bench.tenants.v1`` / ``bench.fair.v1``: do nothing, the second with ``fair=True``
+  (bench/fairness.py);
+- ``bench.gated.v1``: ``global_concurrency`` set, counts itself in and out of a table while it
+  waits ``ms`` milliseconds; ``bench.rated.v1``: does nothing, ``rate_limit`` set
+  (bench/flow.py).
 
 Every handler returns ``time.time()`` taken as they start, which the worker stores as the job's
 result, so the latency benchmark can compare the handler's start with the producer's commit
@@ -20,7 +25,7 @@ import time
 
 from django.db import connection
 
-from jobs import JobContext, Payload, job
+from jobs import JobContext, Payload, Rate, job
 
 
 class Noop(Payload, name="bench.noop.v1"):
@@ -85,3 +90,77 @@ async def asleep(payload: AsyncSleep, ctx: JobContext) -> float:
     started = time.time()
     await asyncio.sleep(payload.ms / 1000)
     return started
+
+
+# Flow control (bench/fairness.py, bench/flow.py). Two no-op types that differ only in
+# ``fair``, so that a run with fairness off and one with it on drain the same work. The limits
+# of the gated and rated types come from the environment (the scripts set it for themselves
+# and their workers alike): ``BENCH_GLOBAL_CONCURRENCY`` (default 10) and ``BENCH_RATE``
+# (starts per second, default 50).
+
+
+class Tenants(Payload, name="bench.tenants.v1"):
+    n: int = 0
+
+
+class Fair(Payload, name="bench.fair.v1"):
+    n: int = 0
+
+
+@job(Tenants, concurrency=100, timeout=60, max_attempts=3)
+def tenants(payload: Tenants, ctx: JobContext) -> float:
+    return time.time()
+
+
+@job(Fair, concurrency=100, timeout=60, max_attempts=3, fair=True)
+def fair(payload: Fair, ctx: JobContext) -> float:
+    return time.time()
+
+
+#: The table the gated handler counts itself in (created by bench/flow.py): one row per
+#: type, ``cur`` handlers inside now and ``peak`` the most ever seen inside at once.
+GAUGE_TABLE = "bench_flow_gauge"
+
+
+class Gated(Payload, name="bench.gated.v1"):
+    n: int = 0
+    ms: int = 20
+
+
+@job(
+    Gated,
+    timeout=60,
+    max_attempts=3,
+    global_concurrency=int(os.environ.get("BENCH_GLOBAL_CONCURRENCY", "10")),
+)
+def gated(payload: Gated, ctx: JobContext) -> float:
+    """Count itself in on entry and out on exit, each in its own autocommit statement on
+    Django's connection, and wait ``ms`` in between: the gauge's peak is the most handlers
+    of the type that were ever inside at once, across every worker."""
+    started = time.time()
+    with connection.cursor() as cur:
+        cur.execute(
+            f"UPDATE {GAUGE_TABLE} SET cur = cur + 1, peak = GREATEST(peak, cur + 1) "
+            "WHERE name = %s",
+            [Gated.job_name],
+        )
+        try:
+            time.sleep(payload.ms / 1000)
+        finally:
+            cur.execute(f"UPDATE {GAUGE_TABLE} SET cur = cur - 1 WHERE name = %s", [Gated.job_name])
+    return started
+
+
+class Rated(Payload, name="bench.rated.v1"):
+    n: int = 0
+
+
+@job(
+    Rated,
+    concurrency=100,
+    timeout=60,
+    max_attempts=3,
+    rate_limit=Rate(int(os.environ.get("BENCH_RATE", "50")), per=1),
+)
+def rated(payload: Rated, ctx: JobContext) -> float:
+    return time.time()
