@@ -162,6 +162,7 @@ def _type_row(
         "tenant_rate": _rate(policy.tenant_rate_limit if policy else None),
         "tokens": None if bucket is None else f"{max(0.0, bucket):.1f}",
         "fair": bool(limits is not None and limits.fair),
+        "lower_share": _percent(limits.lower_share if limits is not None else None),
         "due": state.due if state is not None else 0,
         "held": held.jobs,
         "limiting": [{"key": key, "text": REASONS[key]} for key in held.reasons],
@@ -218,6 +219,11 @@ def _weighted(tenants: set[str]) -> set[str]:
     if not tenants:
         return set()
     return set(TenantWeight.objects.filter(tenant__in=tenants).values_list("tenant", flat=True))
+
+
+def _percent(share: float | None) -> str:
+    """``20 %`` for 0.2, or "" for none."""
+    return "" if share is None else f"{share:.0%}"
 
 
 def _rate(rate: Rate | None) -> str:

@@ -227,6 +227,19 @@ def test_nothing_to_show_says_so(monkeypatch):
     assert 'id="flow-none"' in markup
 
 
+def test_a_share_kept_for_lower_priorities_is_said(monkeypatch):
+    class LowerV1(Payload, name="flowpage.lower.v1"):
+        n: int = 0
+
+    registry = Registry([JobType(LowerV1, handler, Policy(lower_priority_share=0.2))])
+    monkeypatch.setattr(page, "get_registry", lambda: registry)
+
+    markup = client_for(operator("viewer", "jobs.view_job")).get(PAGE).content.decode()
+
+    assert rows(markup)["flowpage.lower.v1"]["data-limiting"] == ""
+    assert "lower priorities keep 20% of each claim" in markup
+
+
 def test_an_ended_throttle_is_no_longer_shown(registry):
     flow.ensure(limits_of(registry))
     queue.throttle(PLAIN, 0.0, reason="over already")
