@@ -21,7 +21,7 @@ from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
-from django.db.models import F, QuerySet
+from django.db.models import F, Q, QuerySet
 from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -98,7 +98,7 @@ class PauseForm(forms.Form):
 class PauseAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     """The pauses list; pause (the add page) and resume (per row, or selected) confirm first."""
 
-    list_display = ("kind", "name", "since", "paused_by", "reason", "resume_button")
+    list_display = ("kind", "name", "since", "ends", "paused_by", "reason", "resume_button")
     list_display_links = None
     list_filter = ("kind",)
     ordering = ("paused_at", "pk")
@@ -106,8 +106,14 @@ class PauseAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     change_list_template = "admin/jobs/pause/change_list.html"
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Pause]:
-        # The age by PostgreSQL's clock, which stamped paused_at.
-        rows: QuerySet[Pause] = super().get_queryset(request).annotate(age=Now() - F("paused_at"))
+        # The age by PostgreSQL's clock, which stamped paused_at. A throttle's timed pause
+        # that has ended holds nothing any more: it is not listed.
+        rows: QuerySet[Pause] = (
+            super()
+            .get_queryset(request)
+            .filter(Q(until__isnull=True) | Q(until__gt=Now()))
+            .annotate(age=Now() - F("paused_at"))
+        )
         return with_now(rows)
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
@@ -138,6 +144,13 @@ class PauseAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     @admin.display(description=_("since"), ordering="paused_at")
     def since(self, obj: Pause) -> str:
         return moment(obj.paused_at, now_of(obj))
+
+    @admin.display(description=_("ends"), ordering="until")
+    def ends(self, obj: Pause) -> str:
+        """A throttle's pause ends by itself; any other lasts until resumed."""
+        if obj.until is None:
+            return gettext("when resumed")
+        return moment(obj.until, now_of(obj))
 
     def get_list_display(self, request: HttpRequest) -> Any:
         shown = super().get_list_display(request)

@@ -464,6 +464,11 @@ def next_cursor(after: str, tenants: Iterable[str]) -> str:
     return max(wrapped) if wrapped else max(tenants)
 
 
+#: The console's and the gauges' counts of due jobs read at most this many rows per type:
+#: beyond it a count is a floor (the claim itself never counts a backlog).
+COUNT_CAP = 10_000
+
+
 @dataclass(frozen=True, slots=True)
 class FlowState:
     """A type's flow right now: running jobs, bucket tokens, due jobs (for the console)."""
@@ -490,16 +495,18 @@ def state(
             SELECT w.name,
                 (SELECT count(*) FROM jobs_job r
                  WHERE r.state = 'running' AND r.name = w.name)::int,
-                (SELECT count(*) FROM jobs_job q
-                 WHERE q.state = 'queued' AND q.name = w.name
-                   AND q.run_after <= statement_timestamp())::int,
+                (SELECT count(*) FROM (
+                    SELECT 1 FROM jobs_job q
+                    WHERE q.state = 'queued' AND q.name = w.name
+                      AND q.run_after <= statement_timestamp()
+                    LIMIT %(cap)s) due)::int,
                 LEAST(w.burst, f.tokens + w.rate * {_SINCE.format("f.refilled_at")}),
                 f.refilled_at
             FROM unnest(%(names)b::text[], %(rates)b::float8[], %(bursts)b::float8[])
                 AS w(name, rate, burst)
             LEFT JOIN jobs_flow f ON f.name = w.name
             """,
-            {"names": names, "rates": rates, "bursts": bursts},
+            {"names": names, "rates": rates, "bursts": bursts, "cap": COUNT_CAP},
         )
         rows = cur.fetchall()
     return {
@@ -523,16 +530,21 @@ class TenantFlow:
 def tenant_backlog(
     name: str, *, limit: int = 20, using: str = DEFAULT_DB_ALIAS
 ) -> list[TenantFlow]:
-    """The tenants of a tenant-ordered type with the most due jobs (counts of queued rows in
-    the per-tenant index, one group per tenant), with their running jobs and weights."""
+    """The tenants of a tenant-ordered type with the most due jobs, with their running jobs
+    and weights. Due jobs are counted among the first :data:`COUNT_CAP` in claim order, so
+    the read stays bounded on a deep backlog (a tenant's count is then a floor)."""
     with _db.bound_cursor(using) as cur:
         cur.execute(
             """
             WITH due AS (
-                SELECT j.tenant, count(*)::int AS n FROM jobs_job j
-                WHERE j.state = 'queued' AND j.fair AND j.name = %(name)s
-                  AND j.run_after <= statement_timestamp()
-                GROUP BY j.tenant
+                SELECT d.tenant, count(*)::int AS n FROM (
+                    SELECT j.tenant FROM jobs_job j
+                    WHERE j.state = 'queued' AND j.name = %(name)s
+                      AND j.run_after <= statement_timestamp()
+                    ORDER BY j.priority DESC, j.run_after, j.id
+                    LIMIT %(cap)s
+                ) d
+                GROUP BY d.tenant
             ),
             running AS (
                 SELECT r.tenant, count(*)::int AS n FROM jobs_job r
@@ -547,7 +559,7 @@ def tenant_backlog(
             ORDER BY COALESCE(d.n, 0) DESC, COALESCE(r.n, 0) DESC, t.tenant
             LIMIT %(limit)s
             """,
-            {"name": name, "limit": limit},
+            {"name": name, "limit": limit, "cap": COUNT_CAP},
         )
         return [TenantFlow(*row) for row in cur.fetchall()]
 

@@ -399,3 +399,18 @@ class TestAttempts:
 
         assert page.count("<tbody data-attempt=") == 3
         assert 'id="cancel-job"' not in page
+
+
+def test_the_pauses_list_shows_a_throttles_end_and_not_a_throttle_that_ended(pauser):
+    queue.throttle(TYPE, 120, reason="upstream said 429")
+    queue.throttle("jobapp.other.v1", 60)
+    Pause.objects.filter(value="jobapp.other.v1").update(
+        until=database_now() - timedelta(seconds=1)
+    )
+    seed_pause("queue", "held")
+
+    page = pauser.get(PAUSES).content.decode()
+
+    assert TYPE in page and "upstream said 429" in page and "in 1 min" in page
+    assert "jobapp.other.v1" not in page
+    assert "when resumed" in page  # the operator's pause of the queue
