@@ -142,17 +142,19 @@ _RESERVED_BRANCH = """
         LIMIT w.lim)"""
 
 
-def _flow_ctes(due: str, tenant_rows: str, flows: flow.FlowForm) -> str:
+def _flow_ctes(due: str, tenant_rows: str, flows: flow.FlowForm, scope: Scope) -> str:
     def narrowed(extra: str) -> str:  # the due rows, with one more condition
         return due.replace("\n  AND j.name = w.name", "\n  AND j.name = w.name" + extra)
 
+    scope_sql, _ = scope.sql("j")
+    top_level = flow.TOP_LEVEL.replace("{scope}", scope_sql).replace("{paused}", pauses.PAUSED_ROWS)
     low = flow.LOW.replace("{due}", narrowed(flow.BELOW_TOP))
     branches = []
     if flows.plain and flows.reserved:
         # The kept places first, then the plain order past them.
         reserved = (
             "\nWITH RECURSIVE "
-            + flow.TOP_LEVEL
+            + top_level
             + low.rstrip().rstrip(",")
             + "\n"
             + flow.LOW_ROWS
@@ -166,7 +168,7 @@ def _flow_ctes(due: str, tenant_rows: str, flows: flow.FlowForm) -> str:
     if flows.tiered:
         fill = flow.FILL.replace("{due}", narrowed(flow.BELOW_TOP + flow.NOT_LOW))
         rows = (
-            tenant_rows.replace("{top}", flow.TOP_LEVEL + low)
+            tenant_rows.replace("{top}", top_level + low)
             .replace("{budget}", flow.LOW_BUDGET)
             .replace("{level}", flow.TOP_LEVEL_ROWS)
             .replace("{low_rows}", flow.LOW_ROWS)
@@ -213,10 +215,12 @@ def _claim_ctes(
     due = (_DUE_WALK if walk else _DUE_SCAN).format(scope=scope_sql, paused=pauses.PAUSED_ROWS)
     if flows is None:
         return _CLAIM_CTES.replace("{due}", due), scope_params
-    tenant_rows = flow.TENANT_ROWS.replace("{scope}", scope_sql).replace(
-        "{paused}", pauses.PAUSED_ROWS
+    tenant_rows = (
+        flow.TENANT_ROWS.replace("{scope}", scope_sql)
+        .replace("{paused}", pauses.PAUSED_ROWS)
+        .replace("{tenant_scope}", scope.sql("c")[0])
     )
-    return _flow_ctes(due, tenant_rows, flows), scope_params
+    return _flow_ctes(due, tenant_rows, flows, scope), scope_params
 
 
 def flow_sql(

@@ -255,12 +255,14 @@ AVAIL = """LEAST(t.room, (
             WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant = t.tenant{level}
               AND j.run_after <= statement_timestamp()
               AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
+              AND {scope}
+              AND {paused}
             LIMIT LEAST(t.room, w.lim)) due)::int)"""
 
 # A tenant-ordered name's due rows (``w`` is its room row): the tenants with queued rows,
 # after the worker's cursor and then from the start, one index hop each and only as many as
 # the claim may use; each one's room and due rows (counted up to the claim's limit, unlocked);
-# two rounds of weighted shares; then each tenant's share of rows in cursor order, locked as
+# weighted max-min fair shares; then each tenant's share of rows in cursor order, locked as
 # pulled.
 TENANT_ROWS = (
     """
@@ -292,6 +294,7 @@ busy AS MATERIALIZED (
     GROUP BY r.tenant
 ),
 tenants AS MATERIALIZED (
+    SELECT * FROM (
     SELECT t.tenant, t.pass, t.weight, """
     + AVAIL
     + """ AS avail
@@ -311,37 +314,50 @@ tenants AS MATERIALIZED (
         FROM (SELECT tenant, 1 AS pass FROM ahead WHERE tenant IS NOT NULL
               UNION ALL
               SELECT tenant, 2 FROM behind WHERE tenant IS NOT NULL) c
-        WHERE c.tenant || '' <> ALL((SELECT tenants FROM paused)::text[])
+        WHERE c.tenant || '' <> ALL((SELECT tenants FROM paused)::text[]) AND {tenant_scope}
     ) t
     WHERE t.room > 0
+    ) r
+    -- Only tenants with a job this claim could start take a place among the tenants read.
+    WHERE r.avail > 0
     LIMIT GREATEST((SELECT n FROM budget), 1)
 ),
--- Round one: each tenant's weighted part of the claim (whole jobs, the remainder one each
--- to the first tenants in cursor order), up to what it can take.
-round_one AS (
-    SELECT tenant, avail, weight, row_number() OVER (ORDER BY pass, tenant) AS pos,
-        floor((SELECT n FROM budget) * weight::float8 / sum(weight) OVER ())::int AS part
-    FROM tenants WHERE avail > 0  -- a tenant with nothing due here takes no part
+-- The claim's budget shared by weight, max-min fair (water-filling): in order of due jobs
+-- per weight, a tenant that cannot fill its part of what is left takes all it has, and the
+-- others share the rest by weight, in whole jobs, the remainder one each in cursor order.
+ranked AS (
+    SELECT tenant, pos, weight, avail,
+        sum(avail) OVER fill - avail AS used_before,
+        sum(weight) OVER (ORDER BY avail::float8 / weight, pos
+                          ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS weight_from
+    FROM (SELECT tenant, weight, avail, row_number() OVER (ORDER BY pass, tenant) AS pos
+          FROM tenants) t
+    WINDOW fill AS (ORDER BY avail::float8 / weight, pos ROWS UNBOUNDED PRECEDING)
 ),
-taken AS (
-    SELECT tenant, avail, weight, pos,
-        LEAST(avail, part + (pos <= (SELECT n FROM budget) - sum(part) OVER ())::int) AS got
-    FROM round_one
+filled AS (
+    SELECT tenant, pos, weight, avail,
+        avail::float8 * weight_from <= ((SELECT n FROM budget) - used_before)::float8 * weight
+            AS full_share
+    FROM ranked
 ),
--- Round two: what the tenants left is shared the same way among those with jobs to spare.
-round_two AS (
-    SELECT tenant, avail, pos, got, (SELECT n FROM budget) - sum(got) OVER () AS spare,
-        CASE WHEN avail > got
-            THEN floor(((SELECT n FROM budget) - sum(got) OVER ()) * weight::float8
-            / NULLIF(sum(weight) FILTER (WHERE avail > got) OVER (), 0))::int END AS part,
-        row_number() OVER (PARTITION BY avail > got ORDER BY pos) AS upos
-    FROM taken
+spread AS (
+    SELECT tenant, pos, weight, avail, full_share,
+        (SELECT n FROM budget) - COALESCE(sum(avail) FILTER (WHERE full_share) OVER (), 0)
+            AS spare,
+        sum(weight) FILTER (WHERE NOT full_share) OVER () AS open_weight
+    FROM filled
+),
+parts AS (
+    SELECT tenant, pos, full_share, spare,
+        CASE WHEN full_share THEN avail
+             ELSE floor(spare::float8 * weight / open_weight)::int END AS part,
+        row_number() OVER (PARTITION BY full_share ORDER BY pos) AS open_pos
+    FROM spread
 ),
 shares AS (
-    SELECT tenant, pos, got + CASE WHEN avail > got
-        THEN LEAST(avail - got, part + (upos <= spare - sum(part) OVER ())::int)
-        ELSE 0 END AS share
-    FROM round_two
+    SELECT tenant, pos, part + (NOT full_share AND open_pos
+        <= spare - COALESCE(sum(part) FILTER (WHERE NOT full_share) OVER (), 0))::int AS share
+    FROM parts
 ),
 fair_rows AS MATERIALIZED (
 SELECT due.id FROM (SELECT * FROM shares ORDER BY pos) s
@@ -383,7 +399,10 @@ top AS MATERIALIZED (
     WHERE l.priority IS NOT NULL AND EXISTS (
         SELECT 1 FROM jobs_job j
         WHERE j.state = 'queued' AND j.name = w.name AND j.priority = l.priority
-          AND j.run_after <= statement_timestamp())
+          AND j.run_after <= statement_timestamp()
+          AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
+          AND {scope}
+          AND {paused})
     LIMIT 1
 ),
 """

@@ -70,11 +70,6 @@ def claims_like_a_worker(limits, asked, rounds, *, scope=None, cap=None) -> list
 # -- the tenant path: tenants that can take nothing must not take the claim's places ---------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a tenant with only future jobs fills the tenant list (LIMIT lim) and the cursor "
-    "never moves past it: a due tenant after it is starved at claim limit 1",
-)
 def test_a_tenant_with_only_delayed_jobs_does_not_starve_a_due_tenant(claim_form):
     limits = FlowLimits(tenant_concurrency=5)
     flow.ensure({NAME: limits})
@@ -85,11 +80,6 @@ def test_a_tenant_with_only_delayed_jobs_does_not_starve_a_due_tenant(claim_form
     assert claims_like_a_worker(limits, 1, rounds=5) == ["b", "b", "b"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the tenant list ignores the worker's scope: a tenant-scoped worker of a "
-    "tenant-limited type gets a share for tenants it may not claim and is starved",
-)
 def test_a_tenant_scoped_worker_claims_its_tenant_of_a_tenant_limited_type(claim_form):
     limits = FlowLimits(tenant_concurrency=5)
     flow.ensure({NAME: limits})
@@ -99,11 +89,6 @@ def test_a_tenant_scoped_worker_claims_its_tenant_of_a_tenant_limited_type(claim
     assert claims_like_a_worker(limits, 1, rounds=4, scope=OnlyTenant("z")) == ["z"] * 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the tenant list ignores the worker's scope: a base worker whose first tenant "
-    "has an override claims nothing of a tenant-limited type",
-)
 def test_a_base_worker_claims_past_a_tenant_it_does_not_serve(claim_form):
     limits = FlowLimits(tenant_concurrency=5)
     flow.ensure({NAME: limits})
@@ -115,11 +100,6 @@ def test_a_base_worker_claims_past_a_tenant_it_does_not_serve(claim_form):
     assert got == ["b"] * 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the capped tenant path's share goes to a tenant whose rows are all in a paused "
-    "queue, so pausing one tenant's queue stalls the other tenants of the type",
-)
 def test_a_paused_queue_of_one_tenant_does_not_hold_back_the_other_tenants(claim_form):
     limits = FlowLimits(tenant_concurrency=5)
     flow.ensure({NAME: limits})
@@ -131,11 +111,6 @@ def test_a_paused_queue_of_one_tenant_does_not_hold_back_the_other_tenants(claim
     assert Counter(job.tenant for job in take(limits, 2)) == {}  # b is done; a is paused
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a tenant whose due rows are past the request's attempt cap still takes a place "
-    "in the tenant list, starving the next tenant",
-)
 def test_a_tenant_past_the_attempt_cap_does_not_take_a_place(claim_form):
     limits = FlowLimits(tenant_concurrency=5)
     flow.ensure({NAME: limits})
@@ -239,11 +214,6 @@ def test_guard_rows_of_a_type_no_longer_tenant_ordered_are_still_claimed():
 # -- the tiered (fair-only) path ------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the fair type's top class is chosen ignoring paused queues (and scope, and the "
-    "attempt cap): a paused high-priority job turns the claim into plain FIFO order",
-)
 def test_a_fair_type_stays_fair_while_its_highest_class_is_paused(claim_form):
     limits = FlowLimits(fair=True)
     flow.ensure({NAME: limits})
@@ -255,11 +225,6 @@ def test_a_fair_type_stays_fair_while_its_highest_class_is_paused(claim_form):
     assert Counter(job.tenant for job in take(limits, 10)) == {"a": 5, "b": 5}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the fair type's top class is chosen ignoring the worker's scope: a tenant the "
-    "worker does not serve with a high-priority job makes the claim plain FIFO",
-)
 def test_a_fair_type_stays_fair_beside_a_high_class_out_of_scope(claim_form):
     limits = FlowLimits(fair=True)
     flow.ensure({NAME: limits})
