@@ -115,7 +115,7 @@ class Rate:
         """The bucket's size: ``burst``, or 100 ms worth of starts (at least one)."""
         if self.burst is not None:
             return self.burst
-        return max(1, math.ceil(self.per_second * 0.1))
+        return min(RATE_COUNT_MAX, max(1, math.ceil(self.per_second * 0.1)))
 
     def __str__(self) -> str:
         seconds = self.per.total_seconds()

@@ -19,6 +19,7 @@ entries once where the walk crosses them twice.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -189,7 +190,7 @@ def _flow_ctes(due: str, tenant_rows: str, flows: flow.FlowForm, scope: Scope) -
         + ","
         + flow.WANTED.format(paused_names=pauses.PAUSED_NAMES)
         + ","
-        + (flow.GATE if flows.gated else flow.NO_GATE)
+        + flow.gate(flows)
         + _FLOW_PICKED.replace("{branches}", "\n        UNION ALL".join(branches))
     )
 
@@ -216,7 +217,8 @@ def _claim_ctes(
     if flows is None:
         return _CLAIM_CTES.replace("{due}", due), scope_params
     tenant_rows = (
-        flow.TENANT_ROWS.replace("{scope}", scope_sql)
+        flow.tenant_rows(flows)
+        .replace("{scope}", scope_sql)
         .replace("{paused}", pauses.PAUSED_ROWS)
         .replace("{tenant_scope}", scope.sql("c")[0])
     )
@@ -244,13 +246,15 @@ def claim_parts(
     using: str,
     limits: Mapping[str, flow.FlowLimits] | None = None,
     after: Mapping[str, str] | None = None,
+    releasing: bool = False,
 ) -> tuple[str, str, dict[str, Any], str] | None:
     """The claim as its CTEs, its UPDATE, their parameters and the CTEs that must follow the
     UPDATE (named ``claimed``; empty without flow controls); None when nothing is asked.
 
     For statements that claim along with other work (:mod:`jobs.queue.cycle`). ``limits``
     are the flow controls of the names that have them; ``after`` each tenant-ordered name's
-    cursor (:func:`jobs.queue.flow.next_cursor`).
+    cursor (:func:`jobs.queue.flow.next_cursor`). ``releasing``: the statement also writes
+    outcomes in a CTE named ``written`` (their jobs' places are free at its commit).
     """
     requests = [r for r in requests if r.limit > 0]
     total = (
@@ -261,6 +265,10 @@ def claim_parts(
     if total <= 0:
         return None
     flows = flow.form(requests, limits)
+    if flows is not None:
+        requests = flow.merged(requests)  # one request a name: a limit is per name
+        if releasing:
+            flows = dataclasses.replace(flows, releasing=True)
     ctes, scope_params = _claim_ctes(scope, None, using, flows)
     params = {
         "names": [r.name for r in requests],

@@ -87,6 +87,7 @@ def record_and_claim(
         using=using,
         limits=limits,
         after=after,
+        releasing=True,
     )
     if parts is None:
         return record(outcomes, count=count, using=using), []

@@ -94,12 +94,17 @@ def limits_of(policy: object) -> FlowLimits | None:
     return limits if controlled else None
 
 
-def ensure(limits: Mapping[str, FlowLimits], *, using: str = DEFAULT_DB_ALIAS) -> None:
+def ensure(
+    limits: Mapping[str, FlowLimits], *, repair: bool = True, using: str = DEFAULT_DB_ALIAS
+) -> None:
     """Give each type with flow controls its gate row, saying whether it is tenant-ordered.
 
-    Workers call this at start from their registry. When a type becomes tenant-ordered (or
-    stops being so), its queued jobs are moved into (or out of) the per-tenant claim index;
-    jobs enqueued while the change commits may miss it until the next worker start.
+    Workers call this at start from their registry (a gate row deleted later is put back
+    by :func:`restore_gates`). When a type becomes tenant-ordered
+    (or stops being so), its queued jobs are moved into (or out of) the per-tenant claim
+    index. With ``repair``, queued jobs of a tenant-ordered type still outside the index
+    (enqueued in a transaction that committed across the change) are moved in too: that
+    reads the type's queued jobs once.
     """
     if not limits:
         return
@@ -128,13 +133,42 @@ def ensure(limits: Mapping[str, FlowLimits], *, using: str = DEFAULT_DB_ALIAS) -
             """,
             {"names": names, "ordered": ordered},
         )
-        changed = cur.fetchall()
-        for name, tenant_ordered in changed:
+        changed = dict(cur.fetchall())
+        if repair:
+            changed.update(
+                {
+                    name: True
+                    for name in names
+                    if limits[name].tenant_ordered and name not in changed
+                }
+            )
+        for name, tenant_ordered in changed.items():
             cur.execute(
                 "UPDATE jobs_job SET fair = %s WHERE state = 'queued' AND name = %s "
                 "AND fair IS DISTINCT FROM %s",
                 [tenant_ordered, name, tenant_ordered],
             )
+
+
+def restore_gates(limits: Mapping[str, FlowLimits], *, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Put back the gate rows of these types that are missing (a row deleted by hand), and
+    the queued jobs enqueued meanwhile in tenant order; never touches a row that exists."""
+    names = sorted(limits)
+    with transaction.atomic(using=using), _db.bound_cursor(using) as cur:
+        cur.execute(
+            "INSERT INTO jobs_flow (name, version, tenant_ordered) "
+            "SELECT name, 0, ordered "
+            "FROM unnest(%(names)b::text[], %(ordered)b::bool[]) AS w(name, ordered) "
+            "ON CONFLICT (name) DO NOTHING RETURNING name, tenant_ordered",
+            {"names": names, "ordered": [limits[name].tenant_ordered for name in names]},
+        )
+        for name, tenant_ordered in cur.fetchall():
+            if tenant_ordered:
+                cur.execute(
+                    "UPDATE jobs_job SET fair = TRUE "
+                    "WHERE state = 'queued' AND name = %s AND NOT fair",
+                    [name],
+                )
 
 
 #: Enqueue's value for the ``fair`` column of a row named ``{name}``: whether its type is
@@ -177,6 +211,23 @@ class FlowForm:
     capped: bool  # some name is tenant-ordered with a tenant limit
     tenant_rated: bool  # some name has a tenant rate limit
     reserved: bool  # some name claimed in the plain order keeps a share for lower classes
+    # The statement also writes outcomes (``written``, jobs.queue.cycle): the jobs it ends
+    # are running in its snapshot, and their places are free once it commits.
+    releasing: bool = False
+
+
+def merged(requests: Iterable[ClaimRequest]) -> list[ClaimRequest]:
+    """One request per name, in first-seen order (limits summed, the lowest attempt cap):
+    two requests for one limited name would each get the whole of its room."""
+    by_name: dict[str, ClaimRequest] = {}
+    for r in requests:
+        seen = by_name.get(r.name)
+        if seen is None:
+            by_name[r.name] = r
+            continue
+        caps = [c for c in (seen.max_attempts, r.max_attempts) if c is not None]
+        by_name[r.name] = ClaimRequest(r.name, seen.limit + r.limit, min(caps) if caps else None)
+    return list(by_name.values())
 
 
 def form(
@@ -233,11 +284,35 @@ room AS MATERIALIZED (
                  w.asked,
                  CASE WHEN w.gcap IS NOT NULL THEN w.gcap - (SELECT count(*) FROM (
                      SELECT 1 FROM jobs_job r WHERE r.state = 'running' AND r.name = w.name
-                     LIMIT w.gcap) running)::int END,
+                     LIMIT w.gcap{{released}}) running)::int{{unreleased}} END,
                  floor(LEAST(w.burst, g.tokens + w.rate * {_SINCE.format("g.refilled_at")}))::int
              )) END AS lim
     FROM wanted w LEFT JOIN gate g ON g.name = w.name
 )"""
+
+# In a statement that also ends jobs (FlowForm.releasing), the places they hold are free at
+# its commit: counted as running in its snapshot, they are taken off the counts.
+_RELEASED = " + (SELECT count(*) FROM written wr WHERE wr.wname = w.name)"
+_UNRELEASED = " + (SELECT count(*) FROM written wr WHERE wr.wname = w.name)::int"  # room back
+_TENANT_UNRELEASED = (
+    " - (SELECT count(*) FROM written wr WHERE wr.wname = w.name AND wr.wtenant = r.tenant)::int"
+)
+
+
+def gate(flows: FlowForm) -> str:
+    """The gate's CTEs for this form (:data:`GATE` or :data:`NO_GATE`)."""
+    if not flows.gated:
+        return NO_GATE
+    releasing = flows.releasing
+    return GATE.replace("{released}", _RELEASED if releasing else "").replace(
+        "{unreleased}", _UNRELEASED if releasing else ""
+    )
+
+
+def tenant_rows(flows: FlowForm) -> str:
+    """:data:`TENANT_ROWS` with the running counts this form needs."""
+    return TENANT_ROWS.replace("{tenant_unreleased}", _TENANT_UNRELEASED if flows.releasing else "")
+
 
 # No name takes a gate: each name's room is what it asks.
 NO_GATE = """
@@ -289,7 +364,7 @@ behind(tenant) AS (
     FROM behind b WHERE b.tenant IS NOT NULL
 ),
 busy AS MATERIALIZED (
-    SELECT r.tenant, count(*)::int AS n FROM jobs_job r
+    SELECT r.tenant, count(*)::int{tenant_unreleased} AS n FROM jobs_job r
     WHERE w.tcap IS NOT NULL AND r.state = 'running' AND r.name = w.name
     GROUP BY r.tenant
 ),

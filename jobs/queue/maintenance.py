@@ -25,7 +25,7 @@ from django.db.backends.utils import CursorWrapper
 
 from jobs import binding
 from jobs.conf import jobs_settings
-from jobs.queue import _db, attempts, history, rollup
+from jobs.queue import _db, attempts, flow, history, rollup
 from jobs.queue.types import (
     BACKLOG_CAP,
     AllTenants,
@@ -35,6 +35,8 @@ from jobs.queue.types import (
     TableHealth,
 )
 from jobs.runs import TERMINAL_STATES, ErrorCode, RunState
+
+_FAIR = flow.FAIR_AT_ENQUEUE.format(name="j.name")
 
 _NOW = "COALESCE(%(now)s::timestamptz, statement_timestamp())"
 # A swept attempt's queue latency, from the row before the sweep (its run time is unknown:
@@ -96,7 +98,9 @@ def requeue_expired(
             attempt_log = CASE WHEN asked THEN j.attempt_log
                                ELSE j.attempt_log || {_EXPIRED_ENTRY} END,
             claim_token = NULL, lease_expires_at = NULL,
-            claimed_by = CASE WHEN asked THEN j.claimed_by ELSE '' END
+            claimed_by = CASE WHEN asked THEN j.claimed_by ELSE '' END,
+            -- Back in the queue in its type's order now (jobs.queue.flow).
+            fair = CASE WHEN asked THEN j.fair ELSE {_FAIR} END
         FROM expired WHERE j.id = expired.id
         RETURNING {_SWEPT}, expired.waited
         ),

@@ -20,7 +20,7 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
-from jobs.queue import _db, attempts, rollup, text
+from jobs.queue import _db, attempts, flow, rollup, text
 from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay
 
 # What a stopped attempt's error says (the row's columns before the write).
@@ -70,6 +70,10 @@ written AS (
         key_held = (f.state = 'queued' OR j.keyed),
         -- A finished job keeps the identity of the worker that finished it.
         claimed_by = CASE WHEN f.state = 'queued' THEN '' ELSE j.claimed_by END,
+        -- Back in the queue in its type's order now: tenant order may have begun meanwhile.
+        fair = CASE WHEN f.state = 'queued' THEN """
+    + flow.FAIR_AT_ENQUEUE.format(name="j.name")
+    + """ ELSE j.fair END,
         -- An attempt that sends the job back to the queue goes to the log; one that ends
         -- the job stays in the columns (jobs.queue.attempts). A hand-back ran nothing.
         attempt_log = CASE WHEN f.state = 'queued' AND o.attempts_delta >= 0
@@ -80,7 +84,8 @@ written AS (
     -- match the fresh one's row.
     FROM o JOIN free f ON f.id = o.id AND f.token = o.token
     WHERE j.id = o.id
-    RETURNING j.id, o.token, CASE WHEN f.stopped THEN j.error_detail END AS stopped{COUNTED}
+    RETURNING j.id, o.token, CASE WHEN f.stopped THEN j.error_detail END AS stopped,
+              j.name AS wname, j.tenant AS wtenant{COUNTED}
 ),
 -- Held under their token but not written: another session holds the row locked.
 busy AS (

@@ -171,10 +171,13 @@ def resume(kind: str, value: str, *, using: str = DEFAULT_DB_ALIAS) -> bool:
     validate(kind, value)
     with transaction.atomic(using=using), _db.cursor(using) as cur:
         cur.execute(
-            "DELETE FROM jobs_pause WHERE kind = %(kind)s AND value = %(value)s RETURNING 1",
+            # A throttle that has ended paused nothing any more: deleting it resumes nothing.
+            "DELETE FROM jobs_pause WHERE kind = %(kind)s AND value = %(value)s "
+            "RETURNING until IS NULL OR until > statement_timestamp()",
             {"kind": kind, "value": value},
         )
-        resumed = cur.fetchone() is not None
+        row = cur.fetchone()
+        resumed = row is not None and bool(row[0])
         if resumed and jobs_settings.NOTIFY:
             if kind == PauseKind.JOB_TYPE:
                 cur.execute(f"SELECT pg_notify('{NOTIFY_CHANNEL}', %s)", [value])

@@ -62,6 +62,9 @@ _OUTCOME_KINDS: dict[str, str] = {RunState.SUCCEEDED: "succeeded", RunState.FAIL
 #: Called with (job type name, job_id, error code, detail) when a job becomes failed.
 TerminalHook = Callable[[str, str, str, str], None]
 
+#: A NOTIFY brings a held-back limited type's next try forward to this long after its last.
+NOTICE_RETRY = 0.1
+
 
 class Worker(Draining):
     def __init__(
@@ -85,7 +88,7 @@ class Worker(Draining):
         }
         self._gates_made = not self._limits
         self._cursors: dict[str, str] = {}
-        self._held_back: dict[str, tuple[float, int]] = {}
+        self._held_back: dict[str, tuple[float, int, float]] = {}  # (next try, empty tries, last)
         self._lock = threading.Lock()
         # Keyed by (id, claim token): after a stall the worker may hold a stale attempt and a
         # fresh claim of the same job at once, and each must be settled on its own.
@@ -414,7 +417,7 @@ class Worker(Draining):
         self._rotation = (self._rotation + 1) % count
         rooms = []
         for name in self._names[self._rotation :] + self._names[: self._rotation]:
-            if name in self._exhausted or self._held_back.get(name, (0.0, 0))[0] > now:
+            if name in self._exhausted or self._held_back.get(name, (0.0, 0, 0.0))[0] > now:
                 continue
             policy = self.registry[name].policy
             room = free
@@ -481,13 +484,19 @@ class Worker(Draining):
                 self._held_back.pop(request.name, None)
                 continue
             streak = (
-                self._held_back.get(request.name, (0.0, 0))[1] + 1 if not got[request.name] else 0
+                self._held_back.get(request.name, (0.0, 0, 0.0))[1] + 1
+                if not got[request.name]
+                else 0
             )
             delay = min(
                 self.config.poll_interval,
                 flow.rate_retry_seconds(limits) * 2 ** min(streak, 16),
             )
-            self._held_back[request.name] = (now + delay, streak)
+            self._held_back[request.name] = (now + delay, streak, now)
+            if streak % 8 == 3:
+                # Empty tries in a row: a gate row gone (deleted by hand) would hold the type
+                # back for good, and costs one insert to put back.
+                flow.restore_gates({request.name: limits})
 
     def _dispatch(self, claimed: list[ClaimedJob]) -> None:
         on_loop: list[Running] = []
@@ -662,7 +671,7 @@ class Worker(Draining):
         if now < self._retry_at:
             return self._retry_at - now
         waits = [self._next_poll - now, self._next_maintenance - now, self._next_recovery - now]
-        waits.extend(at - now for at, _ in self._held_back.values() if at > now)
+        waits.extend(at - now for at, _, _ in self._held_back.values() if at > now)
         with self._lock:
             if self._deferred:
                 waits.append(self._deferred_at - now)
@@ -674,10 +683,15 @@ class Worker(Draining):
         """NOTIFY listener callback (another thread)."""
         if name is None:
             self._exhausted.clear()
-            self._held_back.clear()
         else:
             self._exhausted.discard(name)
-            self._held_back.pop(name, None)
+        # New work for a type held back is tried soon, since the type may have been held back
+        # for want of due jobs; but new work is no room under a limit, so however many
+        # notices come, the type is tried at most every NOTICE_RETRY.
+        for held in [name] if name is not None else list(self._held_back):
+            if held in self._held_back:
+                at, streak, tried = self._held_back[held]
+                self._held_back[held] = (min(at, tried + NOTICE_RETRY), streak, tried)
         self._wake.set()
 
     # -- maintenance -------------------------------------------------------------------------

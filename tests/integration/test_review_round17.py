@@ -138,11 +138,6 @@ def test_guard_a_tenant_with_due_work_and_a_delayed_tenant_with_room_to_spare(cl
 # -- the fair flag: every queued row of a tenant-ordered type must be in the tenant index ----
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a job running when its type became tenant-ordered keeps fair=false when it is "
-    "retried; the tenant path never reads it and ensure() at the next start leaves it",
-)
 def test_a_job_running_when_its_type_became_tenant_ordered_runs_after_its_retry():
     put("a", 1)
     held = queue.claim([ClaimRequest(NAME, 1)], scope=AllTenants())  # the old deploy's worker
@@ -155,11 +150,6 @@ def test_a_job_running_when_its_type_became_tenant_ordered_runs_after_its_retry(
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.xfail(
-    strict=True,
-    reason="a job enqueued in a transaction open across ensure() commits with fair=false "
-    "and stays out of the tenant path for good: a later ensure() only acts on a flip",
-)
 def test_a_job_enqueued_across_the_flip_runs_after_the_next_worker_start():
     inserted, flipped = threading.Event(), threading.Event()
     errors: list[BaseException] = []
@@ -300,11 +290,6 @@ def test_guard_next_cursor_wraps_round():
 # -- the gate: exact limits under concurrent claims ------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="two requests for one limited name in one claim each get the whole room: "
-    "global_concurrency=2 starts 4",
-)
 def test_two_requests_for_one_limited_name_stay_within_its_global_limit():
     limits = FlowLimits(global_concurrency=2)
     flow.ensure({NAME: limits})
@@ -319,12 +304,6 @@ def test_two_requests_for_one_limited_name_stay_within_its_global_limit():
     assert Job.objects.filter(state="running").count() <= 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the combined outcome+claim statement counts the job it ends as running, so the "
-    "place it frees goes unused and the worker then holds the type back (about 10 jobs/s "
-    "at global_concurrency=1 with 1 ms handlers)",
-)
 def test_the_combined_statement_starts_the_place_its_outcome_frees():
     limits = FlowLimits(global_concurrency=1)
     flow.ensure({NAME: limits})
@@ -508,11 +487,6 @@ def test_guard_a_claim_in_an_open_transaction_holds_the_gate_until_it_commits():
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.xfail(
-    strict=True,
-    reason="a limited type whose gate row is gone is never claimed again by a running "
-    "worker (ensure() runs once at start); nothing says why the backlog stands",
-)
 def test_a_running_worker_makes_a_missing_gate_row_again():
     recorder = Recorder()
     registry = Registry(
@@ -540,11 +514,6 @@ def test_a_running_worker_makes_a_missing_gate_row_again():
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.xfail(
-    strict=True,
-    reason="every NOTIFY clears a held-back limited type, so a flood of enqueues to a type "
-    "at its limit makes each worker claim (and take the gate) once per notice",
-)
 def test_a_flood_of_enqueues_does_not_undo_the_hold_back_of_a_full_type(monkeypatch):
     import jobs.queue as jobs_queue
 
@@ -618,11 +587,6 @@ def test_guard_a_throttle_only_lengthens_and_ends_by_itself():
     assert len(take(limits, 1)) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="resume() deletes an expired throttle row and reports True: the operator's "
-    "resume of a type that was not paused is said to have resumed it (and is logged)",
-)
 def test_resuming_a_type_whose_throttle_has_ended_reports_it_was_not_paused():
     queue.throttle(NAME, 0.05)
     wait_for(lambda: not queue.paused(), timeout=5, what="the throttle ended")
@@ -645,11 +609,6 @@ def test_guard_the_pauses_page_does_not_list_a_throttle_that_has_ended(client):
 # -- validation ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Rate accepts a default burst past PostgreSQL's integer (1e9 per 1 ms): every "
-    "claim of the type then fails with 'integer out of range'",
-)
 def test_a_huge_rate_is_refused_or_claims():
     try:
         rate = Rate(1_000_000_000, per=0.001)
