@@ -330,11 +330,11 @@ AVAIL = """LEAST(t.room, (
             WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant = t.tenant{level}
               AND j.run_after <= statement_timestamp()
               AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
-              AND {scope}
               AND {paused}
             LIMIT LEAST(t.room, w.lim)) due)::int)"""
 
 # A tenant-ordered name's due rows (``w`` is its room row): the tenants with queued rows,
+# in the worker's scope (a scope is a condition on the tenant, so it is applied to the list),
 # after the worker's cursor and then from the start, one index hop each and only as many as
 # the claim may use; each one's room and due rows (counted up to the claim's limit, unlocked);
 # weighted max-min fair shares; then each tenant's share of rows in cursor order, locked as
@@ -441,7 +441,6 @@ CROSS JOIN LATERAL (
     WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant = s.tenant{level}
       AND j.run_after <= statement_timestamp()
       AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
-      AND {scope}
       AND {paused}
     ORDER BY j.priority DESC, j.run_after, j.id
     LIMIT s.share
@@ -471,13 +470,18 @@ TOP_LEVEL = """levels(priority) AS (
 ),
 top AS MATERIALIZED (
     SELECT l.priority FROM levels l
-    WHERE l.priority IS NOT NULL AND EXISTS (
-        SELECT 1 FROM jobs_job j
+    -- A scalar subquery with its own LIMIT, which the planner cannot turn into a join over
+    -- the type's whole backlog.
+    WHERE l.priority IS NOT NULL AND (
+        SELECT TRUE FROM jobs_job j
         WHERE j.state = 'queued' AND j.name = w.name AND j.priority = l.priority
           AND j.run_after <= statement_timestamp()
           AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
           AND {scope}
-          AND {paused})
+          AND {paused}
+        -- In the claim index's order, so the planner reads the index, not the heap.
+        ORDER BY j.priority DESC, j.run_after, j.id
+        LIMIT 1)
     LIMIT 1
 ),
 """

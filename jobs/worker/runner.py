@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -417,7 +418,14 @@ class Worker(Draining):
         self._rotation = (self._rotation + 1) % count
         rooms = []
         for name in self._names[self._rotation :] + self._names[: self._rotation]:
-            if name in self._exhausted or self._held_back.get(name, (0.0, 0, 0.0))[0] > now:
+            held = self._held_back.get(name)
+            if held is not None and held[0] != math.inf:
+                if held[0] > now:
+                    continue
+                # Its wait is over: tried now (the claim's result sets the next wait), and no
+                # longer a reason for the loop to wake.
+                self._held_back[name] = (math.inf, held[1], held[2])
+            if name in self._exhausted:
                 continue
             policy = self.registry[name].policy
             room = free
@@ -671,7 +679,10 @@ class Worker(Draining):
         if now < self._retry_at:
             return self._retry_at - now
         waits = [self._next_poll - now, self._next_maintenance - now, self._next_recovery - now]
-        waits.extend(at - now for at, _, _ in self._held_back.values() if at > now)
+        with self._lock:
+            free = self.config.concurrency - self._in_flight
+        if free > 0:  # a held-back type whose wait ran out during the pass is due now
+            waits.extend(max(0.0, at - now) for at, _, _ in self._held_back.values())
         with self._lock:
             if self._deferred:
                 waits.append(self._deferred_at - now)
