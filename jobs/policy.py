@@ -243,23 +243,6 @@ class Policy:
             )
         return problems
 
-    @property
-    def tenant_ordered(self) -> bool:
-        """True when the claim reads this type's jobs tenant by tenant (fair or tenant limits)."""
-        return bool(
-            self.fair or self.tenant_concurrency is not None or self.tenant_rate_limit is not None
-        )
-
-    @property
-    def flow_limited(self) -> bool:
-        """True when every claim of this type takes its gate (any limit shared by workers)."""
-        return (
-            self.global_concurrency is not None
-            or self.tenant_concurrency is not None
-            or self.rate_limit is not None
-            or self.tenant_rate_limit is not None
-        )
-
     def resolved_backoff(self) -> Backoff:
         """This policy's backoff, or the settings' default."""
         return self.backoff or default_backoff()

@@ -93,15 +93,9 @@ _DUE_WALK = (
     """
 -- The priorities this name has queued rows at, highest first: one hop down the claim index
 -- each, evaluated only as far as the claim below asks.
-WITH RECURSIVE levels(priority) AS (
-    (SELECT j.priority FROM jobs_job j WHERE j.state = 'queued' AND j.name = w.name
-     ORDER BY j.priority DESC LIMIT 1)
-    UNION ALL
-    SELECT (SELECT j.priority FROM jobs_job j
-            WHERE j.state = 'queued' AND j.name = w.name AND j.priority < l.priority
-            ORDER BY j.priority DESC LIMIT 1)
-    FROM levels l WHERE l.priority IS NOT NULL
-)
+WITH RECURSIVE """
+    + flow.LEVELS
+    + """
 SELECT due.id FROM levels l
 CROSS JOIN LATERAL ("""
     + _DUE_ROWS.replace("{priority}", "\n  AND j.priority = l.priority")

@@ -459,7 +459,10 @@ WHERE s.share > 0
 # of each claim for the due jobs below the top class first (:data:`LOW`). The priorities
 # with queued rows are walked as the claim's walk does, one hop each, down to the first
 # with a due row.
-TOP_LEVEL = """levels(priority) AS (
+#: The priorities a name (``w.name``) has queued rows at, highest first: one hop down the
+#: claim index each, evaluated only as far as what reads it asks. The claim's priority walk
+#: (jobs.queue.claim) is this too.
+LEVELS = """levels(priority) AS (
     (SELECT j.priority FROM jobs_job j WHERE j.state = 'queued' AND j.name = w.name
      ORDER BY j.priority DESC LIMIT 1)
     UNION ALL
@@ -467,7 +470,10 @@ TOP_LEVEL = """levels(priority) AS (
             WHERE j.state = 'queued' AND j.name = w.name AND j.priority < l.priority
             ORDER BY j.priority DESC LIMIT 1)
     FROM levels l WHERE l.priority IS NOT NULL
-),
+)"""
+TOP_LEVEL = (
+    LEVELS
+    + """,
 top AS MATERIALIZED (
     SELECT l.priority FROM levels l
     -- A scalar subquery with its own LIMIT, which the planner cannot turn into a join over
@@ -485,6 +491,8 @@ top AS MATERIALIZED (
     LIMIT 1
 ),
 """
+)
+
 #: Of a claim (``w.lim``) with a share for lower classes, the places kept for them: whole
 #: places and, for the fraction, one more that often, so small claims keep the share too.
 RESERVE = "floor(w.lim * COALESCE(w.lshare, 0) + random())::int"
