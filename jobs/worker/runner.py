@@ -503,8 +503,17 @@ class Worker(Draining):
             self._held_back[request.name] = (now + delay, streak, now)
             if streak % 8 == 3:
                 # Empty tries in a row: a gate row gone (deleted by hand) would hold the type
-                # back for good, and costs one insert to put back.
-                flow.restore_gates({request.name: limits})
+                # back for good, and costs one insert to put back. After the pass's commit:
+                # a failure here must not undo the pass (its claimed jobs are to dispatch).
+                try:
+                    flow.restore_gates({request.name: limits})
+                except Exception as exc:
+                    logger.warning(
+                        "could not check the gate row of %s (%s)",
+                        request.name,
+                        one_line(exc),
+                        extra={"job_type": request.name, "action": "gate_check_failed"},
+                    )
 
     def _dispatch(self, claimed: list[ClaimedJob]) -> None:
         on_loop: list[Running] = []
@@ -681,8 +690,8 @@ class Worker(Draining):
         waits = [self._next_poll - now, self._next_maintenance - now, self._next_recovery - now]
         with self._lock:
             free = self.config.concurrency - self._in_flight
-        if free > 0:  # a held-back type whose wait ran out during the pass is due now
-            waits.extend(max(0.0, at - now) for at, _, _ in self._held_back.values())
+            if free > 0:  # a held-back type whose wait ran out during the pass is due now
+                waits.extend(max(0.0, at - now) for at, _, _ in self._held_back.values())
         with self._lock:
             if self._deferred:
                 waits.append(self._deferred_at - now)
@@ -699,10 +708,11 @@ class Worker(Draining):
         # New work for a type held back is tried soon, since the type may have been held back
         # for want of due jobs; but new work is no room under a limit, so however many
         # notices come, the type is tried at most every NOTICE_RETRY.
-        for held in [name] if name is not None else list(self._held_back):
-            if held in self._held_back:
-                at, streak, tried = self._held_back[held]
-                self._held_back[held] = (min(at, tried + NOTICE_RETRY), streak, tried)
+        with self._lock:  # the run loop reads the waits under it
+            for held in [name] if name is not None else list(self._held_back):
+                if held in self._held_back:
+                    at, streak, tried = self._held_back[held]
+                    self._held_back[held] = (min(at, tried + NOTICE_RETRY), streak, tried)
         self._wake.set()
 
     # -- maintenance -------------------------------------------------------------------------
