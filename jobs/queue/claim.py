@@ -219,17 +219,6 @@ def _claim_ctes(
     return _flow_ctes(due, tenant_rows, flows, scope), scope_params
 
 
-def flow_sql(
-    scope: Scope, flows: flow.FlowForm, *, using: str = DEFAULT_DB_ALIAS
-) -> tuple[str, dict[str, Any]]:
-    """The claim statement with flow controls (for EXPLAIN); see :func:`claim_sql`."""
-    ctes, scope_params = _claim_ctes(scope, None, using, flows)
-    after = flow.after_claim(flows)
-    return f"WITH {ctes}, claimed AS ({_CLAIM_UPDATE}){after}\nSELECT * FROM claimed", (
-        scope_params
-    )
-
-
 def claim_parts(
     requests: Sequence[ClaimRequest],
     *,

@@ -28,7 +28,6 @@ what a tenant cannot use to the others. Enqueue puts such types' rows in the per
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -682,11 +681,6 @@ def rate_retry_seconds(limits: FlowLimits | None, *, floor: float = 0.005) -> fl
     if not rates:
         return 0.05
     return min(0.05, max(floor, 1.0 / max(rates)))
-
-
-def whole(value: float) -> int:
-    """Tokens as whole starts (the claim takes floor(tokens))."""
-    return math.floor(value)
 
 
 # Reads for the console and the gauges duty (jobs.monitor.flow, jobs.scheduler.gauges) --------

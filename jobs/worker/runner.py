@@ -689,10 +689,9 @@ class Worker(Draining):
             return self._retry_at - now
         waits = [self._next_poll - now, self._next_maintenance - now, self._next_recovery - now]
         with self._lock:
-            free = self.config.concurrency - self._in_flight
-            if free > 0:  # a held-back type whose wait ran out during the pass is due now
+            if self.config.concurrency > self._in_flight:
+                # A held-back type whose wait ran out during the pass is due now.
                 waits.extend(max(0.0, at - now) for at, _, _ in self._held_back.values())
-        with self._lock:
             if self._deferred:
                 waits.append(self._deferred_at - now)
             if self._first_ack_at is not None:
