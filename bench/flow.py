@@ -269,6 +269,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=3.0, help="before the window opens")
     parser.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
     args = parser.parse_args()
+    os.environ["BENCH_FLOW"] = "1"  # register the flow types (bench/benchapp/jobs.py)
     os.environ["BENCH_GLOBAL_CONCURRENCY"] = str(args.limit)
     os.environ["BENCH_RATE"] = str(args.rate)
     setup_bench()
