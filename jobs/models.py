@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from django.db import models
@@ -24,6 +24,11 @@ from jobs.runs import ACTIVE_STATES, TERMINAL_STATES, RunContract, RunState
 from jobs.scheduler.timing import SlotKind
 
 PRIORITY_MIN, PRIORITY_MAX = -100, 100  # Django's task priority range; higher runs first.
+
+#: ``run_after`` of a job waiting for others (jobs.queue.dependencies): never due, so it sits
+#: past every claim's range scan. Far enough that no real schedule reaches it, near enough
+#: that every time zone can still show it.
+WAITING_UNTIL = datetime(9000, 1, 1, tzinfo=UTC)
 
 
 def default_tenant() -> str:
@@ -105,6 +110,27 @@ class Job(RunContract):
         editable=False,
         help_text=_("Every finished attempt: start, end, worker, outcome, error."),
     )
+    # The batch this job is a member of (jobs.queue.batches). Not a database foreign key:
+    # the settle trigger keeps the batch's counts, and no insert pays for a key check.
+    batch = models.ForeignKey(
+        "Batch",
+        verbose_name=_("batch"),
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        db_index=False,
+        related_name="jobs",
+        editable=False,
+    )
+    # How many of the jobs this one waits for (jobs.queue.dependencies) have not succeeded
+    # yet. A waiting job is queued with run_after at WAITING_UNTIL, so no claim reaches it.
+    waiting_on = models.PositiveIntegerField(_("waiting on"), db_default=0, editable=False)
+    # Other jobs wait for this one: the settle trigger releases or ends them when it finishes.
+    depended_on = models.BooleanField(_("depended on"), db_default=False, editable=False)
+    # The handler's last progress report ({"done", "total", "note"}), carried by the lease
+    # renewal the worker already makes.
+    progress = models.JSONField(_("progress"), null=True, blank=True, editable=False)
 
     class Meta:
         verbose_name = _("job")
@@ -180,6 +206,8 @@ class Job(RunContract):
                 condition=Q(state=RunState.QUEUED, attempts__gte=F("max_attempts")),
                 name="jobs_job_out_of_attempts",
             ),
+            # The members of a batch (the successor lists failures, the admin lists members).
+            models.Index(fields=["batch"], condition=Q(batch__isnull=False), name="jobs_job_batch"),
             # Terminal rows by whether they still hold their key, then age: the archive pass
             # takes the oldest rows that let go (or whose window passed) in index order.
             models.Index(
@@ -245,6 +273,8 @@ class JobHistory(RunContract):
         db_default=models.Value([], output_field=models.JSONField()),
         editable=False,
     )
+    batch_id = models.BigIntegerField(_("batch"), null=True, blank=True)
+    progress = models.JSONField(_("progress"), null=True, blank=True)
     archived_at = models.DateTimeField(_("archived at"), db_default=Now(), editable=False)
     # Finished rows are never retried in place.
     next_retry_at = None
@@ -577,3 +607,109 @@ class TenantWeight(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant} (weight {self.weight})"
+
+
+class Batch(models.Model):
+    """A group of jobs whose successor is enqueued once, when every member has finished.
+
+    The counts are of terminal outcomes, not successes: a member that fails or is cancelled
+    counts as finished too. They are kept by the ``jobs_job_settled`` trigger in the same
+    transaction as the member's state change, so no crash can separate the two; the
+    successor is inserted by the statement that settles the last member of a sealed batch,
+    once (``fired_at``). Written only by :mod:`jobs.queue.batches` and that trigger.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    tenant = models.CharField(_("tenant"), max_length=64, default=default_tenant)
+    description = models.CharField(_("description"), max_length=200, blank=True, default="")
+    created_at = models.DateTimeField(_("created at"), db_default=Now(), editable=False)
+    created_by = models.CharField(_("created by"), max_length=200, blank=True, default="")
+    sealed_at = models.DateTimeField(
+        _("sealed at"),
+        null=True,
+        blank=True,
+        help_text=_("When the batch stopped waiting for its creator to add members."),
+    )
+    total = models.PositiveIntegerField(_("members"), default=0)
+    succeeded = models.PositiveIntegerField(_("succeeded"), default=0)
+    failed = models.PositiveIntegerField(_("failed"), default=0)
+    cancelled = models.PositiveIntegerField(_("cancelled"), default=0)
+    # The successor's jobs_job row as column values, written when the batch is opened.
+    successor = models.JSONField(_("successor"), null=True, blank=True, editable=False)
+    successor_pk = models.BigIntegerField(_("successor job"), null=True, blank=True)
+    fired_at = models.DateTimeField(
+        _("finished at"),
+        null=True,
+        blank=True,
+        help_text=_("When the last member finished and the successor was enqueued."),
+    )
+
+    class Meta:
+        verbose_name = _("batch")
+        verbose_name_plural = _("batches")
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(total__gte=F("succeeded") + F("failed") + F("cancelled")),
+                name="jobs_batch_counts_within_total",
+            ),
+        ]
+        indexes = [
+            models.Index(
+                fields=["successor_pk"],
+                condition=Q(successor_pk__isnull=False),
+                name="jobs_batch_successor",
+            ),
+            # Retention deletes finished batches by age.
+            models.Index(
+                fields=["fired_at"], condition=Q(fired_at__isnull=False), name="jobs_batch_fired"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"batch {self.pk} ({self.succeeded + self.failed + self.cancelled}/{self.total})"
+
+    @property
+    def finished(self) -> int:
+        return self.succeeded + self.failed + self.cancelled
+
+
+class DependencyFailure(models.TextChoices):
+    """What happens to a waiting job when a job it waits for fails or is cancelled."""
+
+    CANCEL = "cancel", _("cancel the waiting job")
+    FAIL = "fail", _("fail the waiting job")
+
+
+class Dependency(models.Model):
+    """``job`` may run only after ``upstream`` has succeeded (jobs.queue.dependencies).
+
+    Both are ``jobs_job`` row ids. The edge lives as long as the waiting job is in the jobs
+    table; the archive pass deletes it with the row.
+    """
+
+    pk = models.CompositePrimaryKey("job", "upstream")
+    job = models.BigIntegerField(_("waiting job"))
+    upstream = models.BigIntegerField(_("waits for"))
+    on_failure = models.CharField(
+        _("if it fails"),
+        max_length=8,
+        choices=DependencyFailure.choices,
+        default=DependencyFailure.CANCEL,
+    )
+
+    class Meta:
+        verbose_name = _("dependency")
+        verbose_name_plural = _("dependencies")
+        indexes = [models.Index(fields=["upstream"], name="jobs_dependency_upstream")]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(on_failure__in=DependencyFailure.values),
+                name="jobs_dependency_on_failure_valid",
+            ),
+            models.CheckConstraint(
+                condition=~Q(job=F("upstream")), name="jobs_dependency_not_self"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.job} after {self.upstream}"

@@ -55,7 +55,7 @@ _NAME = re.compile(rf"^{PARENT}_(?P<state>[a-z]+)_(?P<start>\d{{10}})_(?P<end>\d
 COLUMNS = (
     "id, state, attempts, heartbeat_at, last_error, error_detail, created_at, finished_at, "
     "job_id, name, payload, tenant, queue, priority, max_attempts, run_after, claimed_by, "
-    "started_at, keyed, result, replayed_at, replayed_by, attempt_log"
+    "started_at, keyed, result, replayed_at, replayed_by, attempt_log, batch_id, progress"
 )
 
 # One batch of one state: rows that let their key go, or (``held``) whose window has passed.
@@ -73,6 +73,10 @@ moved AS (
     -- By id through the primary key: a join here may hash the whole table instead.
     DELETE FROM jobs_job j WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
     RETURNING j.*
+),
+unlinked AS (
+    -- What a finished job waited for matters no more once it leaves (jobs.queue.dependencies).
+    DELETE FROM jobs_dependency d WHERE d.job = ANY(ARRAY(SELECT id FROM picked))
 ),
 kept AS (
     INSERT INTO {PARENT} ({COLUMNS})

@@ -254,19 +254,27 @@ def prune(
                 for _batch in range(max_batches):
                     cur.execute(
                         f"""
-                        DELETE FROM jobs_job WHERE id = ANY(ARRAY(
-                            SELECT id FROM jobs_job
-                            WHERE state = %(state)s AND key_held = %(held)s
-                              AND finished_at < {_NOW} - make_interval(secs => %(age)s)
-                            ORDER BY finished_at
-                            LIMIT %(batch)s
-                            FOR UPDATE SKIP LOCKED
-                        ))
+                        WITH gone AS (
+                            DELETE FROM jobs_job WHERE id = ANY(ARRAY(
+                                SELECT id FROM jobs_job
+                                WHERE state = %(state)s AND key_held = %(held)s
+                                  AND finished_at < {_NOW} - make_interval(secs => %(age)s)
+                                ORDER BY finished_at
+                                LIMIT %(batch)s
+                                FOR UPDATE SKIP LOCKED
+                            ))
+                            RETURNING id
+                        ),
+                        unlinked AS (
+                            DELETE FROM jobs_dependency d WHERE d.job IN (SELECT id FROM gone)
+                        )
+                        SELECT count(*) FROM gone
                         """,
                         params,
                     )
-                    deleted[state] += cur.rowcount
-                    if cur.rowcount < batch_size:
+                    [count] = cur.fetchone()
+                    deleted[state] += count
+                    if count < batch_size:
                         break
     return deleted
 
