@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
+
+from django.db import DEFAULT_DB_ALIAS
 
 from jobs.errors import Cancelled
 
@@ -30,6 +33,11 @@ class JobContext:
     logger: logging.LoggerAdapter[logging.Logger]
     cancelled: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.monotonic)
+    # The attempt's fencing token: a write made on the job's behalf (completing it in the
+    # handler's own transaction) holds only while the row still carries it.
+    claim_token: uuid.UUID | None = None
+    # The database alias the worker runs the job's queue on.
+    using: str = DEFAULT_DB_ALIAS
 
     @property
     def final_attempt(self) -> bool:

@@ -104,6 +104,7 @@ def make_context(job: ClaimedJob, job_type: JobType) -> JobContext:
         logger=adapter,
         # For a coroutine, "told to stop" is also a cancelled task (jobs.worker.event_loop).
         cancelled=CancelEvent() if job_type.is_async else threading.Event(),
+        claim_token=job.claim_token,
     )
 
 
