@@ -8,6 +8,7 @@ and must not touch models: it is imported before Django's app registry is ready.
 # right in a checkout that was never installed. The one place the version is written.
 __version__ = "0.1.0"
 
+from jobs.batches import Batch, batch
 from jobs.context import JobContext
 from jobs.errors import Cancelled, Reject, RetryAfter
 from jobs.payloads import InvalidPayload, Payload
@@ -16,6 +17,7 @@ from jobs.registry import Backoff, Policy, Rate, job, register
 
 __all__ = [
     "Backoff",
+    "Batch",
     "Cancelled",
     "InvalidPayload",
     "JobContext",
@@ -25,6 +27,7 @@ __all__ = [
     "Rate",
     "Reject",
     "RetryAfter",
+    "batch",
     "enqueue",
     "enqueue_many",
     "job",

@@ -15,7 +15,7 @@ before Django's app registry is ready.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -47,6 +47,8 @@ class JobSpec:
     run_after: datetime | None = None
     delay: timedelta | float | None = None
     max_attempts: int | None = None
+    after: Sequence[Enqueued | int | str] | None = None
+    on_dependency_failure: str | None = None
 
 
 def enqueue(
@@ -59,9 +61,17 @@ def enqueue(
     run_after: datetime | None = None,
     delay: timedelta | float | None = None,
     max_attempts: int | None = None,
+    after: Sequence[Enqueued | int | str] | None = None,
+    on_dependency_failure: str | None = None,
     using: str = DEFAULT_DB_ALIAS,
 ) -> Enqueued:
-    """Enqueue one typed job, or return the job already holding its ``(tenant, job_id)``."""
+    """Enqueue one typed job, or return the job already holding its ``(tenant, job_id)``.
+
+    ``after`` lists jobs (enqueue results, row ids, or job_ids of the same tenant) this one
+    waits for: it is claimed only once all of them have succeeded. If one fails for good or
+    is cancelled, this job is cancelled (``on_dependency_failure="cancel"``, the default) or
+    failed (``"fail"``). See ``docs/workflows.md``.
+    """
     spec = JobSpec(
         payload=payload,
         job_id=job_id,
@@ -71,6 +81,8 @@ def enqueue(
         run_after=run_after,
         delay=delay,
         max_attempts=max_attempts,
+        after=after,
+        on_dependency_failure=on_dependency_failure,
     )
     return enqueue_many([spec], using=using)[0]
 
@@ -84,6 +96,8 @@ def enqueue_many(
     run_after: datetime | None = None,
     delay: timedelta | float | None = None,
     max_attempts: int | None = None,
+    after: Sequence[Enqueued | int | str] | None = None,
+    on_dependency_failure: str | None = None,
     using: str = DEFAULT_DB_ALIAS,
 ) -> list[Enqueued]:
     """Enqueue a batch of payloads (or :class:`JobSpec` values) atomically, in input order.
@@ -94,16 +108,36 @@ def enqueue_many(
     """
     from jobs import queue as jobs_queue
 
-    shared: dict[str, Any] = {
+    shared = {
         "tenant": tenant,
         "queue": queue,
         "priority": priority,
         "run_after": run_after,
         "delay": delay,
         "max_attempts": max_attempts,
+        "after": after,
+        "on_dependency_failure": on_dependency_failure,
     }
-    new_jobs = [_new_job(item, index, shared) for index, item in enumerate(jobs)]
-    return jobs_queue.enqueue_many(new_jobs, using=using)
+    return jobs_queue.enqueue_many(new_jobs(jobs, shared), using=using)
+
+
+def new_jobs(jobs: Iterable[Payload | JobSpec], shared: dict[str, Any]) -> list[NewJob]:
+    """The queue's jobs for typed payloads, with ``shared`` as every job's default options."""
+    shared = {key: shared.get(key) for key in _SHARED}
+    return [_new_job(item, index, shared) for index, item in enumerate(jobs)]
+
+
+# The options enqueue_many applies to every job that does not set its own.
+_SHARED = (
+    "tenant",
+    "queue",
+    "priority",
+    "run_after",
+    "delay",
+    "max_attempts",
+    "after",
+    "on_dependency_failure",
+)
 
 
 def _new_job(item: object, index: int, shared: dict[str, Any]) -> NewJob:
@@ -134,6 +168,14 @@ def _new_job(item: object, index: int, shared: dict[str, Any]) -> NewJob:
             delay = as_timedelta(delay)
         except (TypeError, ValueError, OverflowError) as exc:
             raise InvalidJob(f"delay: {exc}", index=index) from None
+    after = _first(spec.after, shared["after"])
+    if after is not None and not isinstance(after, str | bytes):
+        try:
+            after = tuple(getattr(item, "id", item) for item in after)
+        except TypeError:
+            raise InvalidJob(
+                f"after must be a list of jobs, got {type(after).__name__}", index=index
+            ) from None
     priority = _first(spec.priority, shared["priority"])
     if priority is None:
         priority = policy.priority if policy else 0
@@ -149,6 +191,9 @@ def _new_job(item: object, index: int, shared: dict[str, Any]) -> NewJob:
         max_attempts=_first(
             spec.max_attempts, shared["max_attempts"], policy.max_attempts if policy else None
         ),
+        after=() if after is None else after,  # type: ignore[arg-type]  # validated by the queue
+        on_dependency_failure=_first(spec.on_dependency_failure, shared["on_dependency_failure"])
+        or "cancel",
     )
 
 

@@ -19,6 +19,7 @@ PROCESS_MODULES = frozenset(
         "test_process_registry.py",
         "test_operator_controls_processes.py",
         "test_flow_processes.py",
+        "test_workflow_processes.py",
     }
 )
 

@@ -15,6 +15,9 @@ from django.db import migrations, models
 import jobs.models
 
 SETTLE_SQL = r"""
+-- The history's members of a batch, for the successor's list of failures.
+CREATE INDEX jobs_jobhistory_batch ON jobs_jobhistory (batch_id) WHERE batch_id IS NOT NULL;
+
 -- A batch's counts move by the deltas of one member's state change; the change that settles
 -- the last member of a sealed batch fires its successor.
 CREATE FUNCTION jobs_batch_settle(
@@ -150,6 +153,7 @@ EXECUTE FUNCTION jobs_job_settled();
 
 DROP_SETTLE_SQL = """
 DROP TRIGGER IF EXISTS jobs_job_settled ON jobs_job;
+DROP INDEX IF EXISTS jobs_jobhistory_batch;
 DROP FUNCTION IF EXISTS jobs_job_settled();
 DROP FUNCTION IF EXISTS jobs_batch_settle(bigint, integer, integer, integer);
 DROP FUNCTION IF EXISTS jobs_batch_fire(bigint);

@@ -24,7 +24,16 @@ The worker, the scheduler, the admin and management commands call these function
 them writes the jobs table itself.
 """
 
-from jobs.queue import attempts, flow, history, pauses, processes, rollup
+from jobs.queue import (
+    attempts,
+    batches,
+    dependencies,
+    flow,
+    history,
+    pauses,
+    processes,
+    rollup,
+)
 from jobs.queue.claim import claim, claim_sql, next_attempt, renew, renew_leases, renew_tokens
 from jobs.queue.cycle import record_and_claim
 from jobs.queue.enqueue import enqueue, enqueue_many
@@ -46,6 +55,8 @@ from jobs.queue.types import (
     AllTenants,
     AllTenantsExcept,
     BacklogRow,
+    BatchFailure,
+    BatchState,
     ClaimedJob,
     ClaimRequest,
     Enqueued,
@@ -70,6 +81,8 @@ __all__ = [
     "AllTenants",
     "AllTenantsExcept",
     "BacklogRow",
+    "BatchFailure",
+    "BatchState",
     "ClaimRequest",
     "ClaimedJob",
     "Enqueued",
@@ -87,12 +100,14 @@ __all__ = [
     "TableHealth",
     "attempts",
     "backlog",
+    "batches",
     "cancel",
     "cancel_active",
     "cancel_running",
     "claim",
     "claim_sql",
     "complete",
+    "dependencies",
     "enqueue",
     "enqueue_many",
     "fail",

@@ -20,7 +20,7 @@ from django.utils import timezone
 from jobs.conf import NOTIFY_CHANNEL, jobs_settings
 from jobs.models import PRIORITY_MAX, PRIORITY_MIN, new_job_id
 from jobs.policy import MAX_ATTEMPTS_MAX
-from jobs.queue import _db, keys, text
+from jobs.queue import _db, dependencies, keys, text
 from jobs.queue.flow import FAIR_AT_ENQUEUE as _FAIR
 from jobs.queue.types import Enqueued, InvalidJob, NewJob, validate_key
 
@@ -67,7 +67,13 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str = DEFAULT_DB_ALIAS) -> li
         firsts.setdefault((row["tenant"], row["job_id"]), row)
     connection = connections[using]
     done = None
-    if len(firsts) == 1 and not connection.in_atomic_block and connection.get_autocommit():
+    waits = any(row["after"] for row in firsts.values())
+    if (
+        len(firsts) == 1
+        and not waits
+        and not connection.in_atomic_block
+        and connection.get_autocommit()
+    ):
         done = _insert_alone(next(iter(firsts.values())), using)
     if done is None:
         done = _insert_in_transaction(list(firsts.values()), using)
@@ -104,17 +110,40 @@ def _insert_in_transaction(
     # Inside the caller's transaction a deadlock is the caller's to retry: it aborted their
     # writes too. Owning the transaction, a deadlock costs nothing to retry.
     owned = not connections[using].in_atomic_block
+    waiting = [row for row in rows if row["after"]]
+    # What jobs wait for is checked against the table, so it can still be refused in here: a
+    # savepoint keeps the caller's transaction usable then.
+    savepoint = bool(waiting)
     for attempt in range(1, _DEADLOCK_RETRIES + 1):
         try:
-            with transaction.atomic(using=using, savepoint=False), _db.bound_cursor(using) as cur:
-                return _insert_or_find(cur, rows)
+            with (
+                transaction.atomic(using=using, savepoint=savepoint),
+                _db.bound_cursor(using) as cur,
+            ):
+                if waiting:
+                    dependencies.prepare(cur, waiting)
+                done = _insert_or_find(cur, rows)
+                if waiting:
+                    dependencies.link(
+                        cur, [row for row in waiting if done[_key(row)].created], done
+                    )
+                return done
         except OperationalError as exc:
             if not (owned and attempt < _DEADLOCK_RETRIES and _deadlock(exc)):
                 raise
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-def _row(job: NewJob, index: int) -> dict[str, Any]:
+def validated_row(job: NewJob) -> dict[str, Any]:
+    """The column values enqueue would insert for ``job`` (raises :class:`InvalidJob`)."""
+    return _row(job, None)
+
+
+def _key(row: dict[str, Any]) -> tuple[str, str]:
+    return (row["tenant"], row["job_id"])
+
+
+def _row(job: NewJob, index: int | None) -> dict[str, Any]:
     """Validate one job and turn it into column values (raises InvalidJob)."""
     if not isinstance(job, NewJob):
         raise InvalidJob(f"expected a NewJob, got {type(job).__name__}", index=index)
@@ -175,6 +204,11 @@ def _row(job: NewJob, index: int) -> dict[str, Any]:
             index=index,
         )
     delay = 0.0 if job.delay is None else _db.seconds(job.delay)
+    after = dependencies.validate(job, index)
+    if job.batch_id is not None and (
+        isinstance(job.batch_id, bool) or not isinstance(job.batch_id, int)
+    ):
+        raise InvalidJob(f"batch_id must be a batch's id, got {job.batch_id!r}", index=index)
     if not isinstance(job.payload, dict):
         raise InvalidJob(
             f"payload must be a dict (a JSON object), got {type(job.payload).__name__}", index=index
@@ -194,6 +228,10 @@ def _row(job: NewJob, index: int) -> dict[str, Any]:
         "max_attempts": max_attempts,
         "run_after": job.run_after,
         "delay": delay,
+        "batch_id": job.batch_id,
+        "waiting_on": 0,
+        "after": after,
+        "on_dependency_failure": job.on_dependency_failure,
     }
 
 
@@ -289,21 +327,21 @@ def _insert(
             INSERT INTO jobs_job (
                 id, job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
                 state, attempts, last_error, error_detail, claimed_by, key_held, keyed,
-                replayed_by, created_at, fair
+                replayed_by, created_at, fair, batch_id, waiting_on
             )
             SELECT r.id, r.job_id, r.name, r.payload, r.tenant, r.queue, r.priority,
                    r.max_attempts,
                    COALESCE(r.run_after, %(base)s + make_interval(secs => r.delay)),
                    'queued', 0, '', '', '', TRUE, r.keyed, '', %(base)s, """
         + _FAIR.format(name="r.name")
-        + """
+        + """, r.batch_id, r.waiting_on
             FROM unnest(
                 %(id)b::bigint[], %(job_id)b::text[], %(name)b::text[], %(payload)b::jsonb[],
                 %(tenant)b::text[], %(queue)b::text[], %(priority)b::smallint[],
                 %(max_attempts)b::int[], %(run_after)b::timestamptz[], %(delay)b::float8[],
-                %(keyed)b::bool[]
+                %(keyed)b::bool[], %(batch_id)b::bigint[], %(waiting_on)b::int[]
             ) AS r(id, job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
-                   delay, keyed)
+                   delay, keyed, batch_id, waiting_on)
             ON CONFLICT (tenant, job_id) WHERE key_held DO NOTHING
             RETURNING id, name, run_after
         )"""
@@ -326,6 +364,8 @@ _COLUMNS = (
     "run_after",
     "delay",
     "keyed",
+    "batch_id",
+    "waiting_on",
 )
 
 
@@ -351,14 +391,14 @@ def _insert_one(cur: CursorWrapper, row: dict[str, Any], base: datetime | None) 
             INSERT INTO jobs_job (
                 job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
                 state, attempts, last_error, error_detail, claimed_by, key_held, keyed,
-                replayed_by, created_at, fair
+                replayed_by, created_at, fair, batch_id, waiting_on
             )
             SELECT %(job_id)s, %(name)s, %(payload)s::jsonb, %(tenant)s, %(queue)s,
                    %(priority)s, %(max_attempts)s,
                    COALESCE(%(run_after)s::timestamptz, b.at + make_interval(secs => %(delay)s)),
                    'queued', 0, '', '', '', TRUE, %(keyed)s, '', b.at, """
         + _FAIR.format(name="%(name)s::varchar")
-        + """
+        + """, %(batch_id)s::bigint, %(waiting_on)s
             FROM (SELECT COALESCE(%(base)s::timestamptz, statement_timestamp()) AS at) b
             ON CONFLICT (tenant, job_id) WHERE key_held DO NOTHING
             RETURNING id, name, run_after, created_at

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, transaction
 
 from jobs import binding
-from jobs.queue import _db, attempts, flow, history, keys, rollup
+from jobs.queue import _db, attempts, dependencies, flow, history, keys, rollup
 from jobs.queue.types import ReplayReport
 from jobs.runs import ErrorCode
 
@@ -90,6 +90,8 @@ def replay(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> Rep
                         replayed.update(i for (i,) in cur.fetchall())
                 except IntegrityError:
                     continue  # a concurrent enqueue took the key: reported as key_taken
+        # A replayed job that waited for others waits again for those not succeeded.
+        dependencies.reckon(cur, replayed)
         binding.replayed(replayed, using=using)
         if restored - replayed:
             cur.execute(history.UNRESTORE, {"ids": sorted(restored - replayed)})
@@ -188,7 +190,10 @@ def cancel_active(
 
 
 def run_now(ids: Iterable[int], *, using: str = DEFAULT_DB_ALIAS) -> list[int]:
-    """Make queued jobs due now (skip a scheduled delay or retry backoff)."""
+    """Make queued jobs due now (skip a scheduled delay or retry backoff).
+
+    A job waiting for others (``after=``) is left waiting: it runs when they have succeeded.
+    """
     wanted = sorted(set(ids))
     if not wanted:
         return []
@@ -197,6 +202,7 @@ def run_now(ids: Iterable[int], *, using: str = DEFAULT_DB_ALIAS) -> list[int]:
             """
             UPDATE jobs_job SET run_after = statement_timestamp()
             WHERE id = ANY(%(ids)s) AND state = 'queued' AND run_after > statement_timestamp()
+              AND waiting_on = 0
             RETURNING id
             """,
             {"ids": wanted},

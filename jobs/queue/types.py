@@ -52,6 +52,10 @@ class NewJob:
 
     ``job_id`` is the idempotency key within a tenant; leave it out for work that should never
     be deduplicated. Give either ``run_after`` (an aware datetime) or ``delay``, not both.
+    ``after`` names jobs this one waits for (row ids, or job_ids of the same tenant): it is
+    claimed only once all of them have succeeded, and ends as ``on_dependency_failure`` says
+    (``"cancel"`` or ``"fail"``) when one of them fails or is cancelled
+    (:mod:`jobs.queue.dependencies`). ``batch_id`` is set by :func:`jobs.queue.batches.add`.
     """
 
     name: str
@@ -63,6 +67,50 @@ class NewJob:
     run_after: datetime | None = None
     delay: timedelta | None = None
     max_attempts: int | None = None
+    after: tuple[int | str, ...] = ()
+    on_dependency_failure: str = "cancel"
+    batch_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchState:
+    """A batch's counts as committed when read (:mod:`jobs.queue.batches`)."""
+
+    id: int
+    tenant: str
+    description: str
+    created_at: datetime
+    created_by: str
+    sealed_at: datetime | None
+    total: int
+    succeeded: int
+    failed: int
+    cancelled: int
+    fired_at: datetime | None
+    successor_pk: int | None
+
+    @property
+    def finished(self) -> int:
+        """Members in a terminal state, whatever the outcome."""
+        return self.succeeded + self.failed + self.cancelled
+
+    @property
+    def done(self) -> bool:
+        """Every member finished and the successor (if any) was enqueued."""
+        return self.fired_at is not None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchFailure:
+    """A member of a batch that failed or was cancelled."""
+
+    id: int
+    job_id: str
+    name: str
+    state: str
+    last_error: str
+    error_detail: str
+    finished_at: datetime | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,3 +103,49 @@ job(FlowEntry, global_concurrency=3, timeout=30, max_attempts=5)(_flow_entry)
 job(FlowTenant, tenant_concurrency=2, timeout=30, max_attempts=5)(_flow_entry)
 job(FlowRate, rate_limit=Rate(20, per=1), timeout=30, max_attempts=5)(_flow_entry)
 job(FlowFair, fair=True, timeout=30, max_attempts=5)(_flow_entry)
+
+
+# -- workflows: members that finish together, a successor that records each run --------------
+
+
+class GateMember(Payload, name="test.gate_member.v1"):
+    """Wait until the file ``gate`` exists (or ``seconds`` pass), then succeed or fail."""
+
+    gate: str
+    fail: bool = False
+    seconds: float = 30.0
+
+
+@job(GateMember, concurrency=20, timeout=timedelta(seconds=60), max_attempts=3)
+def gate_member(payload: GateMember, ctx: JobContext) -> None:
+    deadline = time.monotonic() + payload.seconds
+    while not os.path.exists(payload.gate) and time.monotonic() < deadline:
+        if ctx.sleep(0.01):
+            return
+    if payload.fail:
+        from jobs import Reject
+
+        raise Reject("this member fails for good")
+
+
+class BatchReport(Payload, name="test.batch_report.v1"):
+    """A batch's successor: append one line per run with the counts it read to ``path``."""
+
+    path: str
+
+
+@job(BatchReport, concurrency=2, timeout=timedelta(seconds=30))
+def batch_report(payload: BatchReport, ctx: JobContext) -> None:
+    from jobs import Batch
+
+    batch = Batch.finished_by(ctx)
+    state = batch.state() if batch else None
+    with open(payload.path, "a") as out:
+        if state is None:
+            out.write(f"run {os.getpid()} no-batch\n")
+        else:
+            failed = len(batch.failures()) if batch else 0
+            out.write(
+                f"run {os.getpid()} {state.total} {state.succeeded} {state.failed} "
+                f"{state.cancelled} {failed}\n"
+            )
