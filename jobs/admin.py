@@ -46,8 +46,17 @@ from jobs.control import cancels, pauses
 from jobs.control.checks import check_run_tables
 from jobs.control.failures import MAX_ROWS
 from jobs.control.replays import REPLAY_ALL_LIMIT
-from jobs.models import Job, JobHistory, Pause, Process, TenantOverride, TenantWeight
+from jobs.models import (
+    Batch,
+    Job,
+    JobHistory,
+    Pause,
+    Process,
+    TenantOverride,
+    TenantWeight,
+)
 from jobs.monitor import attempts, flow, live, overview, performance, schedules, views
+from jobs.monitor.batches import BatchAdmin
 from jobs.monitor.cancels import ELIGIBLE, cancel_url, cancel_view, effects, eligible
 from jobs.monitor.display import moment, now_of
 from jobs.monitor.modeladmin import InputFilter, RunTableAdmin
@@ -394,6 +403,7 @@ class JobAdmin(JobDisplay):
 admin.site.register(Pause, PauseAdmin)
 admin.site.register(Process, ProcessAdmin)
 admin.site.register(TenantWeight, flow.TenantWeightAdmin)
+admin.site.register(Batch, BatchAdmin)
 
 
 @admin.register(JobHistory)

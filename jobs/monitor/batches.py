@@ -1,0 +1,128 @@
+"""The admin's batches: each batch's counts, its members and its successor (read-only).
+
+Batches change only through their members' state changes (the settle trigger) and the code
+that opened them, so the admin shows them and links onwards; it edits nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.urls import reverse
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+from django.utils.translation import gettext_lazy as _
+
+from jobs.models import Batch
+
+
+class BatchStatusFilter(admin.SimpleListFilter):
+    title = _("status")
+    parameter_name = "status"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [
+            ("open", _("open (its creator may add members)")),
+            ("running", _("sealed, members still to finish")),
+            ("finished", _("finished")),
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Batch]) -> QuerySet[Batch]:
+        value = self.value()
+        if value == "open":
+            return queryset.filter(sealed_at__isnull=True, fired_at__isnull=True)
+        if value == "running":
+            return queryset.filter(sealed_at__isnull=False, fired_at__isnull=True)
+        if value == "finished":
+            return queryset.filter(fired_at__isnull=False)
+        return queryset
+
+
+class BatchAdmin(admin.ModelAdmin):  # type: ignore[type-arg]  # generic in the stubs only
+    list_display = (
+        "id",
+        "description",
+        "tenant",
+        "created_at",
+        "status",
+        "finished_of_total",
+        "succeeded",
+        "failed",
+        "cancelled",
+        "successor_link",
+    )
+    list_display_links = ("id", "description")
+    list_filter = (BatchStatusFilter, "tenant")
+    search_fields = ("description", "=id")
+    ordering = ("-id",)
+    readonly_fields = (
+        "id",
+        "description",
+        "tenant",
+        "created_at",
+        "created_by",
+        "status",
+        "sealed_at",
+        "finished_of_total",
+        "succeeded",
+        "failed",
+        "cancelled",
+        "members_link",
+        "fired_at",
+        "successor_link",
+        "successor_template",
+    )
+    fields = readonly_fields
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Whoever may view jobs may view the batches they form.
+        return super().has_view_permission(request, obj) or request.user.has_perm("jobs.view_job")
+
+    @admin.display(description=_("status"))
+    def status(self, obj: Batch) -> str:
+        if obj.fired_at is not None:
+            return str(_("finished"))
+        if obj.sealed_at is None:
+            return str(_("open"))
+        return str(_("running"))
+
+    @admin.display(description=_("finished"))
+    def finished_of_total(self, obj: Batch) -> str:
+        return f"{obj.finished:,} / {obj.total:,}"
+
+    @admin.display(description=_("members"))
+    def members_link(self, obj: Batch) -> SafeString:
+        active = reverse("admin:jobs_job_changelist") + f"?batch={obj.pk}"
+        archived = reverse("admin:jobs_jobhistory_changelist") + f"?batch_id={obj.pk}"
+        return format_html(
+            '<a href="{}">{}</a> · <a href="{}">{}</a>',
+            active,
+            _("in the jobs table"),
+            archived,
+            _("finished and archived"),
+        )
+
+    @admin.display(description=_("successor"))
+    def successor_link(self, obj: Batch) -> SafeString | str:
+        if obj.successor_pk is None:
+            return "—" if obj.successor is None else str(_("not yet enqueued"))
+        url = reverse("admin:jobs_job_change", args=[obj.successor_pk])
+        return format_html('<a href="{}">{}</a>', url, obj.successor_pk)
+
+    @admin.display(description=_("successor to enqueue"))
+    def successor_template(self, obj: Batch) -> str:
+        if not obj.successor:
+            return "—"
+        return f"{obj.successor.get('name')} (queue {obj.successor.get('queue')})"
