@@ -31,6 +31,9 @@ DEFAULTS: dict[str, Any] = {
     "SUCCEEDED_RETENTION": timedelta(hours=24),
     "FAILED_RETENTION": timedelta(days=14),
     "CANCELLED_RETENTION": timedelta(days=7),
+    # A finished batch (its successor enqueued) is deleted this long after it finished, as
+    # is a batch never sealed and with no member left in the jobs table.
+    "BATCH_RETENTION": timedelta(days=14),
     # Rows deleted per statement when pruning, so no statement holds locks for long.
     "PRUNE_BATCH_SIZE": 1000,
     # A finished job that holds no key (enqueued without a job_id, or past its window) moves
@@ -121,6 +124,7 @@ class JobsSettings:
     SUCCEEDED_RETENTION: timedelta
     FAILED_RETENTION: timedelta
     CANCELLED_RETENTION: timedelta
+    BATCH_RETENTION: timedelta
     PRUNE_BATCH_SIZE: int
     ARCHIVE_AFTER: timedelta
     NOTIFY: bool

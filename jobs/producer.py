@@ -176,6 +176,12 @@ def _new_job(item: object, index: int, shared: dict[str, Any]) -> NewJob:
             raise InvalidJob(
                 f"after must be a list of jobs, got {type(after).__name__}", index=index
             ) from None
+    if after and policy is not None and policy.run_model is not None:
+        # A waiting job the trigger ends would leave its bound run row queued for ever.
+        raise InvalidJob(
+            f"{name}: a job type bound to a run table (run_model) cannot wait for other jobs",
+            index=index,
+        )
     priority = _first(spec.priority, shared["priority"])
     if priority is None:
         priority = policy.priority if policy else 0

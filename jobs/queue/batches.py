@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, transaction
@@ -221,6 +222,52 @@ def failures(
             {"batch": batch_id, "limit": limit},
         )
         return [BatchFailure(*row) for row in cur.fetchall()]
+
+
+def prune(
+    *,
+    older_than: timedelta,
+    batch_size: int = 1000,
+    max_batches: int = 100,
+    now: datetime | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> int:
+    """Delete batches finished ``older_than`` ago, and open ones that age with no member left.
+
+    A batch its creator never sealed (a crash between open and seal) can never fire: once it
+    is that old and none of its members is still in the jobs table, it goes too. Members keep
+    their ``batch_id``; :meth:`get` of a deleted batch raises :class:`BatchNotFound`.
+    """
+    deleted = 0
+    with _db.cursor(using) as cur:
+        for _ in range(max_batches):
+            cur.execute(
+                """
+                WITH gone AS (
+                    DELETE FROM jobs_batch WHERE id = ANY(ARRAY(
+                        SELECT b.id FROM jobs_batch b
+                        WHERE (b.fired_at < COALESCE(%(now)s, statement_timestamp())
+                                             - %(age)s)
+                           OR (b.fired_at IS NULL AND b.sealed_at IS NULL
+                               AND b.created_at < COALESCE(%(now)s, statement_timestamp())
+                                                  - %(age)s
+                               AND NOT EXISTS (
+                                   SELECT 1 FROM jobs_job j WHERE j.batch_id = b.id))
+                        ORDER BY b.id
+                        LIMIT %(batch)s
+                        FOR UPDATE SKIP LOCKED
+                    ))
+                    RETURNING 1
+                )
+                SELECT count(*) FROM gone
+                """,
+                {"now": now, "age": older_than, "batch": batch_size},
+            )
+            [(count,)] = cur.fetchall()
+            deleted += count
+            if count < batch_size:
+                break
+    return deleted
 
 
 def _tenant(tenant: str | None, template: dict[str, object] | None) -> str:

@@ -305,3 +305,19 @@ def _run_sequence(actions, initial, seal_at):
     assert not fired_while_open
     with connection.cursor() as cur:
         cur.execute("SELECT 1")  # the connection is still usable: no statement left it broken
+
+
+@pytest.mark.django_db
+def test_retention_deletes_finished_batches_and_forgotten_open_ones_only():
+    finished = open_batch(None)
+    queue_batches.seal(finished)  # empty: fires at once
+    forgotten = open_batch(None)  # never sealed, no member
+    busy = open_batch(None)
+    add(busy, 1)  # never sealed, a member still queued
+    later = timezone.now() + timedelta(days=15)
+
+    assert queue_batches.prune(older_than=timedelta(days=14)) == 0
+    assert queue_batches.prune(older_than=timedelta(days=14), now=later) == 2
+    assert set(Batch.objects.values_list("id", flat=True)) == {busy}
+    with pytest.raises(BatchNotFound):
+        queue_batches.get(finished)
