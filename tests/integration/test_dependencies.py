@@ -204,3 +204,13 @@ def test_a_job_runs_only_after_all_it_waits_for_succeeded(graph, outcomes):
                     assert job.state in ("succeeded", "failed")
         finally:
             transaction.savepoint_rollback(sid)
+
+
+@pytest.mark.django_db
+def test_a_type_bound_to_a_run_table_cannot_wait():
+    import jobs
+    from tests.runapp.jobs import DeliverV1
+
+    top = enqueue()
+    with pytest.raises(InvalidJob, match="bound to a run table"):
+        jobs.enqueue(DeliverV1(run_id=1), after=[top])
