@@ -713,3 +713,48 @@ class Dependency(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job} after {self.upstream}"
+
+
+class EffectState(models.TextChoices):
+    INTENT = "intent", _("intent recorded")
+    DONE = "done", _("done")
+
+
+class Effect(models.Model):
+    """One step of a job that changes the world outside the database (jobs.effects).
+
+    ``intent`` is committed before the external call and ``done`` (with the call's result)
+    after it: a later attempt that finds only the intent knows the call may have happened and
+    reconciles instead of calling blindly. ``job`` is the ``jobs_job`` row id; the row lives
+    as long as its job does (in the jobs table or its history), and the retention pass
+    deletes it once the job is gone from both. Written only by :mod:`jobs.queue.effects`.
+    """
+
+    pk = models.CompositePrimaryKey("job", "step")
+    job = models.BigIntegerField(_("job"))
+    step = models.CharField(_("step"), max_length=200)
+    key = models.CharField(_("effect key"), max_length=64)
+    state = models.CharField(_("state"), max_length=8, choices=EffectState.choices)
+    result = models.JSONField(_("result"), null=True, blank=True)
+    attempt = models.PositiveIntegerField(_("attempt"))
+    started_at = models.DateTimeField(_("intent recorded at"), db_default=Now())
+    finished_at = models.DateTimeField(_("done at"), null=True, blank=True)
+
+    class Meta:
+        verbose_name = _("effect")
+        verbose_name_plural = _("effects")
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(state__in=EffectState.values), name="jobs_effect_state_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(state=EffectState.INTENT, finished_at__isnull=True)
+                | Q(state=EffectState.DONE, finished_at__isnull=False),
+                name="jobs_effect_done_has_finished_at",
+            ),
+        ]
+        # The retention pass looks for rows of jobs gone, oldest first.
+        indexes = [models.Index(fields=["started_at"], name="jobs_effect_started")]
+
+    def __str__(self) -> str:
+        return f"job {self.job} {self.step} ({self.state})"

@@ -28,7 +28,9 @@ from django.db import DEFAULT_DB_ALIAS, connections
 
 from jobs import queue
 from jobs.conf import jobs_settings
+from jobs.queue import effects as effect_journal
 from jobs.queue import processes
+from jobs.runs import TERMINAL_STATES
 from jobs.scheduler import metrics, slots
 from jobs.scheduler.clock import database_now
 
@@ -119,6 +121,14 @@ class Retention:
         for state, count in queue.history.drop_expired(now=now, using=self.using).items():
             if count:
                 counts[f"jobs.jobhistory:{state}"] += count
+        # The effect journal of jobs gone from both tables, after this pass removed them.
+        counts["jobs.effect:gone"] += effect_journal.prune(
+            older_than=min(queue.history.retention(state) for state in TERMINAL_STATES),
+            batch_size=batch_size,
+            max_batches=self.config.max_batches,
+            now=now,
+            using=self.using,
+        )
         retention = self.config.slot_retention or jobs_settings.SLOT_RETENTION
         with connections[self.using].cursor() as cur:
             for _ in range(self.config.max_batches):
