@@ -10,7 +10,8 @@ __version__ = "0.1.0"
 
 from jobs.batches import Batch, batch
 from jobs.context import JobContext
-from jobs.errors import Cancelled, Reject, RetryAfter
+from jobs.effects import complete, effect, effect_key
+from jobs.errors import Cancelled, LeaseLost, Reject, RetryAfter
 from jobs.payloads import InvalidPayload, Payload
 from jobs.producer import JobSpec, enqueue, enqueue_many
 from jobs.registry import Backoff, Policy, Rate, job, register
@@ -22,12 +23,16 @@ __all__ = [
     "InvalidPayload",
     "JobContext",
     "JobSpec",
+    "LeaseLost",
     "Payload",
     "Policy",
     "Rate",
     "Reject",
     "RetryAfter",
     "batch",
+    "complete",
+    "effect",
+    "effect_key",
     "enqueue",
     "enqueue_many",
     "job",

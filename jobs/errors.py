@@ -38,3 +38,13 @@ class RetryAfter(Exception):
 
 class Cancelled(Exception):
     """Raised by :meth:`jobs.JobContext.raise_if_cancelled` once the worker asked to stop."""
+
+
+class LeaseLost(Exception):
+    """This attempt no longer holds its job: a write made on its behalf was refused.
+
+    Raised by :func:`jobs.complete` (the enclosing transaction must roll back, taking the
+    business write with it) and by the effect journal (:func:`jobs.effect`). Another attempt
+    owns the job now, or it has finished: the handler should stop; the worker writes no
+    outcome for a lost lease.
+    """

@@ -20,6 +20,7 @@ PROCESS_MODULES = frozenset(
         "test_operator_controls_processes.py",
         "test_flow_processes.py",
         "test_workflow_processes.py",
+        "test_effect_processes.py",
     }
 )
 

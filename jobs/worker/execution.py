@@ -20,6 +20,8 @@ running (learned at the next       cancellation flag is set; whatever it
 lease renewal)                     returns or raises after that)
 cancelled by a draining worker     handed back (attempt returned)             (kept)
 lease lost meanwhile               nothing written (fenced)                   —
+the handler's transaction called   nothing more written: it is succeeded      —
+jobs.complete() and committed      (whatever the handler did afterwards)
 =================================  =========================================  =================
 
 An ``async def`` handler runs as a task on the worker's shared event loop
@@ -46,6 +48,7 @@ from psycopg.pq import TransactionStatus
 from jobs import dbbounds, queue, runs
 from jobs.conf import as_timedelta
 from jobs.context import JobContext
+from jobs.effects import completed_by_handler
 from jobs.errors import RetryAfter
 from jobs.payloads import InvalidPayload
 from jobs.queue import ClaimedJob, InvalidResult, Outcome
@@ -81,6 +84,8 @@ class Running:
     run_pk: object = None  # the bound run row (policy.run_model), once the payload is decoded
     # RetryAfter(throttle=True): pause the whole type this many seconds, for this reason.
     throttle: tuple[float, str] | None = None
+    # The handler's own transaction marked the job succeeded (jobs.complete): no outcome.
+    completed: bool = False
 
 
 @cache
@@ -127,6 +132,8 @@ def execute(
         error, result, duration = _call(job_type, decoded.payload, ctx)
         metrics.for_type(job.name).handler_duration.observe(duration)
         verdict = judge(running, error, result, duration, close_open_transactions())
+        if running.completed:
+            sync_completed(running)
         if not isinstance(verdict, WaitAndRetry):
             return verdict
         interrupted = _wait_in_process(running, verdict.delay, shutting_down)
@@ -183,6 +190,9 @@ def judge(
 ) -> Outcome | WaitAndRetry | None:
     """The outcome of one call of the handler (the table in the module docstring)."""
     job, job_type, ctx = running.job, running.job_type, running.ctx
+    if completed_by_handler(ctx):  # committed: whatever the handler did afterwards
+        running.completed = True
+        return None
     if running.lost:
         return None
     if running.cancel_requested:  # whatever the handler did since: the operator said stop
@@ -393,6 +403,18 @@ def _payload_error(exc: BaseException) -> str:
     if isinstance(exc, InvalidPayload):
         return str(exc)
     return f"decoding the payload raised {type(exc).__qualname__}:\n{_describe(exc)}"
+
+
+def sync_completed(running: Running) -> None:
+    """The bound run row of a job its handler completed (jobs.complete) follows it; on the
+    handler's thread, after the handler's transaction (a failure is logged, not raised)."""
+    if running.job_type.policy.run_model is None or running.run_pk is None:
+        return
+    try:
+        with dbbounds.local():
+            sync_run_rows([(running, Outcome.succeeded(running.job))])
+    except Exception:
+        logger.exception("could not mark the run row of job %s succeeded", running.job.job_id)
 
 
 def sync_run_rows(settled: list[tuple[Running, Outcome]]) -> None:

@@ -34,6 +34,7 @@ from jobs.worker.execution import (
     decode,
     judge,
     mark_running,
+    sync_completed,
 )
 from jobs.worker.job_thread import JobThread
 from jobs.worker.pool import HandlerPool
@@ -116,6 +117,8 @@ async def execute_on_loop(
                 if thread.borrowed:  # else the handler ran nothing on a handler thread
                     left_open = await loop.run_in_executor(thread, close_open_transactions)
                 verdict = judge(running, error, result, duration, left_open)
+                if running.completed and job_type.policy.run_model is not None:
+                    await loop.run_in_executor(thread, sync_completed, running)
                 if not isinstance(verdict, WaitAndRetry):
                     return verdict
                 interrupted = await _wait_in_process(running, current, verdict.delay, name)

@@ -32,6 +32,7 @@ from django.db import Error as DbError
 from django.db import connection, transaction
 
 from jobs import dbbounds, queue
+from jobs.effects import completed_by_handler
 from jobs.process import install_stop_signals, restore_signals, start_http
 from jobs.queue import ClaimedJob, ClaimRequest, Outcome, OutcomeReport, flow
 from jobs.registry import Registry
@@ -621,6 +622,9 @@ class Worker(Draining):
         with self._lock:
             for running, _ in acks:
                 self._held.pop((running.job.id, running.job.claim_token), None)
+        for running, _ in acks:
+            if running.completed:  # written by its handler's transaction (jobs.complete)
+                self._log_outcome(running, Outcome.succeeded(running.job))
         for running, outcome in outcomes:
             job = running.job
             if report is not None and report.was_fenced(outcome):
@@ -733,8 +737,10 @@ class Worker(Draining):
         return self.config.lease_duration.total_seconds()
 
     def _held_snapshot(self) -> list[Running]:
+        # A job its handler's transaction completed is no longer held, though the handler
+        # may still run: renewing it would report its lease lost.
         with self._lock:
-            return list(self._held.values())
+            return [r for r in self._held.values() if not completed_by_handler(r.ctx)]
 
     def _log_start(self) -> None:
         # A type's own limit below the slot count is said, so a slow drain is not a mystery.

@@ -149,3 +149,72 @@ def batch_report(payload: BatchReport, ctx: JobContext) -> None:
                 f"run {os.getpid()} {state.total} {state.succeeded} {state.failed} "
                 f"{state.cancelled} {failed}\n"
             )
+
+
+# -- the effect journal: a payment provider in a table, and a worker killed mid-effect -------
+
+
+class Charge(Payload, name="test.effect_charge.v1"):
+    """Charge ``amount`` through the pretend provider (``test_provider_charges``, which the
+    test creates: one row per idempotency key it accepted, counting the requests with it).
+
+    On attempt 1 the handler writes ``signal`` and blocks for good (the test kills it):
+    after the provider took the charge (``block="after_call"``) or before the request
+    reached it (``block="before_call"``). Every call and reconcile is traced to ``path``.
+    """
+
+    amount: int
+    path: str
+    signal: str
+    block: str = ""
+
+
+def _provider_charge(key: str, amount: int) -> dict[str, int]:
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute(
+            "INSERT INTO test_provider_charges (key, amount) VALUES (%s, %s) ON CONFLICT (key) "
+            "DO UPDATE SET requests = test_provider_charges.requests + 1 RETURNING id",
+            [key, amount],
+        )
+        (charge,) = cur.fetchone()
+    return {"charge": charge}
+
+
+def _provider_lookup(key: str) -> dict[str, int] | None:
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute("SELECT id FROM test_provider_charges WHERE key = %s", [key])
+        row = cur.fetchone()
+    return None if row is None else {"charge": row[0]}
+
+
+@job(Charge, timeout=timedelta(seconds=30), max_attempts=3)
+def charge(payload: Charge, ctx: JobContext) -> object:
+    import jobs
+
+    def trace(line: str) -> None:
+        with open(payload.path, "a") as out:
+            out.write(f"{line} {os.getpid()} {ctx.attempt}\n")
+
+    def block() -> None:
+        with open(payload.signal, "w") as out:
+            out.write(str(os.getpid()))
+        time.sleep(3600)  # until the test kills the process
+
+    def call(key: str) -> dict[str, int]:
+        trace("call")
+        if ctx.attempt == 1 and payload.block == "before_call":
+            block()
+        made = _provider_charge(key, payload.amount)
+        if ctx.attempt == 1 and payload.block == "after_call":
+            block()
+        return made
+
+    def reconcile(key: str) -> dict[str, int] | None:
+        trace("reconcile")
+        return _provider_lookup(key)
+
+    return jobs.effect(ctx, "charge").run(call, reconcile=reconcile)
