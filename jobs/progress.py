@@ -39,7 +39,7 @@ class Progress:
     def as_json(self) -> dict[str, Any]:
         """The report as the ``progress`` column stores it."""
         data: dict[str, Any] = {"done": self.done, "total": self.total, "note": self.note}
-        if self.attempt is not None:
+        if _count_or_none(self.attempt) is not None:
             data["attempt"] = self.attempt
         return data
 
@@ -59,7 +59,8 @@ def report(
             raise ValueError(f"progress: done ({done}) is more than total ({total})")
     if not isinstance(note, str):
         raise TypeError(f"progress: note must be a str, not {type(note).__name__}")
-    return Progress(done, total, note[:NOTE_MAX], attempt)
+    # The attempt comes from the handler's context, whose fields a handler could overwrite.
+    return Progress(done, total, note[:NOTE_MAX], _count_or_none(attempt))
 
 
 def _count(name: str, value: object) -> None:

@@ -54,6 +54,14 @@ def test_a_long_note_is_cut_and_the_attempt_is_recorded():
     assert ctx.last_progress.percent == 30
 
 
+def test_an_attempt_a_handler_overwrote_is_left_out():
+    ctx = context()
+    ctx.attempt = object()  # type: ignore[assignment]
+    ctx.progress(1, 2)
+    assert ctx.last_progress.attempt is None
+    assert ctx.last_progress.as_json() == {"done": 1, "total": 2, "note": ""}
+
+
 def test_only_the_latest_report_is_kept_and_each_is_handed_over_once():
     ctx = context()
     for done in range(1000):
