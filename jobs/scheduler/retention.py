@@ -6,6 +6,8 @@
   after ``CANCELLED_RETENTION``. Queued and running rows are never touched.
 * History table (``jobs.queue.history``): whole partitions of finished rows, once the newest
   row a partition may hold is past its state's retention (``DROP TABLE``, no row deletes).
+* Batches (``jobs.queue.batches``) finished ``BATCH_RETENTION`` ago, and batches never
+  sealed that old with no member left in the jobs table.
 * Recorded cron slots after ``SLOT_RETENTION``, except each schedule's latest slot, which the
   next tick needs to know what it missed.
 * The console's history (``jobs.queue.rollup``): minute rows folded into hours after two
@@ -124,6 +126,13 @@ class Retention:
         # The effect journal of jobs gone from both tables, after this pass removed them.
         counts["jobs.effect:gone"] += effect_journal.prune(
             older_than=min(queue.history.retention(state) for state in TERMINAL_STATES),
+            batch_size=batch_size,
+            max_batches=self.config.max_batches,
+            now=now,
+            using=self.using,
+        )
+        counts["jobs.batch:finished"] += queue.batches.prune(
+            older_than=jobs_settings.BATCH_RETENTION,
             batch_size=batch_size,
             max_batches=self.config.max_batches,
             now=now,

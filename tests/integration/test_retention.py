@@ -70,3 +70,19 @@ def test_batches_are_bounded(now):
     assert retention.run_once(now) == {"jobs.job:succeeded": 2}
     assert retention.run_once(now) == {"jobs.job:succeeded": 1}
     assert retention.run_once(now) == {}
+
+
+def test_finished_batches_go_after_their_retention(now):
+    from jobs.models import Batch
+    from jobs.queue import batches
+
+    old = batches.open(None)
+    batches.seal(old)  # no members: finished at once
+    Batch.objects.filter(pk=old).update(fired_at=now - timedelta(days=14) - MINUTE)
+    young = batches.open(None)
+    batches.seal(young)
+
+    counts = Retention().run_once(now)
+
+    assert counts == {"jobs.batch:finished": 1}
+    assert set(Batch.objects.values_list("pk", flat=True)) == {young}
