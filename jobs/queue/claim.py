@@ -28,7 +28,9 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS
 
 from jobs.conf import jobs_settings
+from jobs.progress import Progress
 from jobs.queue import _db, attempts, flow, pauses, processes, rollup, text
+from jobs.queue.outcomes import report_json
 from jobs.queue.types import ClaimedJob, ClaimRequest, ProcessBeat, Renewal, Scope
 
 # The claim's CTEs: what is paused, what each name asks for (paused names left out), and the
@@ -368,58 +370,75 @@ def renew_leases(
     *,
     lease: timedelta | None = None,
     beat: ProcessBeat | None = None,
+    progress: Mapping[UUID, Progress] | None = None,
     using: str = DEFAULT_DB_ALIAS,
 ) -> Renewal:
     """Extend the leases of held jobs and refresh the process's row, in one statement.
 
     Reports, by claim token, the leases lost and the attempts an operator asked to stop
     (:func:`jobs.queue.cancel`). With no jobs, only the beat is written (an idle worker).
+    ``progress`` holds the handlers' reports not written yet (:mod:`jobs.progress`), by
+    claim token: each goes to its row in the same UPDATE, which stays a HOT update (the
+    column is in no index); ``Renewal.unsent`` names those that were not written.
     """
     if not jobs and beat is None:
         return Renewal()
+    reports = [progress.get(job.claim_token) for job in jobs] if progress else []
     # Rows another session has locked (an operator's open transaction) are skipped, not
     # waited for: their renewal waits for the next round, and they are not reported lost.
     with _db.bound_cursor(using) as cur:
         cur.execute(
             f"""
             WITH held AS (
-                SELECT * FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[]) AS l(id, token)
+                -- A NULL array of reports (none to write) reads as NULL for every job.
+                SELECT * FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[], %(reports)b::jsonb[])
+                    AS l(id, token, report)
             ),
             free AS (
-                SELECT j.id FROM jobs_job j JOIN held ON j.id = held.id
+                SELECT j.id, held.token, held.report FROM jobs_job j JOIN held ON j.id = held.id
                 WHERE j.claim_token = held.token AND j.state = 'running'
                 FOR UPDATE OF j SKIP LOCKED
             ),
             renewed AS (
                 UPDATE jobs_job j
                 SET lease_expires_at = statement_timestamp() + make_interval(secs => %(lease)s),
-                    heartbeat_at = statement_timestamp()
+                    heartbeat_at = statement_timestamp(),
+                    progress = COALESCE(free.report, j.progress)
                 FROM free WHERE j.id = free.id
-                RETURNING j.id
+                RETURNING free.token
             ),
             {processes.BEAT_CTE}
             -- (A data-modifying CTE runs whether or not the query reads it.)
-            SELECT held.token, j.id IS NULL, j.cancel_requested_at IS NOT NULL
+            SELECT held.token, j.id IS NULL, j.cancel_requested_at IS NOT NULL, FALSE
             FROM held
             LEFT JOIN jobs_job j
               ON j.id = held.id AND j.claim_token = held.token AND j.state = 'running'
             WHERE j.id IS NULL OR j.cancel_requested_at IS NOT NULL
             -- A beat that found no row: one row with no token says so.
             UNION ALL
-            SELECT NULL, FALSE, FALSE FROM beat_missed WHERE missed
+            SELECT NULL, FALSE, FALSE, FALSE FROM beat_missed WHERE missed
+            -- Reports of held rows another session has locked: not written this time.
+            UNION ALL
+            SELECT held.token, FALSE, FALSE, TRUE FROM held
+            WHERE held.report IS NOT NULL
+              AND NOT EXISTS (SELECT 1 FROM renewed r WHERE r.token = held.token)
             """,
             {
                 "ids": [job.id for job in jobs],
                 "tokens": [job.claim_token for job in jobs],
+                "reports": [None if r is None else report_json(r) for r in reports]
+                if any(r is not None for r in reports)
+                else None,
                 "lease": _db.seconds(lease or jobs_settings.LEASE),
                 **processes.beat_params(beat),
             },
         )
         rows = cur.fetchall()
     return Renewal(
-        lost=frozenset(token for token, lost, _ in rows if lost),
-        cancel_requested=frozenset(token for token, lost, asked in rows if asked and not lost),
-        beat_missed=any(token is None for token, _, _ in rows),
+        lost=frozenset(token for token, lost, _, _ in rows if lost),
+        cancel_requested=frozenset(token for token, lost, asked, _ in rows if asked and not lost),
+        beat_missed=any(token is None for token, _, _, _ in rows),
+        unsent=frozenset(token for token, _, _, unsent in rows if unsent),
     )
 
 

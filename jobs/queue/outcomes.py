@@ -12,6 +12,7 @@ so a busy worker acknowledges in batches instead of one commit per job.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -20,6 +21,7 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
+from jobs.progress import Progress
 from jobs.queue import _db, attempts, flow, rollup, text
 from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay
 
@@ -35,8 +37,8 @@ o AS (
     SELECT * FROM unnest(
         %(ids)b::bigint[], %(tokens)b::uuid[], %(states)b::text[], %(codes)b::text[],
         %(details)b::text[], %(delays)b::float8[], %(ats)b::timestamptz[], %(deltas)b::int[],
-        %(results)b::jsonb[]
-    ) AS o(id, token, state, code, detail, delay, at, attempts_delta, result)
+        %(results)b::jsonb[], %(reports)b::jsonb[]
+    ) AS o(id, token, state, code, detail, delay, at, attempts_delta, result, report)
 ),
 free AS (
     -- An attempt an operator asked to stop is not retried or handed back: it ends cancelled.
@@ -64,6 +66,8 @@ written AS (
     + _STOPPED_DETAIL
     + """ ELSE COALESCE(o.detail, j.error_detail) END,
         result = o.result,
+        -- The handler's last progress report, if the lease renewals had not written it.
+        progress = COALESCE(o.report, j.progress),
         claim_token = NULL,
         lease_expires_at = NULL,
         -- A generated job_id is never submitted again: a finished keyless job lets it go.
@@ -159,7 +163,7 @@ def record(
     )
 
 
-def outcome_params(outcomes: Sequence[Outcome], using: str) -> dict[str, list[Any]]:
+def outcome_params(outcomes: Sequence[Outcome], using: str) -> dict[str, list[Any] | None]:
     """The parameters of the outcome write's CTEs (also for :mod:`jobs.queue.cycle`)."""
     # The Outcome constructors already made these storable; an Outcome built by hand is
     # made so here, since one refused value would fail the whole batch. A naive retry time
@@ -179,7 +183,25 @@ def outcome_params(outcomes: Sequence[Outcome], using: str) -> dict[str, list[An
         ],
         "deltas": [o.attempts_delta for o in outcomes],
         "results": [o.result_json for o in outcomes],
+        # A NULL array (no outcome carries a report) reads as NULL for every outcome.
+        "reports": [o.progress_json for o in outcomes]
+        if any(o.progress_json is not None for o in outcomes)
+        else None,
     }
+
+
+def report_json(report: Progress) -> str:
+    """A progress report as the ``progress`` column stores it, its note made storable."""
+    data = report.as_json()
+    data["note"] = text.clean(report.note)
+    return text.dumps(data)
+
+
+def with_progress(outcome: Outcome, report: Progress | None) -> Outcome:
+    """``outcome`` carrying the handler's last report, which no lease renewal wrote."""
+    if report is None:
+        return outcome
+    return dataclasses.replace(outcome, progress_json=report_json(report))
 
 
 def outcome_report(

@@ -225,6 +225,8 @@ class Outcome:
     at: datetime | None = None
     attempts_delta: int = 0  # -1 gives the claimed attempt back
     result_json: str | None = None  # the result, already encoded (see jobs.queue.text.dumps)
+    # The handler's last progress report, when no lease renewal wrote it (jobs.progress).
+    progress_json: str | None = None
 
     @classmethod
     def succeeded(cls, job: ClaimedJob, result: Any = None) -> Outcome:
@@ -315,6 +317,8 @@ class Renewal:
     lost: frozenset[UUID] = frozenset()
     cancel_requested: frozenset[UUID] = frozenset()
     beat_missed: bool = False
+    # Progress reports sent with the renewal and not written: their row was locked.
+    unsent: frozenset[UUID] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

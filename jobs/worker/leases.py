@@ -28,7 +28,9 @@ from django.db import connection
 
 from jobs import dbbounds, queue, runs
 from jobs.conf import as_timedelta
-from jobs.queue import ProcessBeat
+from jobs.progress import Progress
+from jobs.queue import Outcome, ProcessBeat
+from jobs.queue.outcomes import with_progress
 from jobs.worker import metrics
 from jobs.worker.execution import Running
 
@@ -113,9 +115,13 @@ class LeaseKeeper:
         if not renewable and beat is None:
             self._last_renewal = now
             return set()
+        reports = _unsent_reports(renewable)
         try:
             renewal = queue.renew_leases(
-                [r.job for r in renewable], lease=timedelta(seconds=self._lease), beat=beat
+                [r.job for r in renewable],
+                lease=timedelta(seconds=self._lease),
+                beat=beat,
+                progress={token: report for token, (_, report) in reports.items()},
             )
             lost_tokens: set[UUID] | frozenset[UUID] = renewal.lost
         except Exception as exc:
@@ -134,6 +140,7 @@ class LeaseKeeper:
             else:
                 return set()
         else:
+            _mark_sent(renewable, reports, renewal.unsent)
             self._stop_cancelled(
                 [r for r in renewable if r.job.claim_token in renewal.cancel_requested]
             )
@@ -203,3 +210,36 @@ class LeaseKeeper:
             except Exception:
                 logger.exception("heartbeat of %s rows failed", model._meta.label)
                 connection.close()
+
+
+def _unsent_reports(renewable: list[Running]) -> dict[UUID, tuple[int, Progress]]:
+    """The handlers' progress reports the row does not have yet, by claim token."""
+    reports: dict[UUID, tuple[int, Progress]] = {}
+    for running in renewable:
+        try:  # a handler may have assigned nonsense to its context
+            unsent = running.ctx.unsent_progress()
+        except Exception:
+            continue
+        if unsent is not None:
+            reports[running.job.claim_token] = unsent
+    return reports
+
+
+def _mark_sent(
+    renewable: list[Running], reports: dict[UUID, tuple[int, Progress]], unsent: frozenset[UUID]
+) -> None:
+    """Reports the renewal wrote are sent: the next renewal carries only newer ones."""
+    for running in renewable:
+        token = running.job.claim_token
+        if token in reports and token not in unsent:
+            with contextlib.suppress(Exception):
+                running.ctx.progress_sent(reports[token][0])
+
+
+def with_last_report(running: Running, outcome: Outcome) -> Outcome:
+    """The outcome carrying the handler's last progress report, if no renewal wrote it."""
+    try:
+        unsent = running.ctx.unsent_progress()
+        return with_progress(outcome, unsent[1] if unsent else None)
+    except Exception:  # a nonsense context, an unstorable note: the outcome matters more
+        return outcome

@@ -49,7 +49,7 @@ from jobs.worker.execution import (
 )
 from jobs.worker.flush import one_line, refused_data, unreachable, write_one_by_one
 from jobs.worker.history import History
-from jobs.worker.leases import LeaseKeeper
+from jobs.worker.leases import LeaseKeeper, with_last_report
 from jobs.worker.maintenance import WorkerMaintenance
 from jobs.worker.on_loop import execute_on_loop
 from jobs.worker.pool import HandlerPool
@@ -603,6 +603,8 @@ class Worker(Draining):
             self._finished(running, outcome)
 
     def _finished(self, running: Running, outcome: Outcome | None) -> None:
+        if outcome is not None:  # the last progress report goes with the outcome
+            outcome = with_last_report(running, outcome)
         with self._lock:
             running.finished = True
             self._in_flight -= 1
