@@ -55,7 +55,7 @@ from jobs.models import (
     TenantOverride,
     TenantWeight,
 )
-from jobs.monitor import attempts, flow, live, overview, performance, schedules, views
+from jobs.monitor import attempts, flow, live, overview, performance, progress, schedules, views
 from jobs.monitor.batches import BatchAdmin
 from jobs.monitor.cancels import ELIGIBLE, cancel_url, cancel_view, effects, eligible
 from jobs.monitor.display import moment, now_of
@@ -127,6 +127,7 @@ class JobDisplay(RunTableAdmin):
         "started",
         "finished",
         "replayed",
+        "progress_display",
     )
     change_form_template = "admin/jobs/job/change_form.html"
     #: The detail page's first sections; each admin adds its own timestamps and the rest.
@@ -139,6 +140,8 @@ class JobDisplay(RunTableAdmin):
         ),
         (_("Attempt timeline"), {"fields": ("attempt_timeline",), "classes": ("jobs-timeline",)}),
     )
+    #: The handler's last progress report (jobs.progress), after the first section.
+    progress_fieldset: tuple[Any, ...] = (_("Progress"), {"fields": ("progress_display",)})
 
     created = timestamp("created_at", _("created at"))
     due = timestamp("run_after", _("run after"))
@@ -149,6 +152,10 @@ class JobDisplay(RunTableAdmin):
     @admin.display(description=_("attempt timeline"))
     def attempt_timeline(self, obj: Job | JobHistory) -> str:
         return attempts.render(obj)
+
+    @admin.display(description=_("progress"))
+    def progress_display(self, obj: Job | JobHistory) -> str:
+        return progress.detail(obj, now_of(obj))
 
     @admin.display(description=_("attempts"))
     def attempts_display(self, obj: Job | JobHistory) -> str:
@@ -186,7 +193,9 @@ class JobAdmin(JobDisplay):
     actions = ["replay_selected", "cancel_selected", "run_now_selected"]
     change_list_template = "admin/jobs/job/change_list.html"
     fieldsets = (
-        *JobDisplay.detail_fieldsets,
+        JobDisplay.detail_fieldsets[0],
+        JobDisplay.progress_fieldset,
+        *JobDisplay.detail_fieldsets[1:],
         (
             _("Timestamps"),
             {"fields": ("created", "due", "started", "finished")},
@@ -213,6 +222,18 @@ class JobAdmin(JobDisplay):
             by=obj.cancel_requested_by or "?",
             at=moment(obj.cancel_requested_at, now_of(obj)),
         )
+
+    @admin.display(description=_("progress"))
+    def progress_column(self, obj: Job) -> str:
+        return progress.cell(obj)
+
+    def get_list_display(self, request: HttpRequest) -> Any:
+        """The running jobs view (``?state__exact=running``) has a progress column."""
+        columns = list(super().get_list_display(request))
+        if request.GET.get("state__exact") == RunState.RUNNING:
+            at = next((i + 1 for i, c in enumerate(columns) if c == "state"), len(columns))
+            columns.insert(at, "progress_column")
+        return columns
 
     def has_cancel_permission(self, request: HttpRequest) -> bool:
         return cancels.can_cancel(request.user)
@@ -397,7 +418,9 @@ class JobAdmin(JobDisplay):
                     "by": job.cancel_requested_by or "?",
                     "at": moment(asked, now_of(job) or database_now()),
                 }
-        return super().change_view(request, object_id, form_url, extra)
+            # A running job's page refreshes its progress in place (jobs.monitor.live).
+            extra["live"] = job.state == RunState.RUNNING or live.is_live(request)
+        return live.respond(request, super().change_view(request, object_id, form_url, extra))
 
 
 admin.site.register(Pause, PauseAdmin)
@@ -427,7 +450,9 @@ class JobHistoryAdmin(JobDisplay):
     # The history's index is by finished_at in every partition; ids are not ordered there.
     ordering = ("-finished_at",)
     fieldsets = (
-        *JobDisplay.detail_fieldsets,
+        JobDisplay.detail_fieldsets[0],
+        JobDisplay.progress_fieldset,
+        *JobDisplay.detail_fieldsets[1:],
         (
             _("Timestamps"),
             {"fields": ("created", "due", "started", "finished", "archived")},

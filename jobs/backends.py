@@ -27,7 +27,7 @@ import math
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from traceback import format_exception
 from typing import Any, cast
@@ -35,7 +35,7 @@ from typing import Any, cast
 from django.conf import settings
 from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus
 from django.tasks.backends.base import BaseTaskBackend
-from django.tasks.base import TaskError
+from django.tasks.base import TASK_REFRESH_ATTRS, TaskError
 from django.tasks.exceptions import TaskResultDoesNotExist
 from django.tasks.signals import task_enqueued, task_finished, task_started
 from django.utils import timezone
@@ -46,6 +46,8 @@ from jobs.context import JobContext
 from jobs.errors import Reject
 from jobs.payloads import InvalidPayload, Payload
 from jobs.policy import Policy
+from jobs.progress import Progress
+from jobs.progress import read as read_progress
 
 _STATUS = {
     "queued": TaskResultStatus.READY,
@@ -68,6 +70,40 @@ class DjangoTaskV1(Payload, name="django.task.v1"):
     kwargs: dict[str, Any]
     takes_context: bool = False
     backend: str = "default"
+
+
+# django-stubs declare these generic and not frozen; Django's own are frozen and take no type
+# arguments at run time.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobTaskResult(TaskResult):  # type: ignore[misc, type-arg]
+    """Django's ``TaskResult`` with the task's last progress report (:mod:`jobs.progress`).
+
+    ``progress`` is None until the task reports; :meth:`refresh` reads it again too.
+    """
+
+    progress: Progress | None = None
+
+    def refresh(self) -> None:
+        """Reload the task's state, its progress included, from the jobs table."""
+        self._update(self.task.get_backend().get_result(self.id))
+
+    async def arefresh(self) -> None:
+        self._update(await self.task.get_backend().aget_result(self.id))
+
+    def _update(self, fresh: TaskResult[..., Any]) -> None:
+        for attr in (*TASK_REFRESH_ATTRS, "progress"):
+            object.__setattr__(self, attr, getattr(fresh, attr, None))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobTaskContext(TaskContext):  # type: ignore[misc, type-arg]
+    """Django's ``TaskContext`` (``@task(takes_context=True)``), able to report progress."""
+
+    job_context: JobContext
+
+    def progress(self, done: int, total: int | None = None, note: str = "") -> None:
+        """Report how far the task got: :meth:`jobs.JobContext.progress`."""
+        self.job_context.progress(done, total, note)
 
 
 class PostgresBackend(BaseTaskBackend):
@@ -145,7 +181,7 @@ class PostgresBackend(BaseTaskBackend):
             takes_context=payload.takes_context,
         )
         status = _STATUS[job.state]
-        result: TaskResult[..., Any] = TaskResult(
+        result: TaskResult[..., Any] = JobTaskResult(
             task=task,
             id=str(job.pk),
             status=status,
@@ -158,6 +194,7 @@ class PostgresBackend(BaseTaskBackend):
             backend=self.alias,
             errors=_errors(job),
             worker_ids=_worker_ids(job),
+            progress=read_progress(job.progress),
         )
         object.__setattr__(result, "_return_value", job.result)
         return result
@@ -183,7 +220,8 @@ def run_task(payload: DjangoTaskV1, ctx: JobContext) -> Any:
     try:
         try:
             if payload.takes_context:
-                value = task.call(TaskContext(task_result=result), *payload.args, **payload.kwargs)
+                context = JobTaskContext(task_result=result, job_context=ctx)
+                value = task.call(context, *payload.args, **payload.kwargs)
             else:
                 value = task.call(*payload.args, **payload.kwargs)
         except Exception:
