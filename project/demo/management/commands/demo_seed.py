@@ -3,7 +3,9 @@
 Deterministic failures, so the failure monitor has something to show once a worker runs:
 mail to a blocked domain (rejected) and to a flaky one (retried, then not delivered), an
 item whose source answers 404 and one whose source times out (both dead-lettered), and a
-curation pass over a collection with a document that has no body (a failed run). A few
+curation pass over a collection with a document that has no body (a failed run), and an
+import of four contact lines, one without an email address (a batch whose report lists the
+failed line). A few
 older undelivered messages give the grouped view some history. Runs once; ``--again`` adds
 another batch.
 """
@@ -21,6 +23,7 @@ import jobs
 from jobs.runs import ErrorCode
 from project.curation import passes
 from project.curation.models import Document
+from project.demo.jobs import ImportFileV1
 from project.harvester.jobs import HarvestItemV1
 from project.harvester.models import Item
 from project.mail import deliveries
@@ -43,6 +46,12 @@ DOCUMENTS = {
     "articles": [("Solar grid", "Grid upgrade text."), ("Rail strike", "Strike ends.")],
     "archive": [("Annual report", "Figures."), ("Board minutes", "")],  # no body: fails
 }
+CONTACTS = [
+    "Ada Lovelace,ada@example.com",
+    "Grace Hopper,grace@example.com",
+    "Alan Turing",  # no email address: this line fails, and the report lists it
+    "Edsger Dijkstra,edsger@example.org",
+]
 HISTORY = [  # (hours ago, recipient, code, detail)
     (3, "frank@blocked.example", ErrorCode.REJECTED, "550 5.7.1 blocked.example refuses"),
     (30, "gina@flaky.example", ErrorCode.HANDLER_ERROR, "RelayTimeout: relay timed out"),
@@ -81,7 +90,13 @@ class Command(BaseCommand):
                 Document(collection=collection, title=title, body=body) for title, body in documents
             )
             passes.start_pass(collection, by="demo_seed")
+        # An import that fans out into a job per line and reports once (docs/workflows.md).
+        jobs.enqueue(
+            ImportFileV1(source=f"contacts-{batch}.csv", lines=CONTACTS),
+            job_id=f"demo-{batch}-import",
+        )
         self.stdout.write(
             f"seeded batch {batch}: {len(MAIL)} messages, {len(ITEMS)} items, "
-            f"{len(DOCUMENTS)} curation passes; a worker turns some of them into failures"
+            f"{len(DOCUMENTS)} curation passes, an import of {len(CONTACTS)} lines; "
+            "a worker turns some of them into failures"
         )
