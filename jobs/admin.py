@@ -225,7 +225,7 @@ class JobAdmin(JobDisplay):
 
     @admin.display(description=_("progress"))
     def progress_column(self, obj: Job) -> str:
-        return progress.cell(obj)
+        return progress.cell(obj.progress, running=obj.state == RunState.RUNNING)
 
     def get_list_display(self, request: HttpRequest) -> Any:
         """The running jobs view (``?state__exact=running``) has a progress column."""

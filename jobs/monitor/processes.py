@@ -21,7 +21,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.translation import gettext_lazy as _
 
 from jobs.models import Process
-from jobs.monitor import live
+from jobs.monitor import live, progress
 from jobs.monitor.display import duration, moment, now_of, with_now
 from jobs.monitor.modeladmin import ConsoleColumns
 from jobs.queue import processes
@@ -159,7 +159,8 @@ class ProcessAdmin(ConsoleColumns, admin.ModelAdmin):  # type: ignore[type-arg]
             return "—"
         rows = format_html_join(
             "",
-            '<tr><td><a href="{}">{}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>',
+            '<tr><td><a href="{}">{}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>'
+            "<td>{}</td></tr>",
             (
                 (
                     reverse(f"{self.admin_site.name}:jobs_job_change", args=[job.id]),
@@ -168,17 +169,19 @@ class ProcessAdmin(ConsoleColumns, admin.ModelAdmin):  # type: ignore[type-arg]
                     job.tenant,
                     job.attempts,
                     duration(job.elapsed) if job.elapsed is not None else "—",
+                    progress.cell(job.progress, running=True),
                 )
                 for job in jobs
             ),
         )
         return format_html(
             '<table class="jobs-held"><thead><tr><th>{}</th><th>{}</th><th>{}</th><th>{}</th>'
-            "<th>{}</th></tr></thead><tbody>{}</tbody></table>",
+            "<th>{}</th><th>{}</th></tr></thead><tbody>{}</tbody></table>",
             _("job id"),
             _("job type"),
             _("tenant"),
             _("attempt"),
             _("running for"),
+            _("progress"),
             rows,
         )

@@ -83,12 +83,12 @@ def _context(job: Any, report: Progress, running: bool, now: datetime | None) ->
     return format_html(' <span class="jobs-progress-at">({})</span>', SafeString(", ".join(parts)))
 
 
-def cell(job: Any) -> SafeString | str:
-    """A list column: the bar and the summary, the note in the title; "—" for no report."""
-    report = read(job.progress)
+def cell(value: Any, *, running: bool) -> SafeString | str:
+    """A table cell for a stored report: the bar and the percentage (the count without a
+    total), the whole summary in the title; "—" for no report."""
+    report = read(value)
     if report is None:
         return "—"
-    running = job.state == RunState.RUNNING
     short = f"{report.percent}%" if report.percent is not None else str(report.done)
     return format_html(
         '<span class="jobs-progress" title="{}">{} {}</span>',

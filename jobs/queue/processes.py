@@ -184,6 +184,7 @@ class HeldJob:
     attempts: int
     started_at: datetime | None
     elapsed: float | None  # seconds since the claim, by PostgreSQL's clock
+    progress: Any = None  # the handler's last report as stored (jobs.progress.read)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +244,8 @@ def status(
         SELECT j.claimed_by, json_agg(json_build_array(
                    j.id, j.job_id, j.name, j.tenant, j.attempts,
                    EXTRACT(EPOCH FROM j.started_at)::float8,
-                   EXTRACT(EPOCH FROM statement_timestamp() - j.started_at)::float8
+                   EXTRACT(EPOCH FROM statement_timestamp() - j.started_at)::float8,
+                   j.progress
                ) ORDER BY j.started_at, j.id) AS jobs
         FROM jobs_job j
         WHERE j.state = 'running' AND j.claimed_by IN (SELECT identity FROM p)
@@ -280,9 +282,9 @@ def _held_jobs(value: Any) -> tuple[HeldJob, ...]:
     if value is None:
         return ()
     jobs = []
-    for id_, job_id, name, tenant, attempts, started, elapsed in _db.load_json(value):
+    for id_, job_id, name, tenant, attempts, started, elapsed, progress in _db.load_json(value):
         started_at = None if started is None else datetime.fromtimestamp(started, UTC)
-        jobs.append(HeldJob(id_, job_id, name, tenant, attempts, started_at, elapsed))
+        jobs.append(HeldJob(id_, job_id, name, tenant, attempts, started_at, elapsed, progress))
     return tuple(jobs)
 
 

@@ -3,6 +3,7 @@ own), written with the outcome, shown by the admin and by ``get_result()``."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from datetime import timedelta
 
@@ -234,6 +235,49 @@ class TestWorker:
         assert row.progress == {"done": 4, "total": 4, "note": "finished", "attempt": 1}
 
 
+class AsyncScript(Script):
+    """The same, as an ``async def`` handler on the worker's event loop."""
+
+    async def __call__(self, payload: Count, ctx: JobContext) -> None:  # type: ignore[override]
+        for done in range(payload.items + 1):
+            ctx.progress(done, payload.items, f"item {done}")
+            if done % 100 == 0:
+                await asyncio.sleep(0)
+        self.reported.set()
+        while not self.release.is_set():
+            await asyncio.sleep(0.01)
+        ctx.progress(payload.items, payload.items, "finished")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_async_handler_reports_the_same_way():
+    script = AsyncScript()
+    assert JobType(Count, script).is_async  # run on the worker's event loop
+    job = enqueue(Count(items=500))
+    config = WorkerConfig(
+        lease=timedelta(seconds=0.3), poll_interval=0.05, install_signal_handlers=False
+    )
+    worker = Worker(registry(script), config)
+    runner = threading.Thread(target=worker.run)
+    runner.start()
+    try:
+        assert script.reported.wait(10)
+        wait_for(
+            lambda: (progress_of(job.id) or {}).get("note") == "item 500",
+            timeout=5,
+            what="the report in the row",
+        )
+        script.release.set()
+        wait_for(
+            lambda: Job.objects.get(pk=job.id).state == "succeeded", timeout=5, what="the outcome"
+        )
+    finally:
+        script.release.set()
+        worker.request_stop()
+        runner.join(10)
+    assert progress_of(job.id) == {"done": 500, "total": 500, "note": "finished", "attempt": 1}
+
+
 @task(takes_context=True)
 def crunch(context, items: int) -> int:
     for done in range(items + 1):
@@ -321,3 +365,22 @@ class TestAdmin:
         response = viewer.get(reverse("admin:jobs_jobhistory_change", args=[job.pk]))
 
         assert "2 / 2 (100%) — end" in response.content.decode()
+
+
+@pytest.mark.django_db
+def test_a_process_page_shows_the_progress_of_the_jobs_it_holds(client):
+    from django.contrib.auth.models import Permission, User
+
+    from tests.integration.test_processes import claim_for, register
+
+    user = User.objects.create_user("ops", is_staff=True)
+    user.user_permissions.add(Permission.objects.get(codename="view_process"))
+    client.force_login(user)
+    register("w1:1:aa")
+    [job] = claim_for("w1:1:aa")
+    queue.renew_leases([job], progress={job.claim_token: Progress(2, 8, "two of eight")})
+
+    page = client.get(reverse("admin:jobs_process_change", args=["w1:1:aa"])).content.decode()
+
+    assert 'title="2 / 8 (25%) — two of eight"' in page
+    assert '<progress value="2" max="8">25%</progress>' in page
