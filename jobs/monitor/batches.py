@@ -45,15 +45,12 @@ class BatchAdmin(admin.ModelAdmin):  # type: ignore[type-arg]  # generic in the 
     list_display = (
         "id",
         "description",
-        "tenant",
-        "created_at",
         "status",
         "finished_of_total",
-        "succeeded",
-        "failed",
-        "cancelled",
+        "outcomes",
         "successor_link",
     )
+    date_hierarchy = "created_at"
     list_display_links = ("id", "description")
     list_filter = (BatchStatusFilter, "tenant")
     search_fields = ("description", "=id")
@@ -101,6 +98,19 @@ class BatchAdmin(admin.ModelAdmin):  # type: ignore[type-arg]  # generic in the 
     @admin.display(description=_("finished"))
     def finished_of_total(self, obj: Batch) -> str:
         return f"{obj.finished:,} / {obj.total:,}"
+
+    @admin.display(description=_("outcomes"))
+    def outcomes(self, obj: Batch) -> str:
+        parts = [
+            f"{count:,} {label}"
+            for count, label in (
+                (obj.succeeded, _("succeeded")),
+                (obj.failed, _("failed")),
+                (obj.cancelled, _("cancelled")),
+            )
+            if count
+        ]
+        return ", ".join(parts) or "—"
 
     @admin.display(description=_("members"))
     def members_link(self, obj: Batch) -> SafeString:
