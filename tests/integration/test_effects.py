@@ -21,10 +21,12 @@ from django.db.transaction import TransactionManagementError
 import jobs
 from jobs import JobContext, LeaseLost, Payload, enqueue, queue
 from jobs.effects import key_for
-from jobs.models import Effect, Job, Rollup, TenantOverride
-from jobs.queue import AllTenants, ClaimedJob, ClaimRequest
+from jobs.models import Effect, Job, JobHistory, Rollup, TenantOverride
+from jobs.queue import AllTenants, ClaimedJob, ClaimRequest, NewJob, history
 from jobs.queue import effects as journal
 from jobs.registry import JobType, Policy, Registry
+from jobs.scheduler.clock import database_now
+from jobs.scheduler.retention import Retention
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
 from tests.factories import JobFactory
@@ -240,6 +242,22 @@ def test_retention_deletes_the_journal_of_jobs_gone_and_only_those():
     assert list(Effect.objects.values_list("job", flat=True)) == [live.id]
 
 
+def test_the_journal_follows_its_job_into_the_history_and_goes_with_its_partition():
+    [enqueued] = queue.enqueue_many([NewJob(NOOP)])  # keyless: archived once it finishes
+    job = claim()
+    jobs.effect(context(job), "charge").run(Calls({"charge": 1}))
+    assert queue.complete(job)
+    now = database_now()
+
+    assert history.archive(now=now + timedelta(minutes=1)) == {"succeeded": (1, 1)}
+    assert Retention().run_once(now=now + timedelta(days=1))["jobs.effect:gone"] == 0
+    assert Effect.objects.filter(job=enqueued.id).exists()  # a replay would still find it
+
+    counts = Retention().run_once(now=now + timedelta(days=400))  # its partition dropped
+    assert not JobHistory.objects.filter(pk=enqueued.id).exists()
+    assert counts["jobs.effect:gone"] == 1 and not Effect.objects.exists()
+
+
 # -- transactional completion -------------------------------------------------------------
 
 
@@ -254,6 +272,7 @@ class Seen:
     def __init__(self) -> None:
         self.cancelled_after_commit: list[bool] = []
         self.errors: list[BaseException] = []
+        self.started, self.go = threading.Event(), threading.Event()
 
 
 def business(ctx: JobContext) -> str:
@@ -265,12 +284,18 @@ def finish(seen: Seen):
         action = payload.action
         if action == "outside":
             jobs.complete(ctx)
+        if action == "stale":  # the test takes the job away meanwhile
+            seen.started.set()
+            assert seen.go.wait(10)
         try:
             with transaction.atomic():
                 TenantOverride.objects.create(tenant=business(ctx), component="x")
                 jobs.complete(ctx, {"paid": ctx.attempt})
                 if action in ("rollback", "caught"):
                     raise RuntimeError("the business rule said no, after complete()")
+        except LeaseLost as exc:
+            seen.errors.append(exc)
+            raise
         except RuntimeError:
             if action == "rollback":
                 raise
@@ -387,6 +412,28 @@ def test_a_stale_handler_gets_lease_lost_and_its_business_write_rolls_back():
     assert not TenantOverride.objects.filter(tenant=business(stale)).exists()
     row = Job.objects.get(pk=job.id)
     assert (row.state, row.claim_token, row.result) == ("running", fresh.claim_token, None)
+
+
+def test_a_stale_handler_in_a_real_worker_cannot_commit_its_business_write():
+    seen = Seen()
+    job = enqueue(Finish(action="stale"))
+    registry = Registry([JobType(Finish, finish(seen), Policy(max_attempts=1))])
+    worker = Worker(registry, WorkerConfig(poll_interval=0.05, install_signal_handlers=False))
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        assert seen.started.wait(10)
+        taken = uuid.uuid4()  # another worker claimed the job after this one's lease lapsed
+        Job.objects.filter(pk=job.id).update(claim_token=taken)
+        seen.go.set()
+        wait_until(lambda: seen.errors and worker.idle, what="the handler finished")
+    finally:
+        worker.request_stop()
+        thread.join(10)
+    assert [type(error) for error in seen.errors] == [LeaseLost]
+    assert not TenantOverride.objects.filter(tenant=f"paid-{job.id}").exists()
+    row = Job.objects.get(pk=job.id)
+    assert (row.state, row.claim_token, row.result) == ("running", taken, None)
 
 
 def test_a_completion_waiting_on_the_row_while_it_is_reclaimed_gets_lease_lost():
