@@ -30,13 +30,16 @@ import uuid
 import weakref
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.transaction import TransactionManagementError
 
 from jobs.context import JobContext
 from jobs.errors import LeaseLost
+
+if TYPE_CHECKING:
+    from jobs.queue import ClaimedJob
 
 T = TypeVar("T")
 
@@ -254,7 +257,7 @@ def _mark_completed(ctx: JobContext) -> None:
         _completed.add(ctx)
 
 
-def _as_claimed(ctx: JobContext, token: uuid.UUID) -> Any:
+def _as_claimed(ctx: JobContext, token: uuid.UUID) -> ClaimedJob:
     """The claimed job as the context knows it (an outcome reads its id and token only)."""
     from jobs.queue import ClaimedJob
 
