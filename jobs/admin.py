@@ -55,7 +55,17 @@ from jobs.models import (
     TenantOverride,
     TenantWeight,
 )
-from jobs.monitor import attempts, flow, live, overview, performance, progress, schedules, views
+from jobs.monitor import (
+    attempts,
+    batches,
+    flow,
+    live,
+    overview,
+    performance,
+    progress,
+    schedules,
+    views,
+)
 from jobs.monitor.batches import BatchAdmin
 from jobs.monitor.cancels import ELIGIBLE, cancel_url, cancel_view, effects, eligible
 from jobs.monitor.display import moment, now_of
@@ -128,6 +138,7 @@ class JobDisplay(RunTableAdmin):
         "finished",
         "replayed",
         "progress_display",
+        "workflow_display",
     )
     change_form_template = "admin/jobs/job/change_form.html"
     #: The detail page's first sections; each admin adds its own timestamps and the rest.
@@ -148,6 +159,17 @@ class JobDisplay(RunTableAdmin):
     started = timestamp("started_at", _("started at"))
     finished = timestamp("finished_at", _("finished at"))
     replayed = timestamp("replayed_at", _("replayed at"))
+
+    @admin.display(description=_("batch and dependencies"))
+    def workflow_display(self, obj: Job | JobHistory) -> str:
+        return batches.workflow(obj)
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        """A job in a batch or in a dependency gets a section saying so, after the first."""
+        fieldsets = list(super().get_fieldsets(request, obj))
+        if obj is not None and batches.workflow(obj):
+            fieldsets.insert(1, (_("Workflow"), {"fields": ("workflow_display",)}))
+        return fieldsets
 
     @admin.display(description=_("attempt timeline"))
     def attempt_timeline(self, obj: Job | JobHistory) -> str:
@@ -187,7 +209,7 @@ class JobAdmin(JobDisplay):
         "state",
         "attempts_display",
         "last_error",
-        "run_after",
+        "run_after_column",
         "created_at",
     )
     actions = ["replay_selected", "cancel_selected", "run_now_selected"]
@@ -222,6 +244,15 @@ class JobAdmin(JobDisplay):
             by=obj.cancel_requested_by or "?",
             at=moment(obj.cancel_requested_at, now_of(obj)),
         )
+
+    @admin.display(description=_("run after"), ordering="run_after")
+    def run_after_column(self, obj: Job) -> str:
+        """A job waiting for others (run_after in the year 9000) says so instead of a date."""
+        if obj.waiting_on:
+            return ngettext(
+                "waiting for %(count)d job", "waiting for %(count)d jobs", obj.waiting_on
+            ) % {"count": obj.waiting_on}
+        return moment(obj.run_after, now_of(obj))
 
     @admin.display(description=_("progress"))
     def progress_column(self, obj: Job) -> str:

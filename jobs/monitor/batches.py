@@ -12,8 +12,8 @@ from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.urls import reverse
-from django.utils.html import format_html
-from django.utils.safestring import SafeString
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString, mark_safe
 from django.utils.translation import gettext_lazy as _
 
 from jobs.models import Batch
@@ -136,3 +136,55 @@ class BatchAdmin(admin.ModelAdmin):  # type: ignore[type-arg]  # generic in the 
         if not obj.successor:
             return "—"
         return f"{obj.successor.get('name')} (queue {obj.successor.get('queue')})"
+
+
+def workflow(obj: Any) -> SafeString | str:
+    """A job's place in batches and dependencies, for its page: links onwards, or ``""``."""
+    from jobs.models import Dependency, Job, JobHistory
+
+    lines = []
+    batch_id = getattr(obj, "batch_id", None)
+    if batch_id is not None:
+        batch = Batch.objects.filter(pk=batch_id).first()
+        url = reverse("admin:jobs_batch_change", args=[batch_id])
+        lines.append(
+            format_html(
+                '{} <a href="{}">#{}</a>{}',
+                _("member of batch"),
+                url,
+                batch_id,
+                f" ({batch.description}, {batch.finished:,} / {batch.total:,} finished)"
+                if batch
+                else f" ({_('deleted by retention')})",
+            )
+        )
+    for batch in Batch.objects.filter(successor_pk=obj.pk):
+        url = reverse("admin:jobs_batch_change", args=[batch.pk])
+        lines.append(format_html('{} <a href="{}">#{}</a>', _("successor of batch"), url, batch.pk))
+    if isinstance(obj, Job):
+        upstream = list(Dependency.objects.filter(job=obj.pk).values_list("upstream", flat=True))
+        if upstream:
+            states = dict(Job.objects.filter(pk__in=upstream).values_list("pk", "state"))
+            states.update(
+                JobHistory.objects.filter(pk__in=set(upstream) - set(states)).values_list(
+                    "pk", "state"
+                )
+            )
+            links = format_html_join(
+                ", ",
+                '<a href="{}">#{}</a> ({})',
+                (
+                    (reverse("admin:jobs_job_change", args=[up]), up, states.get(up, _("gone")))
+                    for up in upstream
+                ),
+            )
+            still = (
+                format_html(" — {} {}", _("still waiting for"), obj.waiting_on)
+                if obj.waiting_on
+                else ""
+            )
+            lines.append(format_html("{} {}{}", _("waits for"), links, still))
+        if obj.depended_on:
+            count = Dependency.objects.filter(upstream=obj.pk).count()
+            lines.append(format_html("{} {}", count, _("jobs wait for this one")))
+    return format_html_join(mark_safe("<br>"), "{}", ((line,) for line in lines))

@@ -247,10 +247,10 @@ def prune(
                     DELETE FROM jobs_batch WHERE id = ANY(ARRAY(
                         SELECT b.id FROM jobs_batch b
                         WHERE (b.fired_at < COALESCE(%(now)s, statement_timestamp())
-                                             - %(age)s)
+                                             - make_interval(secs => %(age)s))
                            OR (b.fired_at IS NULL AND b.sealed_at IS NULL
                                AND b.created_at < COALESCE(%(now)s, statement_timestamp())
-                                                  - %(age)s
+                                                  - make_interval(secs => %(age)s)
                                AND NOT EXISTS (
                                    SELECT 1 FROM jobs_job j WHERE j.batch_id = b.id))
                         ORDER BY b.id
@@ -261,7 +261,7 @@ def prune(
                 )
                 SELECT count(*) FROM gone
                 """,
-                {"now": now, "age": older_than, "batch": batch_size},
+                {"now": now, "age": _db.seconds(older_than), "batch": batch_size},
             )
             [(count,)] = cur.fetchall()
             deleted += count

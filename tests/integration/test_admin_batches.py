@@ -60,3 +60,26 @@ def test_without_job_permissions_batches_are_hidden():
     finished_batch()
     client = client_for(operator("nobody"))
     assert client.get(reverse("admin:jobs_batch_changelist")).status_code == 403
+
+
+def test_a_jobs_page_shows_its_batch_what_it_waits_for_and_who_waits_for_it():
+    done = finished_batch()
+    top = queue.enqueue(NewJob(name=NAME, job_id="top")).id
+    waiting = queue.enqueue(NewJob(name="test.after.v1", after=(top,))).id
+    client = client_for(operator("viewer", "jobs.view_job"))
+
+    successor = batches.get(done).successor_pk
+    page = client.get(reverse("admin:jobs_job_change", args=[successor])).content.decode()
+    assert "successor of batch" in page
+    member = queue.batches.failures(done)[0].id
+    page = client.get(reverse("admin:jobs_job_change", args=[member])).content.decode()
+    assert "member of batch" in page and "import crm.csv, 3 / 3 finished" in page
+    page = client.get(reverse("admin:jobs_job_change", args=[waiting])).content.decode()
+    assert f"#{top}</a> (queued)" in page and "still waiting for 1" in page
+    page = client.get(reverse("admin:jobs_job_change", args=[top])).content.decode()
+    assert "1 jobs wait for this one" in page
+    listing = client.get(reverse("admin:jobs_job_changelist")).content.decode()
+    assert "waiting for 1 job" in listing and "9000" not in listing
+    plain = queue.enqueue(NewJob(name=NAME)).id
+    page = client.get(reverse("admin:jobs_job_change", args=[plain])).content.decode()
+    assert "Workflow" not in page

@@ -311,7 +311,7 @@ def _run_sequence(actions, initial, seal_at):
 def test_retention_deletes_finished_batches_and_forgotten_open_ones_only():
     finished = open_batch(None)
     queue_batches.seal(finished)  # empty: fires at once
-    forgotten = open_batch(None)  # never sealed, no member
+    open_batch(None)  # never sealed, no member: forgotten
     busy = open_batch(None)
     add(busy, 1)  # never sealed, a member still queued
     later = timezone.now() + timedelta(days=15)
