@@ -202,7 +202,7 @@ def charge(payload: Charge, ctx: JobContext) -> object:
     def block() -> None:
         with open(payload.signal, "w") as out:
             out.write(str(os.getpid()))
-        time.sleep(3600)  # until the test kills the process
+        time.sleep(3600)  # until the test kills the process  # noqa: fixed-sleep
 
     def call(key: str) -> dict[str, int]:
         trace("call")
