@@ -167,7 +167,7 @@ class JobDisplay(RunTableAdmin):
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
         """A job in a batch or in a dependency gets a section saying so, after the first."""
         fieldsets = list(super().get_fieldsets(request, obj))
-        if obj is not None and batches.workflow(obj):
+        if obj is not None and batches.in_workflow(obj):
             fieldsets.insert(1, (_("Workflow"), {"fields": ("workflow_display",)}))
         return fieldsets
 

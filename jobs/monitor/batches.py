@@ -138,6 +138,18 @@ class BatchAdmin(admin.ModelAdmin):  # type: ignore[type-arg]  # generic in the 
         return f"{obj.successor.get('name')} (queue {obj.successor.get('queue')})"
 
 
+def in_workflow(obj: Any) -> bool:
+    """Whether the job has a place in a batch or a dependency (one cheap check, no rendering)."""
+    from jobs.models import Dependency
+
+    return bool(
+        getattr(obj, "batch_id", None) is not None
+        or getattr(obj, "depended_on", False)
+        or Batch.objects.filter(successor_pk=obj.pk).exists()
+        or Dependency.objects.filter(job=obj.pk).exists()
+    )
+
+
 def workflow(obj: Any) -> SafeString | str:
     """A job's place in batches and dependencies, for its page: links onwards, or ``""``."""
     from jobs.models import Dependency, Job, JobHistory
