@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from datetime import datetime
 
 import pytest
 from django.db import connection
@@ -34,16 +35,22 @@ def entries():
         cur.execute("DROP TABLE test_flow_entries")
 
 
-def peak(type_name: str, *, by_tenant: bool = False, dead_pid: int | None = None) -> int:
+def peak(
+    type_name: str,
+    *,
+    by_tenant: bool = False,
+    dead_pid: int | None = None,
+    killed_at: datetime | None = None,
+) -> int:
     """The most handlers of a type (of one tenant) inside at once. A killed process's
-    handlers stopped when it died: their open entries end at the kill."""
+    handlers stopped when it died (``killed_at``): their open entries end at the kill."""
     partition = "PARTITION BY tenant" if by_tenant else ""
     with connection.cursor() as cur:
         cur.execute(
             f"""
             WITH spans AS (
                 SELECT tenant, entered,
-                       COALESCE(left_at, CASE WHEN pid = %(dead)s THEN %(killed)s END,
+                       COALESCE(left_at, CASE WHEN pid = %(dead)s THEN %(killed)s::timestamptz END,
                                 'infinity') AS left_at
                 FROM test_flow_entries WHERE type = %(type)s
             ),
@@ -55,12 +62,9 @@ def peak(type_name: str, *, by_tenant: bool = False, dead_pid: int | None = None
                 SELECT sum(step) OVER ({partition} ORDER BY at, step) AS inside FROM edges
             ) s
             """,
-            {"type": type_name, "dead": dead_pid or -1, "killed": KILLED.get("at")},
+            {"type": type_name, "dead": dead_pid or -1, "killed": killed_at},
         )
         return cur.fetchone()[0]
-
-
-KILLED: dict[str, object] = {}
 
 
 def states(name: str) -> dict[str, int]:
@@ -76,23 +80,28 @@ def test_a_global_limit_holds_across_workers_and_a_killed_workers_share_comes_ba
     for worker in workers:
         worker.wait_for_output("worker .* started")
     enqueue_many([FlowEntry(seconds=0.1) for _ in range(60)])
-    # Kill a worker while it runs jobs of the type: its places stay taken until its leases
-    # expire and a sweep puts the jobs back.
-    victim = workers[0]
-    wait_for(
-        lambda: Job.objects.filter(state="running", claimed_by__contains=f":{victim.pid}:"),
-        timeout=20,
-        what="the first worker runs a job",
-    )
+    # Kill a worker while it runs jobs of the type (whichever won a place first: with three
+    # places for three workers, no given one is sure to): its places stay taken until its
+    # leases expire and a sweep puts the jobs back.
+    by_pid = {worker.pid: worker for worker in workers}
+
+    def running_worker() -> object | None:
+        for claimed_by in Job.objects.filter(state="running").values_list("claimed_by", flat=True):
+            for pid, worker in by_pid.items():
+                if f":{pid}:" in claimed_by:
+                    return worker
+        return None
+
+    victim = wait_for(running_worker, timeout=20, what="a worker runs a job")
     victim.proc.kill()
     victim.wait()
     with connection.cursor() as cur:
         cur.execute("SELECT clock_timestamp()")
-        KILLED["at"] = cur.fetchone()[0]
+        killed_at = cur.fetchone()[0]
 
     wait_for(lambda: states(FlowEntry.job_name) == {"succeeded": 60}, timeout=60)
-    assert peak(FlowEntry.job_name, dead_pid=victim.pid) <= 3
-    assert peak(FlowEntry.job_name, dead_pid=victim.pid) == 3  # the limit was reached
+    assert peak(FlowEntry.job_name, dead_pid=victim.pid, killed_at=killed_at) <= 3
+    assert peak(FlowEntry.job_name, dead_pid=victim.pid, killed_at=killed_at) == 3  # reached
 
 
 def test_a_tenant_limit_holds_per_tenant_while_tenants_run_side_by_side(spawn):
