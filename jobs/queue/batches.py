@@ -29,7 +29,7 @@ from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, transaction
 
-from jobs.queue import _db, enqueue
+from jobs.queue import _db, dependencies, enqueue, keys
 from jobs.queue.types import BatchFailure, BatchState, Enqueued, InvalidJob, NewJob, validate_key
 
 _STATE_COLUMNS = (
@@ -78,7 +78,11 @@ def open(
                     'job_id', %(job_id)s::text, 'keyed', %(keyed)s::boolean,
                     'name', %(name)s::text, 'payload', %(payload)s::jsonb,
                     'tenant', %(s_tenant)s::text, 'queue', %(queue)s::text,
-                    'priority', %(priority)s::integer, 'max_attempts', %(max_attempts)s::integer
+                    'priority', %(priority)s::integer, 'max_attempts', %(max_attempts)s::integer,
+                    -- For the firing: a holder of the successor's key whose window has
+                    -- passed lets it go, as enqueue lets it go.
+                    'success_window', %(success_window)s::float8,
+                    'failure_window', %(failure_window)s::float8
                 ) END
             )
             RETURNING id
@@ -89,6 +93,7 @@ def open(
                 "by": by[:200],
                 "has_successor": template is not None,
                 "s_tenant": values.get("tenant"),
+                **keys.window_params(),
                 **{
                     key: values.get(key)
                     for key in (
@@ -118,6 +123,13 @@ def add(batch_id: int, jobs: Sequence[NewJob], *, using: str = DEFAULT_DB_ALIAS)
     if not jobs:
         return []
     with transaction.atomic(using=using), _db.cursor(using) as cur:
+        waiting = [enqueue.validated_row(job) for job in jobs if job.after]
+        if waiting:
+            # Lock the jobs the members wait for before the batch row: an outcome locks its
+            # job's row and then its batch's, and a member waiting for a sibling that
+            # finishes meanwhile would take the two the other way round (a deadlock). The
+            # enqueue below finds them held already.
+            dependencies.prepare(cur, waiting)
         # Count the jobs first: a member may finish inside this very transaction (it waits for
         # a job that has failed), and the counts must never pass the total.
         cur.execute(

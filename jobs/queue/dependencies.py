@@ -25,6 +25,7 @@ from typing import Any
 from django.db.backends.utils import CursorWrapper
 
 from jobs.models import WAITING_UNTIL, DependencyFailure
+from jobs.queue import keys
 from jobs.queue.types import Enqueued, InvalidJob, NewJob
 
 #: The most jobs one job may wait for.
@@ -94,14 +95,21 @@ def prepare(cur: CursorWrapper, rows: list[dict[str, Any]]) -> None:
                     f"(name a job that let its key go by its row id)"
                 )
         row["upstream"] = list(dict.fromkeys(upstream))
-    states = lock(cur, {id_ for row in rows for id_ in row["upstream"]})
+    states, tenants = _lock(cur, {id_ for row in rows for id_ in row["upstream"]})
     for row in rows:
         missing = [id_ for id_ in row["upstream"] if id_ not in states]
         if missing:
             raise InvalidJob(f"after: no job has row id {missing[0]}")
+        foreign = [id_ for id_ in row["upstream"] if tenants[id_] != row["tenant"]]
+        if foreign:  # as a job_id names a job of the row's own tenant only
+            raise InvalidJob(
+                f"after: job {foreign[0]} belongs to another tenant than {row['tenant']}"
+            )
         row["waiting_on"] = sum(states[id_] != "succeeded" for id_ in row["upstream"])
-        if row["waiting_on"]:
-            row["run_after"], row["delay"] = WAITING_UNTIL, 0.0
+        # As the caller gave them: a retried enqueue (after a deadlock) prepares the same rows
+        # again, and may find nothing left to wait for this time.
+        given = row.setdefault("given_when", (row["run_after"], row["delay"]))
+        row["run_after"], row["delay"] = (WAITING_UNTIL, 0.0) if row["waiting_on"] else given
         row["upstream_states"] = states
 
 
@@ -169,9 +177,14 @@ def lock(cur: CursorWrapper, ids: Iterable[int]) -> dict[int, str]:
     A job already in the history table has finished for good and needs no mark. Ids found
     in neither table are left out of the result.
     """
+    return _lock(cur, ids)[0]
+
+
+def _lock(cur: CursorWrapper, ids: Iterable[int]) -> tuple[dict[int, str], dict[int, str]]:
+    """:func:`lock`, with each job's tenant too."""
     wanted = sorted(set(ids))
     if not wanted:
-        return {}
+        return {}, {}
     cur.execute(
         """
         WITH locked AS (
@@ -179,34 +192,37 @@ def lock(cur: CursorWrapper, ids: Iterable[int]) -> dict[int, str]:
         )
         UPDATE jobs_job j SET depended_on = TRUE
         FROM locked WHERE j.id = locked.id
-        RETURNING j.id, j.state
+        RETURNING j.id, j.state, j.tenant
         """,
         {"ids": wanted},
     )
-    states = dict(cur.fetchall())
-    rest = [id_ for id_ in wanted if id_ not in states]
+    found = cur.fetchall()
+    rest = [id_ for id_ in wanted if id_ not in {id_ for id_, _, _ in found}]
     if rest:
-        cur.execute("SELECT id, state FROM jobs_jobhistory WHERE id = ANY(%s)", [rest])
-        states.update(cur.fetchall())
-    return states
+        cur.execute("SELECT id, state, tenant FROM jobs_jobhistory WHERE id = ANY(%s)", [rest])
+        found.extend(cur.fetchall())
+    return {id_: state for id_, state, _ in found}, {id_: tenant for id_, _, tenant in found}
 
 
 def _resolve(cur: CursorWrapper, named: set[tuple[str, str]]) -> dict[tuple[str, str], int]:
     """The row holding each (tenant, job_id): active, or finished within its window.
 
     A job that has let its key go (cancelled before it ran, or its window passed) is named
-    by its row id instead.
+    by its row id instead: a holder whose window has passed is about to let it go to the
+    next job enqueued under it, and waiting for its old outcome would be waiting for the
+    wrong job.
     """
     if not named:
         return {}
     tenants, job_ids = zip(*sorted(named), strict=True)
     cur.execute(
-        """
+        f"""
         SELECT j.tenant, j.job_id, j.id
-        FROM unnest(%s::text[], %s::text[]) AS k(tenant, job_id)
+        FROM unnest(%(tenants)s::text[], %(job_ids)s::text[]) AS k(tenant, job_id)
         JOIN jobs_job j ON j.tenant = k.tenant AND j.job_id = k.job_id AND j.key_held
+        WHERE NOT {keys.WINDOW_PASSED}
         """,
-        [list(tenants), list(job_ids)],
+        {"tenants": list(tenants), "job_ids": list(job_ids), **keys.window_params()},
     )
     return {(tenant, job_id): id_ for tenant, job_id, id_ in cur.fetchall()}
 

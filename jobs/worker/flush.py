@@ -3,7 +3,9 @@
 The run loop writes a pass's outcomes in one statement. If PostgreSQL refuses it (a value a
 trigger or constraint rejects), every outcome is written again in its own transaction, and
 the one still refused becomes a ``failed`` / ``handler_error`` outcome whose detail carries
-the database's message; if even that is refused, the job is given up to its lease.
+the database's message; if even that is refused, the job is given up to its lease. A
+deadlock or serialization failure is not a refusal: that outcome is tried again, and put
+off to the next pass if the conflict persists.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def write_one_by_one(
     for running, outcome in outcomes:
         job = running.job
         try:
-            result = _write_one(running, outcome)
+            result = _write_one_retrying(running, outcome)
         except Exception as exc:  # refused by the database, or a bug in a run-row update
             if unreachable(exc):
                 raise
@@ -74,6 +76,35 @@ def write_one_by_one(
     return report, written
 
 
+#: Times one outcome is written again after a deadlock or serialization failure before it is
+#: put off to the next pass.
+TRANSIENT_RETRIES = 3
+
+
+def _write_one_retrying(running: Running, outcome: Outcome) -> str:
+    """:func:`_write_one`, again after a transient refusal; ``busy`` if it keeps coming.
+
+    A deadlock (two outcome statements that took batch or dependent rows in opposite orders:
+    PostgreSQL aborts one) says nothing about the outcome: it must never become a failure.
+    """
+    for attempt in range(1, TRANSIENT_RETRIES + 1):
+        try:
+            return _write_one(running, outcome)
+        except DjangoDbError as exc:
+            if not transient(exc):
+                raise
+            if attempt == TRANSIENT_RETRIES:
+                logger.warning(
+                    "the outcome of job %s (%s) met %s %d times; trying in the next pass",
+                    running.job.job_id,
+                    running.job.name,
+                    one_line(exc),
+                    attempt,
+                    extra={"job_id": running.job.job_id, "action": "outcome_deferred"},
+                )
+    return "busy"  # put off: the pass defers busy outcomes to the next one
+
+
 def _write_one(running: Running, outcome: Outcome) -> str:
     """``applied``, ``fenced`` or ``busy`` (the row is locked by another session)."""
     with transaction.atomic():
@@ -101,6 +132,17 @@ def refused_data(exc: BaseException) -> bool:
     if not sqlstate:
         return False
     return not sqlstate.startswith(_UNREACHABLE)
+
+
+#: SQLSTATEs of a transaction PostgreSQL rolled back for a conflict with another one (a
+#: serialization failure, a deadlock): the same statement succeeds when tried again.
+_TRANSIENT = ("40001", "40P01")
+
+
+def transient(exc: BaseException) -> bool:
+    """True for a statement aborted by a conflict with another transaction (try it again)."""
+    cause = exc.__cause__ if isinstance(exc, DjangoDbError) else exc
+    return getattr(cause, "sqlstate", None) in _TRANSIENT
 
 
 def unreachable(exc: BaseException) -> bool:
