@@ -212,8 +212,9 @@ def complete(ctx: JobContext, result: Any = None) -> None:
     """Mark this job succeeded in the caller's open transaction, fenced by the claim token.
 
     Call it last inside the handler's ``transaction.atomic(using=ctx.using)`` block, after the
-    business writes: they and ``succeeded`` (with ``result``, the attempt log entry and the
-    console's count) commit together or not at all. Raises :class:`~jobs.errors.LeaseLost`
+    business writes: they and ``succeeded`` (with ``result`` and the attempt log entry) commit
+    together or not at all (the console's count follows within a second, from the worker, as
+    for every outcome it writes). Raises :class:`~jobs.errors.LeaseLost`
     when this attempt no longer holds the job: let it propagate, so the block rolls back and
     the business write is not saved. Once the transaction commits, the worker writes no
     other outcome for this attempt (whatever the handler does afterwards); if it rolls back,
@@ -240,7 +241,9 @@ def complete(ctx: JobContext, result: Any = None) -> None:
             f"job {ctx.job_id}: attempt {ctx.attempt} no longer holds the job (its lease was "
             "lost, or it was completed already); roll back"
         )
-    report = queue.record([outcome], using=ctx.using)
+    # Counted by the worker once it learns of the commit, as it counts its own outcomes (the
+    # rollup's upsert in this statement would cost the handler's transaction a third more).
+    report = queue.record([outcome], count=False, using=ctx.using)
     if not report.applied:  # not expected while the row is held: never report success then
         raise LeaseLost(f"job {ctx.job_id}: the completion was not written; roll back")
     transaction.on_commit(lambda: _mark_completed(ctx), using=ctx.using, robust=True)

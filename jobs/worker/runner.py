@@ -626,6 +626,7 @@ class Worker(Draining):
                 self._held.pop((running.job.id, running.job.claim_token), None)
         for running, _ in acks:
             if running.completed:  # written by its handler's transaction (jobs.complete)
+                self._history.count_completed(running)
                 self._log_outcome(running, Outcome.succeeded(running.job))
         for running, outcome in outcomes:
             job = running.job

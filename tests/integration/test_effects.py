@@ -368,7 +368,7 @@ def test_the_business_write_and_succeeded_commit_together_and_nothing_else_is_wr
     actions = {getattr(record, "action", None) for record in caplog.records}
     assert not actions & {"fenced", "lease_lost"}
     assert "succeeded" in caplog.text  # the worker still logs and counts the outcome
-    assert succeeded_count(Finish.job_name) == 1  # counted once, by the completing statement
+    assert succeeded_count(Finish.job_name) == 1  # counted once, by the worker
 
 
 def test_a_rolled_back_completion_leaves_neither_and_the_worker_records_the_failure():
