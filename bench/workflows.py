@@ -1,11 +1,13 @@
-"""What batches and dependencies cost: the drain, and the claim beside waiting jobs.
+"""What the workflow features cost: the drain, and the claim beside waiting jobs.
 
     .venv/bin/python bench/workflows.py [--jobs 10000] [--runs 3] [--waiting 100000]
+                                        [--shapes plain,pairs,...]
 
-**Drain.** 2 worker processes (``--concurrency 100``) drain ``--jobs`` no-op jobs in each
-shape, alternating shapes run by run so a noisy machine affects all alike:
+**Drain.** 2 worker processes (``--concurrency 100``, or ``--concurrency N``) drain
+``--jobs`` jobs in each shape, alternating shapes run by run so a noisy machine affects all
+alike:
 
-* ``plain``: independent jobs (the baseline);
+* ``plain``: independent no-op jobs (the baseline);
 * ``one batch``: every job a member of one batch, with a successor: every outcome also
   counts on the batch's one row (the settle trigger), and the members' outcomes wait on each
   other's row lock;
@@ -26,6 +28,7 @@ the ratio should be about 1.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -41,17 +44,40 @@ from _common import (
 )
 
 NAME = "bench.noop.v1"
-SHAPES = ("plain", "one batch", "batches of 100", "pairs")
+SHAPES = (
+    "plain",
+    "one batch",
+    "batches of 100",
+    "pairs",
+    "touch",
+    "progress",
+    "effect key",
+    "effect journal",
+    "complete()",
+)
+#: The shapes whose jobs are each of a type of its own (bench/benchapp/jobs.py), by the name
+#: of their payload class there.
+HELPER_SHAPES = {
+    "touch": "Touch",
+    "progress": "Progress",
+    "effect key": "EffectKey",
+    "effect journal": "Journal",
+    "complete()": "Complete",
+}
+# Register those types, here and in the workers this starts (they inherit the environment).
+os.environ["BENCH_HELPERS"] = "1"
 
 
 def enqueue_shape(shape: str, count: int) -> int:
     """Enqueue ``count`` jobs in ``shape``; returns how many jobs will succeed in all."""
     import jobs
+    from bench.benchapp import jobs as types
     from bench.benchapp.jobs import Noop
 
-    if shape == "plain":
+    if shape == "plain" or shape in HELPER_SHAPES:
+        payload = getattr(types, HELPER_SHAPES.get(shape, "Noop"))
         for first in range(0, count, 1000):
-            jobs.enqueue_many([Noop(n=i) for i in range(first, min(first + 1000, count))])
+            jobs.enqueue_many([payload(n=i) for i in range(first, min(first + 1000, count))])
         return count
     if shape in ("one batch", "batches of 100"):
         size = count if shape == "one batch" else 100
@@ -81,12 +107,12 @@ def db_rate(expected: int) -> float:
     return expected / float(span)
 
 
-def drain(shape: str, count: int, pg: PostgresCpu) -> tuple[float, float, float]:
+def drain(shape: str, count: int, pg: PostgresCpu, concurrency: int) -> tuple[float, float, float]:
     truncate()
     with_connection_truncate_batches()
     expected = enqueue_shape(shape, count)
     vacuum()
-    with running_workers(2, ["--concurrency", "100"]) as workers:
+    with running_workers(2, ["--concurrency", str(concurrency)]) as workers:
         pg_before = pg.total(exclude_self=True)
         wait_until_done(expected, timeout=300)
         worker_cpu = sum(w.cpu() - w.cpu_at_start for w in workers)
@@ -154,7 +180,17 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--waiting", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--concurrency", type=int, default=100, help="each worker's")
+    parser.add_argument(
+        "--shapes",
+        default=",".join(SHAPES),
+        help="the drain shapes to run, comma-separated (plain, the baseline, always runs)",
+    )
     args = parser.parse_args()
+    shapes = ["plain", *(s for s in args.shapes.split(",") if s and s != "plain")]
+    unknown = set(shapes) - set(SHAPES)
+    if unknown:
+        parser.error(f"unknown shapes {sorted(unknown)}; choose from {', '.join(SHAPES)}")
     setup_bench()
     pg = PostgresCpu()
 
@@ -164,10 +200,10 @@ def main() -> int:
         f"jobs of the same type beside them: {beside:.3f} ms ({beside / without:.2f}x)\n"
     )
 
-    results: dict[str, list[tuple[float, float, float]]] = {shape: [] for shape in SHAPES}
+    results: dict[str, list[tuple[float, float, float]]] = {shape: [] for shape in shapes}
     for run in range(args.runs):
-        for shape in SHAPES:
-            results[shape].append(drain(shape, args.jobs, pg))
+        for shape in shapes:
+            results[shape].append(drain(shape, args.jobs, pg, args.concurrency))
             print(f"  run {run + 1} {shape}: {results[shape][-1][0]:,.0f} jobs/s", file=sys.stderr)
     truncate()
     with_connection_truncate_batches()
@@ -189,7 +225,9 @@ def main() -> int:
                 f"{(worker + postgres) / base_cpu:.2f}x",
             ]
         )
-    print(f"drain of {args.jobs:,} no-op jobs, 2 processes x 100, median of {args.runs} runs")
+    print(
+        f"drain of {args.jobs:,} jobs, 2 processes x {args.concurrency}, median of {args.runs} runs"
+    )
     print(
         table(
             ["shape", "jobs/s", "vs plain", "worker µs/job", "PG µs/job", "CPU µs/job", "vs plain"],

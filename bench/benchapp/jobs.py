@@ -8,6 +8,10 @@
   an ``async def`` handler awaiting ``asyncio.sleep`` (handlers that wait on I/O);
 - ``bench.tenants.v1`` / ``bench.fair.v1``: do nothing, the second with ``fair=True``
   (bench/fairness.py);
+- ``bench.progress.v1`` / ``bench.effectkey.v1`` / ``bench.journal.v1`` /
+  ``bench.complete.v1``: do nothing but report progress once, take an effect key, run one
+  journaled effect whose call does nothing, or complete the job in their own transaction
+  (bench/workflows.py's drain, each helper's cost against ``bench.noop.v1``);
 - ``bench.gated.v1``: ``global_concurrency`` set, counts itself in and out of a table while it
   waits ``ms`` milliseconds; ``bench.rated.v1``: does nothing, ``rate_limit`` set
   (bench/flow.py).
@@ -25,8 +29,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from django.db import connection
+from django.db import connection, transaction
 
+import jobs
 from jobs import JobContext, Payload, Rate, job
 
 
@@ -53,6 +58,57 @@ def touch(payload: Touch, ctx: JobContext) -> float:
         cur.execute("SELECT 1")
         cur.fetchone()
     return started
+
+
+def _job_where(flag: str, payload_type: type[Payload], **options: Any) -> Callable[[Any], Any]:
+    """``@job(payload_type, **options)`` where the environment sets ``flag`` to 1, else
+    nothing: a worker claims every type registered, and a benchmark measuring the claim of
+    its own types must not pay for types it does not run."""
+    if os.environ.get(flag) == "1":
+        return job(payload_type, **options)
+    return lambda handler: handler
+
+
+# The helpers' costs (bench/workflows.py sets BENCH_HELPERS=1 for itself and its workers).
+
+
+class Progress(Payload, name="bench.progress.v1"):
+    n: int = 0
+
+
+class EffectKey(Payload, name="bench.effectkey.v1"):
+    n: int = 0
+
+
+class Journal(Payload, name="bench.journal.v1"):
+    n: int = 0
+
+
+class Complete(Payload, name="bench.complete.v1"):
+    n: int = 0
+
+
+@_job_where("BENCH_HELPERS", Progress, concurrency=100, timeout=60, max_attempts=3)
+def progress(payload: Progress, ctx: JobContext) -> float:
+    ctx.progress(1, 1, "done")
+    return time.time()
+
+
+@_job_where("BENCH_HELPERS", EffectKey, concurrency=100, timeout=60, max_attempts=3)
+def effectkey(payload: EffectKey, ctx: JobContext) -> float:
+    jobs.effect_key(ctx, "call")
+    return time.time()
+
+
+@_job_where("BENCH_HELPERS", Journal, concurrency=100, timeout=60, max_attempts=3)
+def journal(payload: Journal, ctx: JobContext) -> float:
+    return jobs.effect(ctx, "call").run(lambda key: time.time())
+
+
+@_job_where("BENCH_HELPERS", Complete, concurrency=100, timeout=60, max_attempts=3)
+def complete(payload: Complete, ctx: JobContext) -> None:
+    with transaction.atomic():
+        jobs.complete(ctx, time.time())
 
 
 class Append(Payload, name="bench.append.v1"):
@@ -104,9 +160,7 @@ async def asleep(payload: AsyncSleep, ctx: JobContext) -> float:
 
 
 def _flow_job(payload_type: type[Payload], **options: Any) -> Callable[[Any], Any]:
-    if os.environ.get("BENCH_FLOW") == "1":
-        return job(payload_type, **options)
-    return lambda handler: handler
+    return _job_where("BENCH_FLOW", payload_type, **options)
 
 
 class Tenants(Payload, name="bench.tenants.v1"):
