@@ -34,6 +34,7 @@ INSTALLED_APPS = [
     "project.mail",
     "project.harvester",
     "project.curation",
+    "project.payments",
     "project.demo",
 ]
 

@@ -201,4 +201,4 @@ def test_demo_seed_enqueues_work_for_every_example_once():
 
     assert Delivery.objects.count() == 8  # five to send, three undelivered from before
     assert Item.objects.count() == 4 and CurationRun.objects.count() == 2
-    assert Job.objects.filter(state=RunState.QUEUED).count() == 12  # with the import
+    assert Job.objects.filter(state=RunState.QUEUED).count() == 13  # the import, the charge

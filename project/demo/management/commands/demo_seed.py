@@ -28,6 +28,7 @@ from project.harvester.jobs import HarvestItemV1
 from project.harvester.models import Item
 from project.mail import deliveries
 from project.mail.models import Delivery
+from project.payments.jobs import ChargeOrderV1
 
 MAIL = [
     ("alice@example.com", "Welcome aboard"),
@@ -60,7 +61,7 @@ HISTORY = [  # (hours ago, recipient, code, detail)
 
 
 class Command(BaseCommand):
-    help = "Enqueue sample work for the example apps (mail, harvester, curation)."
+    help = "Enqueue sample work for the example apps (mail, harvester, curation, payments)."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--again", action="store_true", help="add another batch")
@@ -95,8 +96,15 @@ class Command(BaseCommand):
             ImportFileV1(source=f"contacts-{batch}.csv", lines=CONTACTS),
             job_id=f"demo-{batch}-import",
         )
+        # A payment whose first answer is lost: the retry asks the provider instead of
+        # charging again (docs/effects.md; the provider's ledger is in the admin).
+        jobs.enqueue(
+            ChargeOrderV1(order=f"order-{batch}", amount_cents=4200, lose_first_response=True),
+            job_id=f"demo-{batch}-charge",
+        )
         self.stdout.write(
             f"seeded batch {batch}: {len(MAIL)} messages, {len(ITEMS)} items, "
-            f"{len(DOCUMENTS)} curation passes, an import of {len(CONTACTS)} lines; "
+            f"{len(DOCUMENTS)} curation passes, an import of {len(CONTACTS)} lines, "
+            "a payment; "
             "a worker turns some of them into failures"
         )
