@@ -159,10 +159,6 @@ async def asleep(payload: AsyncSleep, ctx: JobContext) -> float:
 # claim, which the other benchmarks, measuring types without controls, must not pay for.
 
 
-def _flow_job(payload_type: type[Payload], **options: Any) -> Callable[[Any], Any]:
-    return _job_where("BENCH_FLOW", payload_type, **options)
-
-
 class Tenants(Payload, name="bench.tenants.v1"):
     n: int = 0
 
@@ -171,12 +167,12 @@ class Fair(Payload, name="bench.fair.v1"):
     n: int = 0
 
 
-@_flow_job(Tenants, concurrency=100, timeout=60, max_attempts=3)
+@_job_where("BENCH_FLOW", Tenants, concurrency=100, timeout=60, max_attempts=3)
 def tenants(payload: Tenants, ctx: JobContext) -> float:
     return time.time()
 
 
-@_flow_job(Fair, concurrency=100, timeout=60, max_attempts=3, fair=True)
+@_job_where("BENCH_FLOW", Fair, concurrency=100, timeout=60, max_attempts=3, fair=True)
 def fair(payload: Fair, ctx: JobContext) -> float:
     return time.time()
 
@@ -191,7 +187,8 @@ class Gated(Payload, name="bench.gated.v1"):
     ms: int = 20
 
 
-@_flow_job(
+@_job_where(
+    "BENCH_FLOW",
     Gated,
     timeout=60,
     max_attempts=3,
@@ -219,7 +216,8 @@ class Rated(Payload, name="bench.rated.v1"):
     n: int = 0
 
 
-@_flow_job(
+@_job_where(
+    "BENCH_FLOW",
     Rated,
     concurrency=100,
     timeout=60,

@@ -51,18 +51,18 @@ class History:
             if item is not None:
                 self._tally.add(item)
 
-    def count_completed(self, running: Running) -> None:
+    def count_completed(self, running: Running, outcome: Outcome) -> None:
         """Add the attempt its handler completed in its own transaction (``jobs.complete``),
-        which wrote its outcome without counting it, as this worker counts its own."""
-        self._tally.add(
-            (
-                running.job.name,
-                "succeeded",
-                "",
-                max(0.0, time.monotonic() - running.claimed_at),
-                max(0.0, running.job.latency),
-            )
+        which wrote ``outcome`` without counting it, as this worker counts its own."""
+        item = rollup.ended(
+            running.job.name,
+            outcome,
+            outcome,
+            ran=time.monotonic() - running.claimed_at,
+            waited=running.job.latency,
         )
+        if item is not None:
+            self._tally.add(item)
 
     def flush(self, *, now: float | None = None, force: bool = False) -> None:
         """Write the tally if a second has passed (or ``force``); raises on failure, keeping

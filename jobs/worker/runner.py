@@ -626,8 +626,9 @@ class Worker(Draining):
                 self._held.pop((running.job.id, running.job.claim_token), None)
         for running, _ in acks:
             if running.completed:  # written by its handler's transaction (jobs.complete)
-                self._history.count_completed(running)
-                self._log_outcome(running, Outcome.succeeded(running.job))
+                completed = Outcome.succeeded(running.job)
+                self._history.count_completed(running, completed)
+                self._log_outcome(running, completed)
         for running, outcome in outcomes:
             job = running.job
             if report is not None and report.was_fenced(outcome):

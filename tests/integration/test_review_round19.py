@@ -7,7 +7,6 @@ that held and that the existing suites do not exercise.
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -19,6 +18,7 @@ from jobs.models import Job, JobHistory
 from jobs.queue import AllTenants, ClaimRequest, NewJob
 from jobs.queue import batches as queue_batches
 from jobs.queue.types import InvalidJob
+from tests.integration.test_effects import wait_until, waiting_on_a_lock
 
 UP, DOWN, REPORT = "test.noop.v1", "test.after.v1", "test.report.v1"
 
@@ -41,25 +41,6 @@ def chain(length: int, **head_fields) -> tuple[int, int]:
     for _ in range(length):
         prev = enqueue(DOWN, after=(prev,))
     return head, prev
-
-
-def waiting_on_a_lock() -> bool:
-    """Another session waits for a lock (read from a fresh snapshot: not in a transaction)."""
-    with connection.cursor() as cur:
-        cur.execute(
-            "SELECT count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        )
-        return bool(cur.fetchone()[0])
-
-
-def wait_until(predicate, *, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"{what}: not within {timeout}s")
 
 
 def run_both(first, second, *, then_when=waiting_on_a_lock, release=None) -> list[BaseException]:
