@@ -139,3 +139,21 @@ ensure_chromium() {
         echo "warning: could not install chromium (see $log): the browser test will be skipped" >&2
     fi
 }
+
+# ensure_pgbouncer: the pooler tests (tests/integration/test_pgbouncer.py and the process tests)
+# start Debian's PgBouncer in transaction mode in front of the test database. Installed like
+# Chromium above: with apt-get when this is root; otherwise those tests skip and say why.
+ensure_pgbouncer() {
+    local log=$ROOT/var/apt-pgbouncer.log
+    command -v pgbouncer >/dev/null && return 0
+    [[ -x /usr/sbin/pgbouncer ]] && return 0
+    if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
+        echo "note: no pgbouncer and no root apt-get to install it: the pooler tests will be skipped" >&2
+        return 0
+    fi
+    step "installing pgbouncer with apt-get, for the pooler tests (log: var/apt-pgbouncer.log)"
+    mkdir -p "$ROOT/var"
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer; } >"$log" 2>&1; then
+        echo "warning: could not install pgbouncer (see $log): the pooler tests will be skipped" >&2
+    fi
+}
