@@ -289,20 +289,22 @@ class PgBouncer:
 
     @contextlib.contextmanager
     def routing(self, alias: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
-        """Send this thread's connection for ``alias`` through the pooler for a block.
+        """Send every new connection for ``alias``, in every thread, through the pooler.
 
-        The connection is closed on the way in and out, so it reconnects each way; Django
-        keeps one connection object per thread, so other threads are not affected.
+        Django's connection objects (one per thread) share the alias's settings dict, so it is
+        changed in place: a worker started inside the block (its loop, handler threads, lease
+        keeper and listener) connects through the pooler. This thread's connection is closed
+        on the way in and out; other threads' open connections stay where they are.
         """
-        wrapper = connections[alias]
-        saved = wrapper.settings_dict
-        wrapper.close()
-        wrapper.settings_dict = {**saved, "HOST": self.host, "PORT": str(self.port)}
+        shared = connections.settings[alias]
+        saved = {key: shared.get(key) for key in ("HOST", "PORT")}
+        connections[alias].close()
+        shared.update(HOST=self.host, PORT=str(self.port))
         try:
             yield
         finally:
-            wrapper.close()
-            wrapper.settings_dict = saved
+            connections[alias].close()
+            shared.update(saved)
 
     def show(self, what: str) -> list[dict[str, Any]]:
         """Rows of the admin console's ``SHOW <what>`` (POOLS, SERVERS, CLIENTS, ...)."""
