@@ -1,25 +1,38 @@
 """Leadership: any number of schedulers run, one acts, and PostgreSQL decides which.
 
-The leader holds a session-level advisory lock on a dedicated psycopg connection (not
-Django's, which may be closed or recycled between requests)::
+The leader holds a transaction-level advisory lock in one transaction that stays open for its
+whole term, on a dedicated psycopg connection (not Django's, which may be closed or recycled
+between requests)::
 
-                       pg_try_advisory_lock(key) = true
-    start ──▶ standby ─────────────────────────────────────▶ leader ──┐ prove (≤ 1 s, and
-                ▲  │                                           │      │ before every duty):
-                │  └─ false or no connection:                  │ ◀────┘ our session still
-                │     retry every standby interval             │        holds the lock
-                └──── proof failed / no answer / connection ───┘
+                       BEGIN; pg_try_advisory_xact_lock(key) = true
+    start ──▶ standby ─────────────────────────────────────────▶ leader ──┐ prove (≤ 1 s, and
+                ▲  │                                               │      │ before every duty):
+                │  └─ false (ROLLBACK) or no connection:           │ ◀────┘ our transaction
+                │     retry every standby interval                 │        still holds the lock
+                └──── proof failed / no answer / connection ───────┘
                       lost / the duty loop stuck for the timeout
                           (close the connection, stop acting)
-    leader ──SIGTERM──▶ unlock, close ──▶ stopped      (a standby takes over at its next try)
+    leader ──SIGTERM──▶ ROLLBACK, close ──▶ stopped   (a standby takes over at its next try)
+
+Why a transaction and not a session: a pooler in transaction mode (PgBouncer) gives a client
+one server connection for the length of a transaction and may give it another for the next.
+A session-level lock would stay behind on a server connection that other clients then use
+(one of them would "re-take" it and lead too), and the proofs would run on other backends.
+Inside one open transaction the lock, its proof (by ``pg_backend_pid()``) and the fence (by
+that pid) all mean the same, directly or through the pooler. The term costs nothing while it
+lasts: READ COMMITTED, no transaction id, and a proof that reads ``pg_lock_status()`` rather
+than catalogs, so between proofs the session holds no snapshot (vacuum is not held back) and
+no lock but the advisory one (no DDL waits for it).
 
 Why each step:
 
-* A leader killed outright (``kill -9``, host loss) closes its socket; PostgreSQL ends the
-  session and the lock goes with it, so a standby wins its next try.
-* A leader that stalls (SIGSTOP, a long GC pause, a network cut) stops proving. Its session
-  sets ``idle_session_timeout`` to ``JOBS["SCHEDULER_LEADER_TIMEOUT"]``, so the server ends it
-  and frees the lock; when the old leader wakes, its proof fails and it stands down.
+* A leader killed outright (``kill -9``, host loss) closes its socket; PostgreSQL (or the
+  pooler, which drops a server connection whose client left mid-transaction) ends the session
+  and the lock goes with it, so a standby wins its next try.
+* A leader that stalls (SIGSTOP, a long GC pause, a network cut) stops proving. Its term sets
+  ``idle_in_transaction_session_timeout`` to ``JOBS["SCHEDULER_LEADER_TIMEOUT"]`` (LOCAL:
+  nothing outlives the transaction on a pooled connection), so the server ends it and frees
+  the lock; when the old leader wakes, its proof fails and it stands down.
 * A leader whose process is alive but whose duty loop is stuck in a call would go on proving
   from the keeper thread for ever. The scheduler's stall guard calls :meth:`Leadership.step_down`
   once its loop has not moved for the timeout (see :mod:`jobs.scheduler.runner`).
@@ -51,16 +64,38 @@ logger = logging.getLogger("jobs.scheduler")
 #: The advisory lock the leader holds ("jobs/sch" as a 64-bit key).
 LOCK_KEY = int.from_bytes(b"jobs/sch", "big")
 
-_HELD = """
+# The term's first statement, after BEGIN ISOLATION LEVEL READ COMMITTED. Its bound is set
+# before the lock is tried, in the same statement, so no moment of the term is unbounded; a
+# transaction_timeout (PostgreSQL 17+) set for the role or database would end every term, so
+# the term turns it off for itself.
+ACQUIRE_SQL = """
+SELECT set_config('idle_in_transaction_session_timeout', %(timeout)s, true),
+       CASE WHEN current_setting('transaction_timeout', true) IS NOT NULL
+            THEN set_config('transaction_timeout', '0', true) END,
+       pg_try_advisory_xact_lock(%(key)s),
+       pg_backend_pid()"""
+
+# On the lock session, inside the term. pg_lock_status() is the function behind the pg_locks
+# view: reading it takes no relation lock, which the term would otherwise keep to its end
+# (the view's and pg_database's, which VACUUM FULL or a REINDEX of it would queue behind).
+# The pid names our own backend, so the database needs no check.
+PROOF_SQL = """
+SELECT EXISTS (
+    SELECT 1 FROM pg_lock_status() AS l
+    WHERE l.locktype = 'advisory' AND l.granted AND l.pid = pg_backend_pid()
+      AND l.classid = %(classid)s::bigint::oid AND l.objid = %(objid)s::bigint::oid
+      AND l.objsubid = 1
+)"""
+
+# On the caller's connection, inside the caller's (short) transaction.
+FENCE_SQL = """
 SELECT EXISTS (
     SELECT 1 FROM pg_locks
-    WHERE locktype = 'advisory' AND granted AND pid = {pid}
+    WHERE locktype = 'advisory' AND granted AND pid = %(pid)s
       AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
       AND classid = %(classid)s::bigint::oid AND objid = %(objid)s::bigint::oid
       AND objsubid = 1
 )"""
-PROOF_SQL = _HELD.format(pid="pg_backend_pid()")
-FENCE_SQL = _HELD.format(pid="%(pid)s")
 
 
 class LeadershipLost(Exception):
@@ -68,7 +103,7 @@ class LeadershipLost(Exception):
 
 
 class Leadership:
-    """The advisory-lock leadership of one scheduler process."""
+    """The advisory-lock leadership of one scheduler process (one open transaction a term)."""
 
     def __init__(
         self,
@@ -123,7 +158,6 @@ class Leadership:
             self._leading = True
             self._standby_announced = False
             self._term += 1
-            self.backend_pid = self._conn.info.backend_pid if self._conn else None
         metrics.leader.set(1)
         metrics.leadership_changes.labels("acquired").inc()
         logger.info(
@@ -144,7 +178,7 @@ class Leadership:
             if not self._leading or self._conn is None:
                 return False
             try:
-                held = bool(self._call(PROOF_SQL, self._params)[0])
+                held = bool(self._fetch(PROOF_SQL, self._params)[0])
                 reason = "its session no longer holds the lock"
             except psycopg.Error as exc:
                 held, reason = False, f"the lock connection failed ({exc})".strip()
@@ -180,8 +214,10 @@ class Leadership:
         with self._mutex:
             was_leading = self._leading
             if was_leading and self._conn is not None:
-                with contextlib.suppress(psycopg.Error):  # closing the session releases it too
-                    self._call("SELECT pg_advisory_unlock(%s)", [self.key])
+                # Ending the term frees the lock (closing would too, but a pooler then drops
+                # the server connection instead of taking it back).
+                with contextlib.suppress(psycopg.Error):
+                    self._send("ROLLBACK")
             self._close()
             self._leading = False
         if was_leading:
@@ -197,10 +233,16 @@ class Leadership:
 
     def _try_lock(self) -> bool | None:
         """True: locked; False: someone else holds it; None: the database is unreachable."""
+        timeout = str(int(self.timeout.total_seconds() * 1000))
         for attempt in range(2):  # a stale standby connection gets one fresh retry
             try:
                 self._connection()
-                got = self._call("SELECT pg_try_advisory_lock(%s)", [self.key])[0]
+                self._send("BEGIN ISOLATION LEVEL READ COMMITTED")
+                *_, got, pid = self._fetch(ACQUIRE_SQL, {"timeout": timeout, "key": self.key})
+                if got:
+                    self.backend_pid = pid  # the server's; a pooler's BackendKeyData is its own
+                else:
+                    self._send("ROLLBACK")  # a standby holds no transaction (nor, pooled, a server)
                 self._unreachable = False
                 return bool(got)
             except psycopg.Error as exc:
@@ -233,7 +275,9 @@ class Leadership:
             if term != self._term or not self._leading or not self.prove():
                 return  # this term of leadership ended (a later one has its own keeper)
 
-    def _call(self, sql: str, params: Sequence[Any] | Mapping[str, Any]) -> tuple[Any, ...]:
+    def _send(
+        self, sql: str, params: Sequence[Any] | Mapping[str, Any] | None = None
+    ) -> psycopg.Cursor[Any]:
         """One statement on the lock session, cut off if no answer comes within its deadline.
 
         A silent network path would otherwise hang the keeper (and the loop, waiting for the
@@ -241,8 +285,11 @@ class Leadership:
         """
         assert self._conn is not None
         with dbbounds.deadline(self._conn, self.call_deadline):
-            row = self._conn.execute(sql, params).fetchone()
-        assert row is not None  # each statement here SELECTs one function call: one row
+            return self._conn.execute(sql, params)
+
+    def _fetch(self, sql: str, params: Mapping[str, Any]) -> tuple[Any, ...]:
+        row: tuple[Any, ...] | None = self._send(sql, params).fetchone()
+        assert row is not None  # each statement here SELECTs function calls: one row
         return row
 
     def _connection(self) -> psycopg.Connection:
@@ -251,17 +298,17 @@ class Leadership:
                 self.using, application_name=f"jobs-scheduler {self.identity}"
             )
             params["connect_timeout"] = min(params.get("connect_timeout", 5), 5)
-            self._conn = psycopg.connect(**params, autocommit=True)
-            timeout_ms = int(self.timeout.total_seconds() * 1000)
-            try:
-                self._call(
-                    "SELECT set_config('idle_session_timeout', %s, false)", [str(timeout_ms)]
-                )
-            except psycopg.errors.UndefinedObject:
-                logger.warning(
-                    "PostgreSQL has no idle_session_timeout (before 14): a stalled leader keeps "
-                    "leadership until its connection closes"
-                )
+            # Autocommit: the term's BEGIN and ROLLBACK are ours to send. Client-side binding:
+            # each statement goes as a simple query, whose portal (and snapshot) the server
+            # drops when it ends; a bound one's unnamed portal would keep its snapshot, and
+            # with it the term's xmin, until the next statement. Never prepared: a standby's
+            # tries land on any server connection of a pool.
+            self._conn = psycopg.connect(
+                **params,
+                autocommit=True,
+                prepare_threshold=None,
+                cursor_factory=psycopg.ClientCursor,
+            )
         return self._conn
 
     def _close(self) -> None:

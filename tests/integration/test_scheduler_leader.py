@@ -123,7 +123,7 @@ class TestLeadership:
             assert cur.fetchone()[0] == "jobs-scheduler a"
         # The server ends the lock session of a leader that stops proving for the timeout
         # (a stalled process; tests/acceptance stops one with SIGSTOP).
-        assert a._conn.execute("SHOW idle_session_timeout").fetchone()[0] == "3s"
+        assert a._conn.execute("SHOW idle_in_transaction_session_timeout").fetchone()[0] == "3s"
         assert a.proof_interval == 0.6
 
 
