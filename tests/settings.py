@@ -12,6 +12,9 @@ INSTALLED_APPS = [*INSTALLED_APPS, "tests.jobapp", "tests.procapp", "tests.runap
 # Acceptance tests shorten the lease of the worker processes they start (seconds).
 if lease := os.environ.get("TEST_JOBS_LEASE"):
     JOBS = {**JOBS, "LEASE": float(lease)}
+# ... and how long a call on a silent network path may hang (the many-hosts test cuts links).
+if network_timeout := os.environ.get("TEST_JOBS_NETWORK_TIMEOUT"):
+    JOBS = {**JOBS, "DB_NETWORK_TIMEOUT": float(network_timeout)}
 # ... and how long the rows of gone processes are kept before the retention pass deletes them.
 if process_retention := os.environ.get("TEST_JOBS_PROCESS_RETENTION"):
     JOBS = {**JOBS, "PROCESS_RETENTION": float(process_retention)}

@@ -30,9 +30,14 @@ def database_target() -> str | tuple[str, int]:
 
 
 class TcpProxy:
-    def __init__(self, target: str | tuple[str, int] | None = None) -> None:
+    """Forward TCP connections on ``host`` (any free port) to ``target``."""
+
+    def __init__(
+        self, target: str | tuple[str, int] | None = None, host: str = "127.0.0.1"
+    ) -> None:
         self.target = target or database_target()
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.host = host  # another namespace's way in: the address of a veth's near end
+        self._listener = socket.create_server((host, 0))
         self.port = self._listener.getsockname()[1]
         self._forwarding = threading.Event()
         self._forwarding.set()
@@ -46,7 +51,7 @@ class TcpProxy:
         params = connection.settings_dict
         password = f":{quote(params['PASSWORD'])}" if params.get("PASSWORD") else ""
         return (
-            f"postgres://{quote(params['USER'])}{password}@127.0.0.1:{self.port}/{params['NAME']}"
+            f"postgres://{quote(params['USER'])}{password}@{self.host}:{self.port}/{params['NAME']}"
         )
 
     def freeze(self) -> None:

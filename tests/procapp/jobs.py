@@ -218,3 +218,44 @@ def charge(payload: Charge, ctx: JobContext) -> object:
         return _provider_lookup(key)
 
     return jobs.effect(ctx, "charge").run(call, reconcile=reconcile)
+
+
+# -- many hosts: a load whose every handler run says which host ran it -----------------------
+
+
+class HostWork(Payload, name="test.host_work.v1"):
+    """Append ``start``/``end`` lines naming the host, pid, job and attempt to ``path``.
+
+    Attempt 1 waits until the file ``gate`` exists, at most ``first_seconds`` (no gate: just
+    that long); later attempts sleep ``seconds``. Each wait ends early when cancelled, and the
+    end line says which (``ok`` or ``cancelled``) and when (``time.monotonic()``).
+    """
+
+    path: str
+    seconds: float = 0.0
+    first_seconds: float | None = None
+    gate: str = ""
+
+
+@job(
+    HostWork,
+    timeout=timedelta(seconds=120),
+    max_attempts=10,
+    backoff=Backoff(base=timedelta(milliseconds=50), cap=timedelta(milliseconds=100)),
+)
+def host_work(payload: HostWork, ctx: JobContext) -> None:
+    import socket
+
+    who = f"{socket.gethostname()} {os.getpid()} {ctx.job_id} {ctx.attempt}"
+    with open(payload.path, "a") as out:
+        out.write(f"start {who} {time.monotonic():.3f}\n")
+    if ctx.attempt == 1 and payload.first_seconds is not None:
+        deadline = time.monotonic() + payload.first_seconds
+        while not (payload.gate and os.path.exists(payload.gate)):
+            if time.monotonic() >= deadline or ctx.sleep(0.01):
+                break
+    elif payload.seconds:
+        ctx.sleep(payload.seconds)
+    ended = "cancelled" if ctx.cancelled.is_set() else "ok"
+    with open(payload.path, "a") as out:
+        out.write(f"end {who} {time.monotonic():.3f} {ended}\n")
