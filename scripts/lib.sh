@@ -157,3 +157,20 @@ ensure_pgbouncer() {
         echo "warning: could not install pgbouncer (see $log): the pooler tests will be skipped" >&2
     fi
 }
+
+# ensure_iproute2: the many-hosts test (tests/acceptance/test_hosts.py) runs workers as hosts in
+# network namespaces it makes with iproute2's ip, which a minimal Debian image lacks. Installed
+# like Chromium above: with apt-get when this is root; otherwise that test skips and says why.
+ensure_iproute2() {
+    local log=$ROOT/var/apt-iproute2.log
+    command -v ip >/dev/null && return 0
+    if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
+        echo "note: no ip command and no root apt-get to install iproute2: the many-hosts test will be skipped" >&2
+        return 0
+    fi
+    step "installing iproute2 with apt-get, for the many-hosts test (log: var/apt-iproute2.log)"
+    mkdir -p "$ROOT/var"
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2; } >"$log" 2>&1; then
+        echo "warning: could not install iproute2 (see $log): the many-hosts test will be skipped" >&2
+    fi
+}
