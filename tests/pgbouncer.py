@@ -49,6 +49,29 @@ MAX_CLIENTS = 500
 TRACKED = ("statement_timeout", "lock_timeout")
 
 
+# Settings PgBouncer itself sets on a server for each client it lends it to.
+_POOLER_TRACKED = (
+    "client_encoding",
+    "datestyle",
+    "timezone",
+    "standard_conforming_strings",
+    "application_name",
+    "intervalstyle",
+    *TRACKED,
+)
+_SESSION_KEYS = ("listening", "prepared", "advisory_locks", "temp_tables", "settings")
+_SESSION_STATE = """
+SELECT pg_backend_pid(),
+       ARRAY(SELECT pg_listening_channels()),
+       ARRAY(SELECT name FROM pg_prepared_statements),
+       (SELECT count(*) FROM pg_locks
+        WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted),
+       ARRAY(SELECT relname::text FROM pg_class WHERE relnamespace = pg_my_temp_schema()),
+       ARRAY(SELECT name || '=' || setting FROM pg_settings
+             WHERE source = 'session' AND lower(name) <> ALL(%s))
+"""
+
+
 def executable() -> str | None:
     """The pgbouncer binary (Debian puts it in /usr/sbin, which a user's PATH may lack)."""
     found = shutil.which("pgbouncer")
@@ -305,6 +328,34 @@ class PgBouncer:
         finally:
             connections[alias].close()
             shared.update(saved)
+
+    def session_state(self) -> dict[int, dict[str, Any]]:
+        """What each server connection of the pool keeps between transactions, by backend pid.
+
+        Every server is visited: ``pool_size`` clients each hold a transaction open at once,
+        so each holds a different one. Reported per backend: channels it LISTENs on, prepared
+        statements, session advisory locks, temporary tables, and settings changed by a
+        ``SET`` without ``LOCAL`` (those the pooler itself tracks per client left out).
+        """
+        state: dict[int, dict[str, Any]] = {}
+        with contextlib.ExitStack() as stack:
+            for _ in range(self.pool_size):
+                conn = stack.enter_context(psycopg.connect(**self.connect_kwargs()))
+                conn.prepare_threshold = None
+                stack.enter_context(conn.transaction())
+                row = conn.execute(_SESSION_STATE, [list(_POOLER_TRACKED)]).fetchone()
+                assert row is not None
+                pid, *values = row
+                state[pid] = dict(zip(_SESSION_KEYS, values, strict=True))
+        return state
+
+    def leftovers(self) -> dict[int, dict[str, Any]]:
+        """:meth:`session_state` of the servers that keep anything at all."""
+        return {
+            pid: {key: value for key, value in found.items() if value}
+            for pid, found in self.session_state().items()
+            if any(found.values())
+        }
 
     def show(self, what: str) -> list[dict[str, Any]]:
         """Rows of the admin console's ``SHOW <what>`` (POOLS, SERVERS, CLIENTS, ...)."""

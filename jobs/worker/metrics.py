@@ -63,6 +63,10 @@ loop_errors = Counter(
 )
 running = Gauge("jobs_worker_running", "Handlers running in this worker process.")
 ready = Gauge("jobs_worker_ready", "1 while this worker claims work, 0 while starting or draining.")
+listening = Gauge(
+    "jobs_worker_listening",
+    "1 while a proven LISTEN wakes this worker; 0 while it finds new work by polling only.",
+)
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,9 @@ class Worker(Draining):
             beat=lambda: presence.beat(held=self._busy(), draining=self._stopping.is_set()),
             beat_missed=presence.forget,
         )
-        listener = self._listener = NotifyListener(self._names, self._work_arrived)
+        listener = self._listener = NotifyListener(
+            self._names, self._work_arrived, poll_interval=self.config.poll_interval
+        )
         server = start_http(
             self.config.http_host,
             self.config.http_port,
@@ -193,7 +195,7 @@ class Worker(Draining):
 
     @property
     def listening(self) -> bool:
-        """True while the NOTIFY listener is connected and listening."""
+        """True while the NOTIFY listener is connected and has proved its LISTEN delivers."""
         return self._listener is not None and self._listener.listening.is_set()
 
     @property

@@ -2,36 +2,76 @@
 
 Enqueue notifies the channel with the job's type name at commit. The listener holds its own
 connection (outside Django's, which may sit in a transaction) and wakes the run loop when a
-name it runs arrives. If the connection fails, or notifications never come (a transaction-
-mode pooler drops them), the run loop still polls on its interval: the listener only makes
+name it runs arrives. The run loop polls on its interval all the same: the listener only makes
 pickup faster, never correct.
+
+A LISTEN is worth something only if notifications come back on it. Behind a transaction-mode
+pooler (PgBouncer's ``pool_mode = transaction``) they do not: the pooler runs the LISTEN on
+whichever server connection it picked, then lends that connection to other clients, and
+what arrives there is dropped or handed to a stranger. So every connection proves itself
+before the listener counts as listening::
+
+    connect ─▶ LISTEN, noting the backend ─▶ probe: NOTIFY from a second connection
+       ▲                                        │
+       │     the same backend, the probe back within PROBE_TIMEOUT ─▶ listening: wake on names
+       │     else: UNLISTEN on that backend if it can be reached, warn once, poll only
+       │                                        │
+       └── a lost connection: retry at once, backing off; a failed proof: REPROVE_AFTER ──┘
+
+A working listener is not re-proved while its connection lives: a direct session cannot stop
+delivering without failing, and keepalives (:mod:`jobs.dbbounds`) turn a dead path into an
+error, which reconnects and proves again.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
+import time
 from collections.abc import Callable, Collection
+from typing import Any
 
 import psycopg
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connections
 
 from jobs import dbbounds
 from jobs.conf import NOTIFY_CHANNEL
+from jobs.worker import metrics
 
 logger = logging.getLogger("jobs.worker")
 
 # How often the listener looks up from its socket to see whether it was asked to stop.
 _STOP_CHECK = 0.1
+#: How long a probe NOTIFY may take to come back before LISTEN counts as not working.
+PROBE_TIMEOUT = 3.0
+#: After a failed proof, how long the worker polls before it tries LISTEN again (seconds).
+REPROVE_AFTER = 300.0
+# How long the listener tries to reach the backend that holds a failed LISTEN, to undo it.
+_UNLISTEN_FOR = 1.0
 
 
 class NotifyListener:
-    def __init__(self, names: Collection[str], on_work: Callable[[str], None]) -> None:
+    """The listener thread: ``listening`` is set while a proven LISTEN delivers notices."""
+
+    def __init__(
+        self,
+        names: Collection[str],
+        on_work: Callable[[str], None],
+        *,
+        poll_interval: float = 0.5,
+        using: str = DEFAULT_DB_ALIAS,
+    ) -> None:
         self._names = frozenset(names)
+        self._using = using  # the database alias whose notifications wake the worker
         self._on_work = on_work
+        self._poll_interval = poll_interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="jobs-listener", daemon=True)
         self.listening = threading.Event()
+        #: Set while the last proof failed: the worker finds new work by polling only.
+        self.unproven = threading.Event()
+        self._warned = False
 
     def start(self) -> None:
         self._thread.start()
@@ -40,29 +80,127 @@ class NotifyListener:
         self._stop.set()
         if self._thread.is_alive():  # never started when NOTIFY is off
             self._thread.join(timeout)
+        self.listening.clear()
+        metrics.listening.set(0)
 
     def _loop(self) -> None:
         retry = 0.5
         while not self._stop.is_set():
             try:
-                self._listen()
+                proven = self._listen()
                 retry = 0.5
             except psycopg.Error as exc:
                 self.listening.clear()
+                metrics.listening.set(0)
                 logger.warning("LISTEN connection failed (%s); polling until it is back", exc)
                 if self._stop.wait(retry):
                     return
                 retry = min(retry * 2, 30.0)
+                continue
+            if not proven and self._stop.wait(REPROVE_AFTER):
+                return
 
-    def _listen(self) -> None:
+    def _listen(self) -> bool:
+        """Listen until stopped; False at once when the proof fails."""
         # Keepalives make a dead network path under this idle connection show up as an error.
-        params = dbbounds.connect_params(connection, application_name="jobs-worker listener")
-        with psycopg.connect(**params, autocommit=True) as conn:
-            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-            self.listening.set()
+        # Never prepared: behind a pooler the next statement may run on another backend.
+        params = dbbounds.connect_params(
+            connections[self._using], application_name="jobs-worker listener"
+        )
+        with psycopg.connect(**params, autocommit=True, prepare_threshold=None) as conn:
+            with conn.transaction():
+                conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                backend = _backend(conn)
+            if not self._prove(conn, backend, params):
+                if self._stop.is_set():
+                    return True
+                undone = _unlisten(conn, backend)
+                self._fall_back(undone)
+                return False
+            self._proved()
             while not self._stop.is_set():
                 # A short wait, so a stop (the end of every run_worker() in tests) is not held
                 # up: an idle wait costs one poll() of the socket, no round trip.
                 for notice in conn.notifies(timeout=_STOP_CHECK):
                     if notice.payload in self._names:
                         self._on_work(notice.payload)
+        return True
+
+    def _prove(self, conn: psycopg.Connection[Any], backend: int, params: dict[str, Any]) -> bool:
+        """Send a probe NOTIFY from another connection; True once it comes back on ``conn``.
+
+        From another connection, as enqueue's notices come: behind a pooler, a probe sent
+        on the listening connection could run on the very backend that listens and come
+        back, while no one else's would.
+        """
+        token = f"probe {secrets.token_hex(8)}"  # a space: no job type has this name
+        probe_params = {**params, "application_name": "jobs-worker listener probe"}
+        with psycopg.connect(**probe_params, autocommit=True, prepare_threshold=None) as probe:
+            probe.execute("SELECT pg_notify(%s, %s)", [NOTIFY_CHANNEL, token])
+        if _backend(conn) != backend:
+            return False  # the session moved between two statements: transaction pooling
+        deadline = time.monotonic() + PROBE_TIMEOUT
+        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            for notice in conn.notifies(timeout=min(left, _STOP_CHECK)):
+                if notice.payload == token:
+                    return True
+                if notice.payload in self._names:
+                    self._on_work(notice.payload)
+        return False
+
+    def _proved(self) -> None:
+        if self.unproven.is_set():
+            logger.info(
+                "LISTEN delivers notifications again: new work wakes the worker at once",
+                extra={"action": "listen_proven"},
+            )
+        self._warned = False
+        self.unproven.clear()
+        self.listening.set()
+        metrics.listening.set(1)
+
+    def _fall_back(self, undone: bool) -> None:
+        self.listening.clear()
+        self.unproven.set()
+        metrics.listening.set(0)
+        if self._warned:
+            logger.debug("LISTEN still delivers no notifications; polling on")
+            return
+        self._warned = True
+        logger.warning(
+            "LISTEN delivers no notifications on this database connection (a transaction-mode "
+            "pooler such as PgBouncer?): polling for new work every %gs instead. Run the worker "
+            'with --no-listen, or set JOBS["NOTIFY"] = False, to poll without this check; '
+            "connect it to PostgreSQL directly or through a session-mode pooler to be woken "
+            "at once. Trying LISTEN again in %d minutes.%s",
+            self._poll_interval,
+            round(REPROVE_AFTER / 60),
+            ""
+            if undone
+            else " The pooler may keep the LISTEN on one of its server "
+            "connections until it recycles it (server_lifetime).",
+            extra={"action": "listen_unavailable"},
+        )
+
+
+def _backend(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _unlisten(conn: psycopg.Connection[Any], backend: int) -> bool:
+    """UNLISTEN on ``backend``, which a pooler lends to other clients; True once done.
+
+    Left there, every notice that backend receives is handed to whichever client holds it
+    then, and psycopg keeps notices a connection does not read. The pooler picks the backend
+    of each transaction, so ask until it is the one (``UNLISTEN`` elsewhere changes nothing).
+    """
+    deadline = time.monotonic() + _UNLISTEN_FOR
+    while True:
+        with conn.transaction():
+            conn.execute("UNLISTEN *")
+            if _backend(conn) == backend:
+                return True
+        if time.monotonic() > deadline:
+            return False
