@@ -8,10 +8,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 from _setup import ROOT, setup
@@ -100,8 +101,18 @@ def counts() -> dict[str, int]:
 UNFINISHED = "SELECT EXISTS (SELECT 1 FROM jobs_job WHERE state IN ('queued', 'running'))"
 
 
-def wait_until_done(expected: int, *, timeout: float, interval: float = 0.01) -> float:
-    """Poll until no job is queued or running; returns the monotonic time it was seen."""
+def wait_until_done(
+    expected: int,
+    *,
+    timeout: float,
+    interval: float = 0.01,
+    probe: Callable[[Any], None] | None = None,
+) -> float:
+    """Poll until no job is queued or running; returns the monotonic time it was seen.
+
+    ``probe(cursor)``, when given, runs after every poll that found work left, on the same
+    connection, so what it reads (``pg_stat_activity``, say) costs no backend of its own.
+    """
     from django.db import connection
 
     deadline = time.monotonic() + timeout
@@ -114,6 +125,8 @@ def wait_until_done(expected: int, *, timeout: float, interval: float = 0.01) ->
                 break
             if now > deadline:
                 raise SystemExit(f"timed out with jobs not finished: {counts()}")
+            if probe is not None:
+                probe(cur)
             time.sleep(interval)
     done = counts()
     if done.get("succeeded", 0) != expected:
