@@ -95,6 +95,7 @@ def test_through_the_pooler_one_leads_and_kill_9_hands_over_at_once(spawn, pgbou
     standby.signal(signal.SIGTERM)
     assert standby.wait() == 0
 
+    assert pgbouncer.leftovers() == {}  # every duty ran: nothing kept on any server connection
     assert took_over < 1.5, f"the standby led {took_over:.2f}s after the kill"
     print(f"through the pooler, kill -9: standby led after {took_over:.2f}s")
     assert_each_slot_fired_once_without_gaps(leader, standby)
@@ -118,6 +119,7 @@ def test_through_the_pooler_a_stopped_leader_is_cut_off_and_stands_down(spawn, p
         process.signal(signal.SIGTERM)
         assert process.wait() == 0
 
+    assert pgbouncer.leftovers() == {}
     assert 1.5 <= took_over < 4.0, f"the standby led {took_over:.2f}s after the stop"
     print(f"through the pooler, SIGSTOP: standby led after {took_over:.2f}s")
     assert_each_slot_fired_once_without_gaps(leader, standby)
