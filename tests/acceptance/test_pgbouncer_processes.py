@@ -1,0 +1,145 @@
+"""Real ``runworker`` processes whose DATABASE_URL points at PgBouncer in transaction mode.
+
+Two workers drain a few thousand jobs through the pooler (tests/pgbouncer.py: five server
+connections for everything, lent round robin), one is killed with SIGKILL halfway, and the
+other takes its jobs back once their leases expire. Neither is told ``--no-listen``: each
+finds that LISTEN delivers nothing there, says so once, and polls. A trigger on the jobs table
+records every transition out of ``running``, so the database itself says how many outcomes
+each job got.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+import urllib.request
+
+import pytest
+from django.db import connection
+
+from jobs import enqueue_many
+from jobs.models import Job
+from tests.acceptance.conftest import wait_for
+from tests.pgbouncer import pgbouncer_fixture  # noqa: F401  (provides `pgbouncer`)
+from tests.procapp.jobs import Trace
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.acceptance,
+    pytest.mark.slow,
+    pytest.mark.once,
+]
+
+LOAD = 3000
+LEASE = 2.0
+WORKER = [
+    *("runworker", "--concurrency", "8", "--poll-interval", "0.2"),
+    *("--maintenance-interval", "0.5", "--shutdown-timeout", "5", "--http-port", "0"),
+]
+
+
+@pytest.fixture
+def outcome_log():
+    """Record every transition of a job out of ``running``: (job, new state, its holder)."""
+    with connection.cursor() as cur:
+        cur.execute(
+            """
+            CREATE TABLE test_pooled_outcomes (
+                job bigint NOT NULL, state text NOT NULL, worker text NOT NULL,
+                at timestamptz NOT NULL DEFAULT clock_timestamp());
+            CREATE FUNCTION test_pooled_outcome() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO test_pooled_outcomes (job, state, worker)
+                VALUES (NEW.id, NEW.state, OLD.claimed_by);
+                RETURN NULL;
+            END $$;
+            CREATE TRIGGER test_pooled_outcome AFTER UPDATE OF state ON jobs_job FOR EACH ROW
+                WHEN (OLD.state = 'running' AND NEW.state <> 'running')
+                EXECUTE FUNCTION test_pooled_outcome();
+            """
+        )
+    yield
+    with connection.cursor() as cur:
+        cur.execute(
+            "DROP TRIGGER test_pooled_outcome ON jobs_job; DROP FUNCTION test_pooled_outcome(); "
+            "DROP TABLE test_pooled_outcomes"
+        )
+
+
+def succeeded() -> int:
+    return Job.objects.filter(state="succeeded").count()
+
+
+def metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        body = response.read().decode()
+    return float(re.search(rf"^{name} (\S+)$", body, re.MULTILINE).group(1))
+
+
+def test_workers_through_pgbouncer_lose_no_job_and_double_none(
+    pgbouncer, outcome_log, spawn, tmp_path
+):
+    trace = tmp_path / "trace"
+    env = {"DATABASE_URL": pgbouncer.database_url()}
+    with pgbouncer.routing():  # enqueue through the pooler too: one statement for them all
+        load = enqueue_many([Trace(path=str(trace)) for _ in range(LOAD)])
+    started = time.monotonic()
+    a = spawn(*WORKER, lease=LEASE, **env)
+    b = spawn(*WORKER, lease=LEASE, **env)
+    ports = {}
+    for worker in (a, b):
+        found = worker.wait_for_output(r"/metrics on 127\.0\.0\.1:(\d+)")
+        ports[worker] = int(found.group(1))
+        worker.wait_for_output(r"LISTEN delivers no notifications")
+        identity = worker.wait_for_output(r"worker (\S+) started").group(1)
+        worker.identity = identity
+    assert metric(ports[a], "jobs_worker_listening") == 0
+
+    wait_for(lambda: succeeded() >= LOAD // 3, timeout=60, what="a third of the load done")
+    wait_for(
+        lambda: Job.objects.filter(state="running", claimed_by=b.identity).exists(),
+        what="worker b holds jobs",
+    )
+    b.proc.kill()
+    b.wait()
+    held = set(
+        Job.objects.filter(state="running", claimed_by=b.identity).values_list("id", flat=True)
+    )
+    assert held
+
+    wait_for(lambda: succeeded() == LOAD, timeout=90, what="every job succeeded")
+    drained = time.monotonic() - started
+    a.signal(signal.SIGTERM)
+    assert a.wait(20) == 0
+
+    # No job lost, none with two outcomes: each ended succeeded, by exactly one transition,
+    # and taken back (an expired lease) only from the killed worker.
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT job, array_agg(state ORDER BY at), array_agg(worker ORDER BY at) "
+            "FROM test_pooled_outcomes GROUP BY job"
+        )
+        transitions = {job: (states, workers) for job, states, workers in cur.fetchall()}
+    assert set(transitions) == {job.id for job in load}
+    assert all(states.count("succeeded") == 1 for states, _ in transitions.values())
+    assert all(states[-1] == "succeeded" for states, _ in transitions.values())
+    requeued_from = {w for _, workers in transitions.values() for w in workers[:-1]}
+    assert requeued_from <= {b.identity}, requeued_from
+    # What b held when it died was taken back, or finished by b's last statement (already on
+    # its way to the server when b was killed, so it committed all the same).
+    taken_back = {job for job, (states, _) in transitions.items() if len(states) > 1}
+    finished_by_b = {job for job, (_, workers) in transitions.items() if workers == [b.identity]}
+    assert taken_back and held <= taken_back | finished_by_b
+    assert all(transitions[job][0][0] == "queued" for job in taken_back)
+    # Each claim is one attempt, ended by one transition; a handler runs only on a claim (the
+    # killed worker's last claims may not have started theirs).
+    attempts = dict(Job.objects.values_list("id", "attempts"))
+    assert all(attempts[job] == len(states) for job, (states, _) in transitions.items())
+    starts = sum(1 for line in trace.read_text().splitlines() if line.startswith("start "))
+    assert LOAD <= starts <= sum(attempts.values())
+    for worker in (a, b):
+        assert len(re.findall(r"LISTEN delivers no notifications", worker.output())) == 1
+    assert "Traceback" not in a.output()
+    assert pgbouncer.leftovers() == {}
+    print(f"drained {LOAD} jobs through PgBouncer in {drained:.1f}s, {len(taken_back)} taken back")
