@@ -103,11 +103,10 @@ class NotifyListener:
     def _listen(self) -> bool:
         """Listen until stopped; False at once when the proof fails."""
         # Keepalives make a dead network path under this idle connection show up as an error.
-        # Never prepared: behind a pooler the next statement may run on another backend.
         params = dbbounds.connect_params(
             connections[self._using], application_name="jobs-worker listener"
         )
-        with psycopg.connect(**params, autocommit=True, prepare_threshold=None) as conn:
+        with _connect(params) as conn:
             with conn.transaction():
                 conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                 backend = _backend(conn)
@@ -135,7 +134,7 @@ class NotifyListener:
         """
         token = f"probe {secrets.token_hex(8)}"  # a space: no job type has this name
         probe_params = {**params, "application_name": "jobs-worker listener probe"}
-        with psycopg.connect(**probe_params, autocommit=True, prepare_threshold=None) as probe:
+        with _connect(probe_params) as probe:
             probe.execute("SELECT pg_notify(%s, %s)", [NOTIFY_CHANNEL, token])
         if _backend(conn) != backend:
             return False  # the session moved between two statements: transaction pooling
@@ -181,6 +180,15 @@ class NotifyListener:
             "connections until it recycles it (server_lifetime).",
             extra={"action": "listen_unavailable"},
         )
+
+
+def _connect(params: dict[str, Any]) -> psycopg.Connection[Any]:
+    """An autocommit connection that never prepares a statement.
+
+    Django turns psycopg's prepared statements off for its own connections; these are not
+    Django's, and behind a pooler a statement prepared on one backend is missing on the next.
+    """
+    return psycopg.connect(**params, autocommit=True, prepare_threshold=None)
 
 
 def _backend(conn: psycopg.Connection[Any]) -> int:

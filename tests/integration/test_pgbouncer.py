@@ -314,7 +314,7 @@ def test_a_listener_proves_again_after_losing_its_connection(caplog):
             )
         wait_for(lambda: not listener.listening.is_set(), what="the cut noticed")
         wait_for(listener.listening.is_set, what="the second proof")
-        with psycopg.connect(**_direct_params(), autocommit=True) as other:
+        with psycopg.connect(**_connect_params(), autocommit=True) as other:
             other.execute("SELECT pg_notify(%s, %s)", [NOTIFY_CHANNEL, Echo.job_name])
         wait_for(lambda: woken == [Echo.job_name], what="the notice")
     finally:
@@ -322,7 +322,21 @@ def test_a_listener_proves_again_after_losing_its_connection(caplog):
     assert _listener_warnings(caplog) == []
 
 
-def _direct_params() -> dict:
+def _connect_params() -> dict:
     from jobs import dbbounds
 
     return dbbounds.connect_params(connection)
+
+
+def test_the_listeners_connections_never_prepare_a_statement(pgbouncer):
+    """Behind the pooler a statement prepared on one backend is unknown to the next one.
+
+    Undoing a LISTEN repeats one statement until the pooler lends the right backend: here a
+    backend that does not exist, so it repeats it for as long as it tries.
+    """
+    with pgbouncer.routing():
+        params = _connect_params()
+    with wakeup._connect(params) as conn:
+        assert wakeup._unlisten(conn, backend=0) is False
+        assert conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone() == (0,)
+    assert pgbouncer.leftovers() == {}
