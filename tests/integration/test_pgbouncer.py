@@ -204,20 +204,40 @@ def test_the_workers_maintenance_passes(pgbouncer):
         "admin:jobs_performance",
         "admin:jobs_flow",
         "admin:jobs_schedules",
+        "admin:jobs_process_changelist",
+        "admin:jobs_batch_changelist",
+        "admin:jobs_jobhistory_changelist",
+        "admin:jobs_job_change",
     ],
 )
 def test_admin_pages_render_through_the_pooler(pgbouncer, page):
     JobFactory.create_batch(3)
     JobFactory(running=True)
-    JobFactory(succeeded=True)
+    done = JobFactory(succeeded=True)
+    args = [done.pk] if page.endswith("_change") else []
     with pgbouncer.routing():
         user = User.objects.create_superuser("root", password="x")
         client = Client()
         client.force_login(user)
-        response = client.get(reverse(page))
+        response = client.get(reverse(page, args=args))
         assert response.status_code == 200, response.content[:500]
         if page == "admin:jobs_job_changelist":
             assert b"test.noop.v1" in response.content
+    assert pgbouncer.leftovers() == {}
+
+
+def test_an_admin_action_asks_then_acts_through_the_pooler(pgbouncer):
+    queued, running = JobFactory(), JobFactory(running=True)
+    data = {"action": "cancel_selected", "_selected_action": [queued.pk, running.pk]}
+    changelist = reverse("admin:jobs_job_changelist")
+    with pgbouncer.routing():
+        client = Client()
+        client.force_login(User.objects.create_superuser("root", password="x"))
+        assert client.post(changelist, data).context["count"] == 2
+        done = client.post(changelist, {**data, "post": "yes"}, follow=True)
+        assert done.status_code == 200
+    assert Job.objects.get(pk=queued.pk).state == "cancelled"
+    assert Job.objects.get(pk=running.pk).cancel_requested_by == "root"
     assert pgbouncer.leftovers() == {}
 
 
