@@ -14,7 +14,7 @@ cannot fix fails at once as ``rejected``: a task that cannot be imported or is n
 a backend alias no longer configured. Arguments that are not JSON are refused at enqueue.
 docs/tasks.md has the table of every case and what ``get_result()`` then reports.
 
-OPTIONS (all optional): ``DATABASE`` (alias, default ``"default"``), ``MAX_ATTEMPTS``
+OPTIONS (all optional): ``DATABASE`` (alias, default ``JOBS["DATABASE"]``), ``MAX_ATTEMPTS``
 (default ``JOBS["DEFAULT_MAX_ATTEMPTS"]``), ``CONCURRENCY`` (tasks run at once per worker,
 default: as many as the worker's ``--concurrency``) and ``TIMEOUT`` (seconds, default 300).
 """
@@ -120,7 +120,8 @@ class PostgresBackend(BaseTaskBackend):
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
-        self.database = self.options.get("DATABASE", "default")
+        # The alias the backend's tasks live in; unset, where unbound job types go.
+        self.database = self.options.get("DATABASE") or jobs_settings.DATABASE
         self.max_attempts = self.options.get("MAX_ATTEMPTS")
 
     def enqueue[**P, R](

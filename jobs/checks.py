@@ -14,6 +14,8 @@ Ids are stable so they can be looked up and, for warnings, silenced:
 * ``jobs.E021`` ``SCHEDULER_LEADER_TIMEOUT`` under one second (a live leader could lose it)
 * ``jobs.W022`` ``DB_STATEMENT_TIMEOUT`` / ``DB_LOCK_TIMEOUT`` not below the leader timeout
 * ``jobs.E023`` ``DB_NETWORK_TIMEOUT`` under one second (keepalives count whole seconds)
+* ``jobs.E040`` ``DATABASE`` is not a Django database alias; ``E041`` ``DATABASES`` names an
+  unknown alias or leaves out one that holds jobs (:func:`jobs.databases.check_databases`)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning, register
 
 from jobs.conf import DEFAULTS, DURATION_KEYS, as_timedelta
+from jobs.databases import check_databases
 from jobs.payloads import Payload
 from jobs.registry import MAX_ATTEMPTS_MAX, catalogue
 
@@ -303,3 +306,6 @@ def _user_durations(keys: tuple[str, ...]) -> dict[str, timedelta]:
         if duration is not None and error is None:
             found[key] = duration
     return found
+
+
+register(check_databases, "jobs")

@@ -19,6 +19,13 @@ DEFAULTS: dict[str, Any] = {
     "DEFAULT_TENANT": "default",
     # Queue label stored on jobs enqueued without one.
     "DEFAULT_QUEUE": "default",
+    # The Django database alias of job types that name none (``@job(..., database=...)``):
+    # where enqueue puts their jobs unless told ``using=``, what ``runworker`` serves by
+    # default, and where the scheduler leads from. See docs/databases.md.
+    "DATABASE": "default",
+    # Every alias that holds jobs tables, for the scheduler's duties and the admin. None:
+    # DATABASE, every alias a registered job type names, and the task backends' DATABASE.
+    "DATABASES": None,
     # Attempts allowed to jobs enqueued without a policy or explicit limit.
     "DEFAULT_MAX_ATTEMPTS": 5,
     # Lease a claim holds before another worker may take the job (PostgreSQL clock).
@@ -117,6 +124,8 @@ class JobsSettings:
 
     DEFAULT_TENANT: str
     DEFAULT_QUEUE: str
+    DATABASE: str
+    DATABASES: list[str] | tuple[str, ...] | None
     DEFAULT_MAX_ATTEMPTS: int
     LEASE: timedelta
     SUCCESS_WINDOW: timedelta

@@ -145,6 +145,10 @@ class Policy:
     max_attempts: int = 5
     backoff: Backoff | None = None
     queue: str | None = None
+    # The Django database alias the type's jobs live in: enqueue puts them there, and only
+    # ``runworker --database`` of that alias runs them. None: ``JOBS["DATABASE"]`` unless
+    # enqueue names another alias, and any worker runs them where it finds them.
+    database: str | None = None
     priority: int = 0
     retry_in_process_up_to: timedelta | None = None
     permanent_errors: tuple[type[BaseException], ...] = ()
@@ -200,6 +204,7 @@ class Policy:
                 validate_key(self.queue, "queue")
             except ValueError as exc:
                 problems.append(str(exc))
+        problems.extend(_database_problems(self.database))
         if not _whole(self.priority, PRIORITY_MIN, PRIORITY_MAX):
             problems.append(_range("priority", PRIORITY_MIN, PRIORITY_MAX, self.priority))
         wait = self.retry_in_process_up_to
@@ -275,6 +280,7 @@ class PolicyOptions(TypedDict, total=False):
     max_attempts: int
     backoff: Backoff | None
     queue: str | None
+    database: str | None
     priority: int
     retry_in_process_up_to: timedelta | float | None
     permanent_errors: ExceptionClasses
@@ -315,6 +321,20 @@ def classify(policy: Policy, exc: BaseException) -> Classification:
     if policy.permanent_errors and isinstance(exc, policy.permanent_errors):
         return "permanent"
     return "transient"
+
+
+def _database_problems(database: object) -> list[str]:
+    """A policy's ``database`` must be one of Django's configured aliases (or None)."""
+    if database is None:
+        return []
+    from django.conf import settings
+
+    if isinstance(database, str) and database in settings.DATABASES:
+        return []
+    return [
+        f"database must be an alias in settings.DATABASES ({', '.join(settings.DATABASES)}), "
+        f"got {database!r}"
+    ]
 
 
 def _whole(value: object, low: int, high: int) -> bool:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
+from django.db import DEFAULT_DB_ALIAS
+
 if TYPE_CHECKING:
     from jobs.queue.types import ProcessBeat
 
@@ -70,8 +72,10 @@ class Presence:
         scope: str = "",
         concurrency: int | None = None,
         logger: logging.Logger | None = None,
+        using: str = DEFAULT_DB_ALIAS,
     ) -> None:
         self.identity = identity
+        self.using = using  # the database alias whose jobs_process holds the row
         self.component = component
         self.expires_in = expires_in
         self.scope = scope
@@ -95,6 +99,7 @@ class Presence:
                 scope=self.scope,
                 concurrency=self.concurrency,
                 expires_in=self.expires_in,
+                using=self.using,
             )
         except Exception as exc:
             self._failed("register", exc)
@@ -129,7 +134,7 @@ class Presence:
             if beat is None:
                 return False
             try:
-                found = processes.beat(beat)
+                found = processes.beat(beat, using=self.using)
             except Exception as exc:
                 self._failed("beat", exc)
                 return False
@@ -146,17 +151,17 @@ class Presence:
         if not self.registered:
             return
         try:
-            processes.unregister(self.identity)
+            processes.unregister(self.identity, using=self.using)
         except Exception as exc:
             self._failed("unregister", exc)
             return
         self.registered = False
 
     def _failed(self, what: str, exc: BaseException) -> None:
-        from django.db import connection
+        from django.db import connections
 
         with contextlib.suppress(Exception):  # as after any failed call: reconnect next time
-            connection.close()
+            connections[self.using].close()
         if not self._failing:
             self._logger.warning(
                 "could not %s process %s in jobs_process (%s: %s); the processes page may "

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from django.db import DEFAULT_DB_ALIAS
-
 from jobs.conf import as_timedelta
 from jobs.payloads import InvalidPayload, Payload
 from jobs.registry import Policy, catalogue
@@ -63,14 +61,16 @@ def enqueue(
     max_attempts: int | None = None,
     after: Sequence[Enqueued | int | str] | None = None,
     on_dependency_failure: str | None = None,
-    using: str = DEFAULT_DB_ALIAS,
+    using: str | None = None,
 ) -> Enqueued:
     """Enqueue one typed job, or return the job already holding its ``(tenant, job_id)``.
 
     ``after`` lists jobs (enqueue results, row ids, or job_ids of the same tenant) this one
     waits for: it is claimed only once all of them have succeeded. If one fails for good or
     is cancelled, this job is cancelled (``on_dependency_failure="cancel"``, the default) or
-    failed (``"fail"``). See ``docs/workflows.md``.
+    failed (``"fail"``). See ``docs/workflows.md``. ``using`` names the database alias; by
+    default the job goes to its type's (``@job(..., database=...)``, else
+    ``JOBS["DATABASE"]``), see ``docs/databases.md``.
     """
     spec = JobSpec(
         payload=payload,
@@ -98,7 +98,7 @@ def enqueue_many(
     max_attempts: int | None = None,
     after: Sequence[Enqueued | int | str] | None = None,
     on_dependency_failure: str | None = None,
-    using: str = DEFAULT_DB_ALIAS,
+    using: str | None = None,
 ) -> list[Enqueued]:
     """Enqueue a batch of payloads (or :class:`JobSpec` values) atomically, in input order.
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
-from jobs import queue
+from jobs import databases, queue
 from jobs.queue import OnlyTenant, Scope
 from jobs.registry import Registry, get_registry
 from jobs.worker.config import WorkerConfig, scope_from
@@ -43,15 +43,18 @@ def run_worker(
     tenant: str | None = None,
     registry: Registry | None = None,
     concurrency: int = 4,
+    database: str | None = None,
 ) -> None:
     """Run a real worker until every eligible job is done, failing fast on a terminal failure.
 
     Eligible jobs are queued jobs of registered types in the worker's scope (all tenants
     without an override, or just ``tenant``) that are due before the deadline, including
     retries waiting out a short backoff. Raises :class:`JobFailed` as soon as one becomes
-    failed and :class:`WorkerTimeout` if work remains after ``timeout`` seconds.
+    failed and :class:`WorkerTimeout` if work remains after ``timeout`` seconds. ``database``
+    is the alias to run the jobs of, as ``runworker --database`` (default ``JOBS["DATABASE"]``).
     """
     registry = registry or get_registry()
+    database = database or databases.home()
     scope = OnlyTenant(tenant) if tenant else scope_from(None, None)
     failures: list[JobFailed] = []
     deadline = time.monotonic() + timeout
@@ -66,7 +69,7 @@ def run_worker(
             return True
         if time.monotonic() >= deadline:
             return True
-        return w.idle and not _pending(registry, scope, deadline)
+        return w.idle and not _pending(registry, scope, deadline, database)
 
     config = WorkerConfig(
         scope=scope,
@@ -75,17 +78,19 @@ def run_worker(
         maintenance_interval=0.5,
         shutdown_timeout=1.0,
         install_signal_handlers=False,
+        database=database,
     )
     worker = Worker(registry, config, on_terminal_failure=failed)
     worker.run(until=done)
     if failures:
         raise failures[0]
-    left = _pending(registry, scope, deadline)
+    left = _pending(registry, scope, deadline, database)
     if left:
         raise WorkerTimeout(f"jobs still pending after {timeout:g}s: {left}")
 
 
-def _pending(registry: Registry, scope: Scope, deadline: float) -> dict[str, int]:
+def _pending(registry: Registry, scope: Scope, deadline: float, database: str) -> dict[str, int]:
     """Eligible work left: queued jobs due before the deadline, and running jobs."""
     horizon = timedelta(seconds=max(0.0, deadline - time.monotonic()))
-    return queue.pending(scope=scope, names=registry.names(), due_within=horizon)
+    names = databases.served(registry, database)
+    return queue.pending(scope=scope, names=names, due_within=horizon, using=database)

@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
+from django.db import OperationalError, connections, transaction
 from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
+from jobs import databases
 from jobs.conf import NOTIFY_CHANNEL, jobs_settings
 from jobs.models import PRIORITY_MAX, PRIORITY_MIN, new_job_id
 from jobs.policy import MAX_ATTEMPTS_MAX
@@ -46,21 +47,24 @@ def _deadlock(exc: BaseException) -> bool:
     return getattr(exc.__cause__, "sqlstate", None) == "40P01"
 
 
-def enqueue(job: NewJob, *, using: str = DEFAULT_DB_ALIAS) -> Enqueued:
+def enqueue(job: NewJob, *, using: str | None = None) -> Enqueued:
     """Enqueue one job, or return the job already holding its ``(tenant, job_id)``."""
     return enqueue_many([job], using=using)[0]
 
 
-def enqueue_many(jobs: Sequence[NewJob], *, using: str = DEFAULT_DB_ALIAS) -> list[Enqueued]:
+def enqueue_many(jobs: Sequence[NewJob], *, using: str | None = None) -> list[Enqueued]:
     """Enqueue a batch atomically; results come back in input order.
 
     Every job is validated before anything is inserted, so one bad job rejects the whole
     batch with :class:`InvalidJob`. Inside the caller's ``transaction.atomic()`` the jobs
     commit or roll back with the caller's writes; workers never see them before commit.
+    ``using`` None sends the batch to its types' database alias (:func:`jobs.databases.route`),
+    so the transaction that counts is the one open on that alias.
     """
     rows = [_row(job, index) for index, job in enumerate(jobs)]
     if not rows:
         return []
+    using = databases.route([(index, row["name"]) for index, row in enumerate(rows)], using)
     # The first job with a key is the one inserted; later copies in the batch return it.
     firsts: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:

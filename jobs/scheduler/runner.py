@@ -21,6 +21,9 @@ Every call has a bound (jobs.dbbounds): the loop's connection carries statement_
 lock_timeout and TCP keepalives/tcp_user_timeout, the lock session's calls have a deadline,
 and the guard catches what none of those can see (a path that went silent).
 
+Each duty covers every database alias that holds jobs (:mod:`jobs.scheduler.per_database`):
+the lock, the process row and the pass's clock are the home alias's (``JOBS["DATABASE"]``).
+
 A duty that fails is logged and counted, and runs again on its next interval; a duty that finds
 leadership lost stops the pass. Becoming leader runs every duty at once (a returning scheduler
 clears stale work immediately). SIGTERM/SIGINT stop the loop after the current duty and release
@@ -29,6 +32,7 @@ leadership, so a standby takes over at its next attempt.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -36,10 +40,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db import connection
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from jobs import dbbounds
+from jobs import databases, dbbounds
 from jobs.dbbounds import StallGuard
 from jobs.process import Presence, install_stop_signals, restore_signals, start_http
 from jobs.registry import Registry, get_registry
@@ -49,6 +54,7 @@ from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.cron import CronService
 from jobs.scheduler.gauges import Gauges
 from jobs.scheduler.leader import Leadership, LeadershipLost
+from jobs.scheduler.per_database import PerDatabase, RecordedGauges
 from jobs.scheduler.reporting import export, status
 from jobs.scheduler.retention import Archive, Retention
 from jobs.scheduler.schedules import Schedule, get_schedules
@@ -92,23 +98,54 @@ class Scheduler:
         self.schedules = tuple(get_schedules() if schedules is None else schedules)
         config.check_schedules(self.schedules)
         registry = registry or get_registry()
-        self.leadership = leadership or Leadership(config.identity, timeout=config.leader_duration)
-        self.cron = CronService(
-            self.schedules,
-            identity=config.identity,
-            fence=self.leadership.fence,
-            stall_timeout=config.leader_duration,
+        # The lock, the process row and the pass's clock live on the home alias; the duties
+        # visit every alias that holds jobs, the home one first.
+        self.home = home = databases.home()
+        aliases = (home, *(alias for alias in databases.configured() if alias != home))
+        self.leadership = leadership or Leadership(
+            config.identity, timeout=config.leader_duration, using=home
         )
-        self.watchdog = Watchdog(config.watchdog, max_attempts=registry.max_attempts())
-        self.retention = Retention(config.retention)
-        self.archive = Archive(config.archive)
-        self.gauges = Gauges(registry.names())
+        self.schedules_by_alias = _by_alias(self.schedules, aliases, registry)
+        self.cron = PerDatabase(
+            "cron",
+            {
+                alias: CronService(
+                    self.schedules_by_alias.get(alias, ()),
+                    identity=config.identity,
+                    fence=self.leadership.fence if alias == home else self._fence_elsewhere,
+                    stall_timeout=config.leader_duration,
+                    using=alias,
+                )
+                for alias in aliases
+                if alias == home or alias in self.schedules_by_alias
+            },
+            home=home,
+        )
+        max_attempts = registry.max_attempts()
+        self.watchdog = PerDatabase(
+            "watchdog",
+            {a: Watchdog(config.watchdog, max_attempts=max_attempts, using=a) for a in aliases},
+            home=home,
+        )
+        self.retention = PerDatabase(
+            "retention", {a: Retention(config.retention, using=a) for a in aliases}, home=home
+        )
+        self.archive = PerDatabase(
+            "archive", {a: Archive(config.archive, using=a) for a in aliases}, home=home
+        )
+        self.gauges = Gauges(databases.served(registry, home), using=home)
+        gauges: dict[str, Gauges] = {home: self.gauges}
+        for alias in aliases[1:]:
+            gauges[alias] = RecordedGauges(databases.served(registry, alias), using=alias)
+        self.aliases = aliases
         self.duties = [
             Duty("cron", config.tick_interval, self.cron.run_once),
             Duty("watchdog", config.watchdog_interval, self.watchdog.run_once),
             Duty("retention", config.retention_interval, self.retention.run_once),
             Duty("archive", config.archive_interval, self.archive.run_once),
-            Duty("gauges", config.gauge_interval, self.gauges.run_once),
+            Duty(
+                "gauges", config.gauge_interval, PerDatabase("gauges", gauges, home=home).run_once
+            ),
         ]
         self.passes = 0  # passes that ran duties as leader
         self.ready = False
@@ -125,11 +162,13 @@ class Scheduler:
             component="scheduler",
             expires_in=config.leader_duration.total_seconds(),
             logger=logger,
+            using=home,
         )
         self._beat_every = config.leader_duration.total_seconds() / 3
         self._next_beat = 0.0
         self._beat_leader = False
-        self._db: BaseDatabaseWrapper | None = None  # the loop thread's (bounded) connection
+        # The loop thread's (bounded) connections, the home alias's first.
+        self._dbs: list[BaseDatabaseWrapper] = []
 
     def run(self, *, until: Callable[[Scheduler], bool] | None = None) -> int:
         """Run until stopped (or ``until(scheduler)`` is true after a pass); returns 0."""
@@ -155,8 +194,13 @@ class Scheduler:
             self.config.leader_duration.total_seconds(), self._stalled, name="jobs-scheduler-guard"
         )
         try:
-            with dbbounds.bounded(connection) as db, db.execute_wrapper(guard):
-                self._db = db
+            with contextlib.ExitStack() as stack:
+                # Every alias's connection of the loop is bounded and watched by the guard.
+                self._dbs = []
+                for alias in self.aliases:
+                    db = stack.enter_context(dbbounds.bounded(connections[alias]))
+                    stack.enter_context(db.execute_wrapper(guard))
+                    self._dbs.append(db)
                 guard.start()
                 self._activity = "registering in jobs_process"
                 if self.presence.register():
@@ -179,7 +223,8 @@ class Scheduler:
             self.leadership.release()
             if server is not None:
                 server.shutdown()
-            connection.close()
+            for alias in self.aliases:
+                connections[alias].close()
             restore_signals(previous)
             logger.info("scheduler %s stopped", self.config.identity, extra={"action": "stopped"})
 
@@ -212,7 +257,8 @@ class Scheduler:
             self._next_attempt = time.monotonic() + self.config.leader_duration.total_seconds()
         if self._activity == CONTENDING:
             return  # the lock connection's own calls have deadlines; Django's is idle
-        if dbbounds.abort(self._db):
+        # The stuck call is on one of them; aborting an idle one costs a reconnect.
+        if any([dbbounds.abort(db) for db in self._dbs]):
             logger.warning(
                 "scheduler %s aborted its database connection, stuck in %s for %.1fs",
                 self.config.identity,
@@ -264,10 +310,10 @@ class Scheduler:
             return
         self._activity = "reading the database clock"
         try:
-            now = database_now()
+            now = database_now(self.home)
         except Exception:
             logger.exception("cannot read the database clock; will try again")
-            connection.close()
+            connections[self.home].close()
             return
         self.last_pass = {}
         for duty in due:
@@ -285,7 +331,7 @@ class Scheduler:
             except Exception:
                 metrics.errors.labels(duty.name).inc()
                 logger.exception("%s pass failed; will try again", duty.name)
-                connection.close()
+                connections[self.home].close()
                 continue
             self.last_pass[duty.name] = not _reported_errors(result)
             metrics.passes.labels(duty.name).inc()
@@ -297,15 +343,29 @@ class Scheduler:
         if not self.schedules:
             return
         self._activity = "reading schedule status"
-        try:
-            export(status(now=now, schedules=self.schedules))
-        except Exception as exc:
-            if not self._status_failing:
-                logger.warning("cannot read schedule status: %s", exc)
-            self._status_failing = True
-            connection.close()
-        else:
-            self._status_failing = False
+        failing = False
+        for alias, schedules in self.schedules_by_alias.items():
+            try:
+                export(
+                    status(
+                        now=now if alias == self.home else None, schedules=schedules, using=alias
+                    )
+                )
+            except Exception as exc:
+                if not self._status_failing:
+                    logger.warning("cannot read schedule status (database %s): %s", alias, exc)
+                failing = True
+                connections[alias].close()
+        self._status_failing = failing
+
+    def _fence_elsewhere(self, using: str) -> None:
+        """The cron fence on another alias: the lock's session is on the home alias.
+
+        Another server cannot see that session, so the tick proves leadership on the lock's
+        own connection first; the slot's unique row on that alias is the last word, as ever.
+        """
+        if not self.leadership.prove():
+            raise LeadershipLost(f"scheduler {self.config.identity} is not the leader")
 
     def _wait_time(self) -> float:
         if self.leadership.leading:
@@ -314,6 +374,23 @@ class Scheduler:
             target = self._next_attempt
         target = min(target, self._next_beat)
         return max(0.0, min(target - time.monotonic(), 1.0))
+
+
+def _by_alias(
+    schedules: Sequence[Schedule], aliases: Sequence[str], registry: Registry
+) -> dict[str, tuple[Schedule, ...]]:
+    """Schedules by the alias their job type lives in (unbound: the home alias, first)."""
+    found: dict[str, list[Schedule]] = {}
+    for schedule in schedules:
+        job_type = registry.get(schedule.job)
+        alias = (job_type.policy.database if job_type else None) or aliases[0]
+        if alias not in aliases:
+            raise ImproperlyConfigured(
+                f"schedule {schedule.name}: its job type {schedule.job} lives in database "
+                f"{alias!r}, which JOBS['DATABASES'] leaves out ({', '.join(aliases)})"
+            )
+        found.setdefault(alias, []).append(schedule)
+    return {alias: tuple(found[alias]) for alias in aliases if alias in found}
 
 
 def _reported_errors(result: object) -> int:

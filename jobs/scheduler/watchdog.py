@@ -25,7 +25,7 @@ from datetime import datetime
 from functools import partial
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS
+from django.db import DEFAULT_DB_ALIAS, router
 
 from jobs import binding, queue
 from jobs.conf import jobs_settings
@@ -73,7 +73,8 @@ class Watchdog:
         self._table(counts, JOBS_TABLE, "requeued", lambda n: self._requeue(now, n))
         self._table(counts, JOBS_TABLE, "failed", lambda n: self._exhaust(now, n))
         for model in run_contract_models():
-            if model.reaped_when_stale:
+            # On an alias the routers keep the table off, there is no table to scan.
+            if model.reaped_when_stale and router.allow_migrate_model(self.using, model):
                 label = model._meta.label_lower
                 self._table(counts, label, "stale", partial(self._reap, model, now))
         return counts

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from jobs.conf import jobs_settings
@@ -27,6 +28,9 @@ class WorkerConfig:
     """How one worker process runs. Every field has a default; see the README's table."""
 
     scope: Scope = field(default_factory=lambda: AllTenantsExcept(DEFAULT_COMPONENT))
+    # The database alias whose jobs this worker runs (jobs.databases): every statement of
+    # the worker's own goes there, and its handlers' contexts say so (``ctx.using``).
+    database: str = field(default_factory=lambda: str(jobs_settings.DATABASE))
     concurrency: int = 10
     shutdown_timeout: float = 30.0
     # After the shutdown timeout: how long cancelled handlers get to return before exit.
@@ -69,6 +73,11 @@ class WorkerConfig:
             problems.append(f"ack interval must not be negative, got {self.ack_interval}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             problems.append(f"HTTP port must be from 0 to 65535, got {self.http_port}")
+        if self.database not in settings.DATABASES:
+            problems.append(
+                f"database must be an alias of settings.DATABASES "
+                f"({', '.join(settings.DATABASES)}), got {self.database!r}"
+            )
         if not isinstance(self.scope, Scope):
             problems.append(f"scope must be a jobs.queue Scope, got {self.scope!r}")
         if problems:

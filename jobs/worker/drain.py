@@ -139,8 +139,9 @@ class Draining:
 
     def _release(self, handed: list[Running]) -> None:
         try:
-            with transaction.atomic():
-                report = queue.release([r.job for r in handed])
+            using = self.config.database
+            with transaction.atomic(using=using):
+                report = queue.release([r.job for r in handed], using=using)
                 sync_run_rows(
                     [
                         (r, report.as_written(Outcome.released(r.job)))

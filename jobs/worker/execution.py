@@ -42,7 +42,7 @@ from datetime import timedelta
 from functools import cache
 from typing import Any
 
-from django.db import connections
+from django.db import DEFAULT_DB_ALIAS, connections
 from psycopg.pq import TransactionStatus
 
 from jobs import dbbounds, queue, runs
@@ -93,7 +93,10 @@ def _handler_logger(name: str) -> logging.Logger:
     return logging.getLogger(f"jobs.handler.{name}")
 
 
-def make_context(job: ClaimedJob, job_type: JobType) -> JobContext:
+def make_context(
+    job: ClaimedJob, job_type: JobType, *, using: str = DEFAULT_DB_ALIAS
+) -> JobContext:
+    """The handler's context for ``job``, claimed on the database alias ``using``."""
     adapter = logging.LoggerAdapter(
         _handler_logger(job.name),
         {"job_id": job.job_id, "job_type": job.name, "tenant": job.tenant, "attempt": job.attempts},
@@ -110,6 +113,7 @@ def make_context(job: ClaimedJob, job_type: JobType) -> JobContext:
         # For a coroutine, "told to stop" is also a cancelled task (jobs.worker.event_loop).
         cancelled=CancelEvent() if job_type.is_async else threading.Event(),
         claim_token=job.claim_token,
+        using=using,
     )
 
 
@@ -178,7 +182,12 @@ def mark_running(running: Running) -> None:
     run_model = running.job_type.policy.run_model
     if run_model is not None:
         with dbbounds.local():  # the worker's write on the handler's connection
-            runs.mark_running(run_model, running.run_pk, attempt=current_attempt(running))
+            runs.mark_running(
+                run_model,
+                running.run_pk,
+                attempt=current_attempt(running),
+                using=running.ctx.using,
+            )
 
 
 def judge(
@@ -323,7 +332,11 @@ def count_next_attempt(running: Running, lease: timedelta | None, ended: Outcome
     try:
         with dbbounds.local():
             attempt = queue.next_attempt(
-                running.job, lease=lease, code=ended.code or "", detail=ended.detail or ""
+                running.job,
+                lease=lease,
+                code=ended.code or "",
+                detail=ended.detail or "",
+                using=ctx.using,
             )
     except Exception:
         logger.warning(
@@ -348,7 +361,7 @@ def _cancel_asked(running: Running, lease: timedelta | None) -> bool:
     """Whether the job, refused its next attempt, is still ours and was asked to stop."""
     try:
         with dbbounds.local():
-            renewal = queue.renew_leases([running.job], lease=lease)
+            renewal = queue.renew_leases([running.job], lease=lease, using=running.ctx.using)
     except Exception:  # unknown: treat it as lost, as a refused attempt always was
         return False
     return running.job.claim_token in renewal.cancel_requested
@@ -430,4 +443,5 @@ def sync_run_rows(settled: list[tuple[Running, Outcome]]) -> None:
             code=outcome.code or "",
             detail=outcome.detail or "",
             retry_in=outcome.delay if outcome.at is None else None,
+            using=running.ctx.using,
         )

@@ -107,8 +107,9 @@ def _write_one_retrying(running: Running, outcome: Outcome) -> str:
 
 def _write_one(running: Running, outcome: Outcome) -> str:
     """``applied``, ``fenced`` or ``busy`` (the row is locked by another session)."""
-    with transaction.atomic():
-        report = queue.record([outcome])
+    using = running.ctx.using
+    with transaction.atomic(using=using):
+        report = queue.record([outcome], using=using)
         if report.applied:
             sync_run_rows([(running, report.as_written(outcome))])
     return "applied" if report.applied else "busy" if report.busy else "fenced"

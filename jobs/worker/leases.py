@@ -24,7 +24,7 @@ from dataclasses import replace
 from datetime import timedelta
 from uuid import UUID
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connections
 
 from jobs import dbbounds, queue, runs
 from jobs.conf import as_timedelta
@@ -46,8 +46,10 @@ class LeaseKeeper:
         tick: float = 0.1,
         beat: Callable[[], ProcessBeat | None] | None = None,
         beat_missed: Callable[[], None] | None = None,
+        using: str = DEFAULT_DB_ALIAS,
     ) -> None:
         self._held = held
+        self._using = using  # the worker's database alias: its jobs and its process row
         # The process's row rides in every renewal, held jobs or none (jobs.worker.presence);
         # a beat that found no row (pruned in a long stall) calls ``beat_missed``.
         self._beat = beat
@@ -77,7 +79,7 @@ class LeaseKeeper:
             ),
         )
         try:
-            with dbbounds.bounded(connection, bounds):
+            with dbbounds.bounded(connections[self._using], bounds):
                 while not self._stop.wait(self._tick):
                     now = time.monotonic()
                     try:
@@ -88,7 +90,7 @@ class LeaseKeeper:
                     except Exception:  # the keeper must outlive anything: leases depend on it
                         logger.exception("lease keeper pass failed; carrying on")
         finally:
-            connection.close()
+            connections[self._using].close()
 
     def _enforce_deadlines(self, now: float) -> None:
         for running in self._held():
@@ -122,6 +124,7 @@ class LeaseKeeper:
                 lease=timedelta(seconds=self._lease),
                 beat=beat,
                 progress={token: report for token, (_, report) in reports.items()},
+                using=self._using,
             )
             lost_tokens: set[UUID] | frozenset[UUID] = renewal.lost
         except Exception as exc:
@@ -133,7 +136,7 @@ class LeaseKeeper:
                 (str(exc).strip().splitlines() or [""])[0],
                 extra={"action": "renew_failed"},
             )
-            connection.close()
+            connections[self._using].close()
             if now - self._last_renewal >= self._lease:
                 # Past a full lease without a successful renewal, others may own the jobs.
                 lost_tokens = {r.job.claim_token for r in renewable}
@@ -206,10 +209,10 @@ class LeaseKeeper:
                 bound[model].append(running.run_pk)
         for model, pks in bound.items():
             try:
-                runs.beat(model, pks)
+                runs.beat(model, pks, using=self._using)
             except Exception:
                 logger.exception("heartbeat of %s rows failed", model._meta.label)
-                connection.close()
+                connections[self._using].close()
 
 
 def _unsent_reports(renewable: list[Running]) -> dict[UUID, tuple[int, Progress]]:

@@ -32,7 +32,9 @@ class WorkerMaintenance:
         Cheap enough to run every second: it reads only running rows, through their index.
         """
         requeued = queue.requeue_expired(
-            scope=self.config.scope, limit=self.config.maintenance_limit
+            scope=self.config.scope,
+            limit=self.config.maintenance_limit,
+            using=self.config.database,
         )
         for row in requeued:
             metrics.expired_leases.labels(row.name).inc()
@@ -52,7 +54,10 @@ class WorkerMaintenance:
         """
         scope, limit = self.config.scope, self.config.maintenance_limit
         failed = queue.fail_exhausted(
-            scope=scope, max_attempts=self.registry.max_attempts(), limit=limit
+            scope=scope,
+            max_attempts=self.registry.max_attempts(),
+            limit=limit,
+            using=self.config.database,
         )
         if failed:
             logger.warning(

@@ -25,6 +25,7 @@ def worker_presence(config: WorkerConfig) -> Presence:
         scope=describe(config.scope),
         concurrency=config.concurrency,
         logger=logger,
+        using=config.database,
     )
 
 

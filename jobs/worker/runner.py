@@ -29,9 +29,10 @@ from functools import partial
 from uuid import UUID
 
 from django.db import Error as DbError
-from django.db import connection, transaction
+from django.db import connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 
-from jobs import dbbounds, queue
+from jobs import databases, dbbounds, queue
 from jobs.effects import completed_by_handler
 from jobs.process import install_stop_signals, restore_signals, start_http
 from jobs.queue import ClaimedJob, ClaimRequest, Outcome, OutcomeReport, flow
@@ -79,7 +80,8 @@ class Worker(Draining):
         self.registry = registry
         self.config = config or WorkerConfig()
         self._on_terminal = on_terminal_failure
-        self._names = list(registry.names())
+        # The types bound to this worker's database and the unbound ones (jobs.databases).
+        self._names = list(databases.served(registry, self.config.database))
         # Flow controls held by the claim (jobs.queue.flow): each type's limits, its gate row
         # made once, each tenant-ordered type's cursor, and when a type held back by its
         # limits is worth another try (with the streak of empty tries that set it).
@@ -100,7 +102,7 @@ class Worker(Draining):
         self._acks: list[tuple[Running, Outcome | None]] = []
         # Outcomes whose row was locked by another session, retried from _deferred_at on.
         self._deferred: list[tuple[Running, Outcome | None]] = []
-        self._history = History()
+        self._history = History(using=self.config.database)
         self._history_failing = False
         self._deferred_at = 0.0
         self._first_ack_at: float | None = None
@@ -124,7 +126,7 @@ class Worker(Draining):
 
     def run(self, *, until: Callable[[Worker], bool] | None = None) -> int:
         """Run until stopped (or ``until(worker)`` is true after a loop pass); returns 0."""
-        if connection.in_atomic_block:
+        if self._connection.in_atomic_block:
             raise RuntimeError(
                 "the worker cannot run inside a transaction: it must see committed jobs and "
                 "commit its own claims (in tests use django_db(transaction=True))"
@@ -137,9 +139,13 @@ class Worker(Draining):
             lease_seconds=self._lease_seconds,
             beat=lambda: presence.beat(held=self._busy(), draining=self._stopping.is_set()),
             beat_missed=presence.forget,
+            using=self.config.database,
         )
         listener = self._listener = NotifyListener(
-            self._names, self._work_arrived, poll_interval=self.config.poll_interval
+            self._names,
+            self._work_arrived,
+            poll_interval=self.config.poll_interval,
+            using=self.config.database,
         )
         server = start_http(
             self.config.http_host,
@@ -154,7 +160,7 @@ class Worker(Draining):
         # The loop's own connection gets statement, lock and network bounds (jobs.dbbounds):
         # no call of the run loop may wait forever. Handler threads keep the plain settings.
         bounds = contextlib.ExitStack()
-        bounds.enter_context(dbbounds.bounded(connection))
+        bounds.enter_context(dbbounds.bounded(self._connection))
         try:
             presence.register()  # refused (no database yet): the keeper's next beat retries
             self.ready = True
@@ -177,7 +183,7 @@ class Worker(Draining):
                 server.shutdown()
             pool.shutdown(timeout=0 if self._force.is_set() else 1.0)
             bounds.close()
-            connection.close()
+            self._connection.close()
             restore_signals(previous)
 
     def request_stop(self, *, force: bool = False) -> None:
@@ -222,7 +228,7 @@ class Worker(Draining):
         acks = self._take_acks(now)
         try:
             if not self._gates_made:
-                flow.ensure(self._limits)
+                flow.ensure(self._limits, using=self.config.database)
                 self._gates_made = True
             self._throttle(acks)
         except Exception as exc:
@@ -273,7 +279,10 @@ class Worker(Draining):
             delay, detail = running.throttle
             job = running.job
             until = queue.throttle(
-                job.name, delay, reason=f"throttled by job {job.job_id}: {detail}"[:200]
+                job.name,
+                delay,
+                reason=f"throttled by job {job.job_id}: {detail}"[:200],
+                using=self.config.database,
             )
             running.throttle = None
             metrics.throttles.labels(job.name).inc()
@@ -334,8 +343,10 @@ class Worker(Draining):
         pass runs its statements inside one instead.
         """
         if any(r.job_type.policy.run_model is not None for r, _ in outcomes):
-            with transaction.atomic():
-                report = queue.record([o for _, o in outcomes], count=False)
+            with transaction.atomic(using=self.config.database):
+                report = queue.record(
+                    [o for _, o in outcomes], count=False, using=self.config.database
+                )
                 sync_run_rows(
                     [(r, report.as_written(o)) for r, o in outcomes if report.was_applied(o)]
                 )
@@ -354,6 +365,7 @@ class Worker(Draining):
             count=False,
             limits=self._limits,
             after=self._cursors,
+            using=self.config.database,
         )
         self._history.count(outcomes, report)
         self._note_claimed(requests, claimed, free)
@@ -379,7 +391,7 @@ class Worker(Draining):
             extra={"action": "loop_error", "retry": self._errors, "delay": delay},
         )
         with contextlib.suppress(Exception):
-            connection.close()
+            self._connection.close()
 
     def _take_acks(self, now: float) -> list[tuple[Running, Outcome | None]]:
         with self._lock:
@@ -454,6 +466,7 @@ class Worker(Draining):
             worker=self.config.identity,
             limits=self._limits,
             after=self._cursors,
+            using=self.config.database,
         )
         self._note_claimed(requests, claimed, free)
         return claimed
@@ -509,7 +522,7 @@ class Worker(Draining):
                 # back for good, and costs one insert to put back. After the pass's commit:
                 # a failure here must not undo the pass (its claimed jobs are to dispatch).
                 try:
-                    flow.restore_gates({request.name: limits})
+                    flow.restore_gates({request.name: limits}, using=self.config.database)
                 except Exception as exc:
                     logger.warning(
                         "could not check the gate row of %s (%s)",
@@ -522,7 +535,8 @@ class Worker(Draining):
         on_loop: list[Running] = []
         for job in claimed:
             job_type = self.registry[job.name]
-            running = Running(job, job_type, make_context(job, job_type))
+            ctx = make_context(job, job_type, using=self.config.database)
+            running = Running(job, job_type, ctx)
             with self._lock:
                 self._held[job.id, job.claim_token] = running
                 self._in_flight += 1
@@ -739,6 +753,11 @@ class Worker(Draining):
     # -- process plumbing --------------------------------------------------------------------
 
     @property
+    def _connection(self) -> BaseDatabaseWrapper:
+        """The calling thread's connection to the worker's database (the run loop's own)."""
+        return connections[self.config.database]
+
+    @property
     def _lease_seconds(self) -> float:
         return self.config.lease_duration.total_seconds()
 
@@ -756,8 +775,9 @@ class Worker(Draining):
             capped = limit is not None and limit < self.config.concurrency
             types.append(f"{name} (at most {limit} at once)" if capped else name)
         logger.info(
-            "worker %s started: %d slots, scope %s, types %s",
+            "worker %s started: database %s, %d slots, scope %s, types %s",
             self.config.identity,
+            self.config.database,
             self.config.concurrency,
             self.config.scope,
             ", ".join(types) or "(none)",

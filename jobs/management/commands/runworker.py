@@ -9,6 +9,8 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from jobs import databases
+from jobs.conf import jobs_settings
 from jobs.registry import get_registry
 from jobs.worker.config import WorkerConfig, env_scope, scope_from
 from jobs.worker.runner import Worker
@@ -26,12 +28,19 @@ def _env_number[T](name: str, kind: Callable[[str], T], default: T) -> T:
 
 class Command(BaseCommand):
     help = (
-        "Run a background job worker. Claims jobs of every registered type in its tenant "
-        "scope; drains gracefully on SIGTERM/SIGINT (a second signal stops at once)."
+        "Run a background job worker. Claims, in its database, jobs of every registered type "
+        "that lives there, in its tenant scope; drains gracefully on SIGTERM/SIGINT (a second "
+        "signal stops at once)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
         branch, component = env_scope()
+        parser.add_argument(
+            "--database",
+            default=os.environ.get("WORKER_DATABASE") or jobs_settings.DATABASE,
+            help="Database alias whose jobs to run: the job types bound to it and every unbound "
+            "type (env WORKER_DATABASE; default JOBS['DATABASE'], itself 'default').",
+        )
         parser.add_argument(
             "--tenant",
             default=branch,
@@ -99,6 +108,7 @@ class Command(BaseCommand):
         try:
             config = WorkerConfig(
                 scope=scope_from(options["tenant"], options["component"]),
+                database=options["database"],
                 concurrency=options["concurrency"],
                 shutdown_timeout=options["shutdown_timeout"],
                 cancel_timeout=options["cancel_timeout"],
@@ -110,4 +120,6 @@ class Command(BaseCommand):
             )
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from None
+        if problems := databases.problems(config.database):
+            raise CommandError(f"cannot run this worker: {problems[0]}")
         Worker(get_registry(), config).run()

@@ -1,0 +1,208 @@
+"""Which Django database alias holds which jobs: routing for enqueue, workers and the scheduler.
+
+A job type may live in a database of its own (``@job(Report, database="reports")``)::
+
+    enqueue(Report(...))  ──▶ the type's alias, in that alias's transaction
+    runworker --database reports  ──▶ claims there: the types bound to it and the unbound ones
+    runscheduler  ──▶ one leader (on JOBS["DATABASE"]); its duties visit every configured alias
+    admin  ──▶ a database selector over the same aliases
+
+A type that names no database is *unbound*: its jobs go to ``JOBS["DATABASE"]`` unless enqueue
+names another alias with ``using=``, and every worker runs it wherever it finds it (the task
+backend's ``django.task.v1`` is such a type: its ``DATABASE`` option picks the alias). A
+*bound* type's jobs go to its alias only: enqueueing one elsewhere is refused, since no worker
+there would run it. Django's ``DATABASE_ROUTERS`` play no part in any of this; a router that
+keeps the jobs app off an alias (``allow_migrate``) keeps its tables off it too, and the
+watchdog scans a run table only on the aliases the routers let it migrate to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from django.conf import settings
+from django.core.checks import CheckMessage, Error
+from django.db import DatabaseError, connections
+
+from jobs.conf import jobs_settings
+from jobs.registry import catalogue
+
+if TYPE_CHECKING:
+    from jobs.registry import Registry
+
+#: The task backend whose ``OPTIONS["DATABASE"]`` names an alias that holds jobs.
+TASK_BACKEND = "jobs.backends.PostgresBackend"
+
+
+def home() -> str:
+    """``JOBS["DATABASE"]``: where unbound jobs go, and where the scheduler leads from."""
+    return str(jobs_settings.DATABASE)
+
+
+def bound(name: str) -> str | None:
+    """The alias the registered type ``name`` is bound to; None: unbound or not registered."""
+    if not catalogue.frozen:
+        return None
+    job_type = catalogue.get().get(name)
+    return None if job_type is None else job_type.policy.database
+
+
+def configured() -> tuple[str, ...]:
+    """Every alias that holds jobs tables, the home alias first (``JOBS["DATABASES"]``).
+
+    Unset, it is the home alias, each alias a registered job type is bound to, and the
+    ``DATABASE`` of each task backend of this app, in that order.
+    """
+    listed = jobs_settings.DATABASES
+    if listed is not None:
+        return _unique([home(), *listed]) if home() in listed else _unique(listed)
+    return _unique([home(), *_bound_aliases(), *_task_aliases()])
+
+
+def route(jobs: Sequence[tuple[int | None, str]], using: str | None) -> str:
+    """The one alias a batch of ``(index, name)`` jobs goes to; raises ``InvalidJob``.
+
+    Without ``using`` each job goes to its type's alias (unbound: the home alias), and a
+    batch whose jobs would go to different aliases is refused: one batch is one transaction,
+    and a transaction has one database. With ``using``, a job of a type bound elsewhere is
+    refused: no worker of ``using`` would ever run it.
+    """
+    from jobs.queue.types import InvalidJob
+
+    wanted = {index: bound(name) for index, name in jobs}
+    if using is not None:
+        for index, name in jobs:
+            alias = wanted[index]
+            if alias is not None and alias != using:
+                raise InvalidJob(
+                    f"{name} lives in database {alias!r} (its job type says so); it cannot "
+                    f"be enqueued in {using!r}, where no worker runs it",
+                    index=index,
+                )
+        return using
+    goes = {index: alias or home() for index, alias in wanted.items()}
+    aliases = set(goes.values())
+    if len(aliases) > 1:
+        first: dict[str, tuple[int | None, str]] = {}
+        for index, name in jobs:
+            first.setdefault(goes[index], (index, name))
+        where = "; ".join(f"job #{i} ({name}) to {alias!r}" for alias, (i, name) in first.items())
+        raise InvalidJob(
+            f"a batch must go to one database, but its jobs go to several: {where}. "
+            "Enqueue each database's jobs on their own, or pass using= for unbound types"
+        )
+    return aliases.pop() if aliases else home()
+
+
+def served(registry: Registry, alias: str) -> tuple[str, ...]:
+    """The names a worker on ``alias`` claims: types bound to it and every unbound type."""
+    return tuple(t.name for t in registry if t.policy.database in (None, alias))
+
+
+def bound_elsewhere(registry: Registry, alias: str) -> tuple[str, ...]:
+    """The registered names bound to an alias other than ``alias``."""
+    return tuple(t.name for t in registry if t.policy.database not in (None, alias))
+
+
+def has_jobs_tables(alias: str) -> bool:
+    """Whether ``alias``'s database has the jobs table (``migrate --database alias`` ran)."""
+    with connections[alias].cursor() as cur:
+        cur.execute("SELECT to_regclass('jobs_job') IS NOT NULL")
+        row = cur.fetchone()
+    return bool(row and row[0])
+
+
+def problems(alias: str) -> list[str]:
+    """Why a worker cannot serve ``alias`` (empty: it can). Reads the database last."""
+    if alias not in settings.DATABASES:
+        return [
+            f"database {alias!r} is not an alias of settings.DATABASES "
+            f"({', '.join(settings.DATABASES)})"
+        ]
+    if alias not in configured():
+        return [
+            f"database {alias!r} is not one of the aliases that hold jobs "
+            f"({', '.join(configured())}): add it to JOBS['DATABASES'] so that the "
+            "scheduler maintains it and the admin shows it"
+        ]
+    try:
+        present = has_jobs_tables(alias)
+    except DatabaseError:
+        return []  # unreachable now: a worker starts anyway and retries until it is back
+    if not present:
+        return [f"database {alias!r} has no jobs tables: run manage.py migrate --database {alias}"]
+    return []
+
+
+def check_databases(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """``jobs.E040``/``E041``: the jobs aliases are Django aliases, and every one is listed."""
+    user = getattr(settings, "JOBS", None) or {}
+    if not isinstance(user, dict):
+        return []  # jobs.E007
+    aliases = set(settings.DATABASES)
+    errors: list[CheckMessage] = []
+    database = user.get("DATABASE", "default")
+    if not isinstance(database, str) or database not in aliases:
+        errors.append(
+            Error(
+                f"JOBS['DATABASE'] must be an alias of settings.DATABASES, got {database!r}.",
+                hint=f"Configured aliases: {', '.join(sorted(aliases))}.",
+                id="jobs.E040",
+            )
+        )
+    listed = user.get("DATABASES")
+    if listed is None:
+        return errors
+    if isinstance(listed, str) or not isinstance(listed, list | tuple) or not listed:
+        return [
+            *errors,
+            Error(
+                f"JOBS['DATABASES'] must be a non-empty list of database aliases, got {listed!r}.",
+                hint="Leave it out to cover JOBS['DATABASE'] and the aliases job types name.",
+                id="jobs.E041",
+            ),
+        ]
+    unknown = [alias for alias in listed if alias not in aliases]
+    if unknown:
+        errors.append(
+            Error(
+                f"JOBS['DATABASES'] names aliases that settings.DATABASES does not have: "
+                f"{', '.join(map(repr, unknown))}.",
+                id="jobs.E041",
+            )
+        )
+    needed = [database, *_bound_aliases(), *_task_aliases(database)]
+    missing = [alias for alias in _unique(needed) if alias not in listed]
+    if missing:
+        errors.append(
+            Error(
+                f"JOBS['DATABASES'] leaves out aliases that hold jobs: "
+                f"{', '.join(map(repr, missing))}.",
+                hint="List JOBS['DATABASE'], every alias a job type names (database=) and "
+                "every task backend's DATABASE, or leave JOBS['DATABASES'] out.",
+                id="jobs.E041",
+            )
+        )
+    return errors
+
+
+def _bound_aliases() -> list[str]:
+    if not catalogue.frozen:
+        return []
+    return [t.policy.database for t in catalogue.get() if t.policy.database is not None]
+
+
+def _task_aliases(default: str | None = None) -> list[str]:
+    """The ``DATABASE`` option of each task backend of this app (``TASKS``)."""
+    found = []
+    for options in (getattr(settings, "TASKS", None) or {}).values():
+        if isinstance(options, dict) and options.get("BACKEND") == TASK_BACKEND:
+            alias = (options.get("OPTIONS") or {}).get("DATABASE") or default or home()
+            if isinstance(alias, str):
+                found.append(alias)
+    return found
+
+
+def _unique(aliases: Iterable[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(aliases))
