@@ -49,10 +49,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix, django_db_blocker):
-    """Before the test database is created, drop those left by runs that were killed."""
+def django_db_modify_db_settings(
+    request, django_db_modify_db_settings_parallel_suffix, django_db_blocker
+):
+    """Before the test database is created, drop those left by runs that were killed; point
+    the ``other`` alias at its own server if a collected test uses it (tests/otherdb.py)."""
+    from tests import otherdb
+
     with django_db_blocker.unblock():
         _drop_orphaned_test_databases()
+        otherdb.prepare(request.session.items)
 
 
 def _drop_orphaned_test_databases() -> None:

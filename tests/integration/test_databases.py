@@ -1,0 +1,264 @@
+"""Several databases: a job type that lives in another alias, end to end in one process.
+
+The ``other`` alias is a second PostgreSQL server (tests/otherdb.py; a second database on the
+default server where no second server can start). Its job types (tests/dbapp) are put in the
+process registry by the ``two_databases`` fixture only, so no other test meets them.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connections, transaction
+from django.test import override_settings
+
+import jobs
+from jobs import databases, queue
+from jobs.databases import check_databases
+from jobs.models import Job, JobHistory, Rollup, ScheduleSlot
+from jobs.queue import AllTenants, ClaimRequest, InvalidJob, NewJob
+from jobs.registry import Registry, catalogue, get_registry
+from jobs.scheduler.config import SchedulerConfig
+from jobs.scheduler.runner import Scheduler
+from jobs.scheduler.schedules import load_schedules
+from jobs.testing import run_worker
+from tests import otherdb
+from tests.dbapp.types import OTHER, NoteV1, ReportV1, job_types
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", OTHER])
+
+BOTH = ["default", OTHER]
+
+
+@pytest.fixture
+def two_databases(monkeypatch, settings):
+    """The dbapp types registered in this process, and both aliases configured for jobs."""
+    registry = Registry([*get_registry(), *job_types()])
+    monkeypatch.setattr(catalogue, "_registry", registry)
+    settings.JOBS = {**settings.JOBS, "DATABASES": BOTH}
+    return registry
+
+
+def on(alias: str):
+    return Job.objects.using(alias)
+
+
+def test_the_other_alias_is_a_server_of_its_own_where_one_can_start():
+    """Not a mirror of the default database: rows written on one are not on the other."""
+    if not otherdb.SEPARATE_SERVER:
+        pytest.skip("no second PostgreSQL server could start: a second database stands in")
+    ports = []
+    for alias in BOTH:
+        with connections[alias].cursor() as cur:
+            cur.execute("SELECT current_setting('unix_socket_directories'), inet_server_port()")
+            ports.append(cur.fetchone())
+        assert connections[alias].settings_dict["NAME"].startswith("test_")
+    assert ports[0] != ports[1]  # two postmasters, each on its own socket directory
+
+
+# Enqueue routes by type ----------------------------------------------------------------------
+
+
+def test_a_bound_type_is_enqueued_in_its_database_and_an_unbound_one_in_the_home_one(
+    two_databases,
+):
+    report = jobs.enqueue(ReportV1(number=1))
+    note = jobs.enqueue(NoteV1(number=2))
+    elsewhere = jobs.enqueue(NoteV1(number=3), using=OTHER)
+
+    assert list(on(OTHER).values_list("pk", "name")) == sorted(
+        [(report.id, ReportV1.job_name), (elsewhere.id, NoteV1.job_name)]
+    )
+    assert list(on("default").values_list("pk", "name")) == [(note.id, NoteV1.job_name)]
+    assert databases.configured() == ("default", OTHER)
+
+
+def test_a_bound_type_elsewhere_and_a_batch_over_two_databases_are_refused(two_databases):
+    with pytest.raises(InvalidJob, match=r"lives in database 'other'.*cannot be enqueued in "):
+        jobs.enqueue(ReportV1(number=1), using="default")
+    with pytest.raises(InvalidJob, match=r"job #0 \(dbapp.note.v1\) to 'default'; job #1"):
+        jobs.enqueue_many([NoteV1(number=1), ReportV1(number=2)])
+    with pytest.raises(InvalidJob, match="lives in database 'other'"):  # the raw queue too
+        queue.enqueue(NewJob(ReportV1.job_name, {"number": 3}), using="default")
+    assert not on("default").exists() and not on(OTHER).exists()
+
+    # With using=, an unbound type goes along with the bound one.
+    both = jobs.enqueue_many([NoteV1(number=1), ReportV1(number=2)], using=OTHER)
+    assert {job.id for job in both} == set(on(OTHER).values_list("pk", flat=True))
+
+
+def test_enqueue_joins_the_transaction_open_on_the_types_database(two_databases):
+    with pytest.raises(RuntimeError), transaction.atomic(using=OTHER):
+        jobs.enqueue(ReportV1(number=1))
+        assert on(OTHER).count() == 1  # inside the transaction, it is there
+        raise RuntimeError("the business write failed")
+    assert not on(OTHER).exists()  # rolled back with it
+
+    with transaction.atomic(using=OTHER):
+        kept = jobs.enqueue(ReportV1(number=2))
+    # A transaction on the default alias is not the one that counts for the other alias.
+    with pytest.raises(RuntimeError), transaction.atomic():
+        outside = jobs.enqueue(ReportV1(number=3))
+        raise RuntimeError("rolls back default only")
+    assert sorted(on(OTHER).values_list("pk", flat=True)) == sorted([kept.id, outside.id])
+
+
+def test_the_raw_queue_routes_by_the_registered_name_too(two_databases):
+    raw = queue.enqueue(NewJob(ReportV1.job_name, {"number": 1}))
+    assert on(OTHER).filter(pk=raw.id).exists()
+    unregistered = queue.enqueue(NewJob("nobody.registers.v1", {}))
+    assert on("default").filter(pk=unregistered.id).exists()
+
+
+# Workers serve their database -----------------------------------------------------------------
+
+
+def test_a_worker_runs_the_jobs_of_its_database_and_says_so_to_the_handler(two_databases):
+    report = jobs.enqueue(ReportV1(number=1))
+    note_there = jobs.enqueue(NoteV1(number=2), using=OTHER)
+    note_here = jobs.enqueue(NoteV1(number=3))
+
+    run_worker(registry=two_databases, database=OTHER)
+
+    done = dict(on(OTHER).values_list("pk", "state"))
+    assert done == {report.id: "succeeded", note_there.id: "succeeded"}
+    assert on(OTHER).get(pk=report.id).result["using"] == OTHER
+    assert on("default").get(pk=note_here.id).state == "queued"  # not this worker's
+
+    run_worker(registry=two_databases)  # the home alias's worker
+    assert on("default").get(pk=note_here.id).result["using"] == "default"
+
+
+def test_a_worker_on_another_database_counts_its_attempts_there(two_databases):
+    jobs.enqueue(ReportV1(number=1))
+    run_worker(registry=two_databases, database=OTHER)
+
+    assert Rollup.objects.using(OTHER).filter(name=ReportV1.job_name).exists()
+    assert not Rollup.objects.using("default").filter(name=ReportV1.job_name).exists()
+
+
+def test_runworker_refuses_an_alias_without_jobs_tables_or_not_configured(two_databases):
+    with pytest.raises(CommandError, match=r"alias of settings\.DATABASES .*got 'nowhere'"):
+        call_command("runworker", "--database", "nowhere")
+    with (
+        override_settings(JOBS={"DATABASES": ["default"]}),
+        pytest.raises(CommandError, match="'other' is not one of the aliases that hold"),
+    ):
+        call_command("runworker", "--database", OTHER)
+    with connections[OTHER].cursor() as cur:
+        cur.execute("ALTER TABLE jobs_job RENAME TO jobs_job_away")
+    try:
+        with pytest.raises(CommandError, match=r"run manage\.py migrate --database other"):
+            call_command("runworker", "--database", OTHER)
+    finally:
+        with connections[OTHER].cursor() as cur:
+            cur.execute("ALTER TABLE jobs_job_away RENAME TO jobs_job")
+
+
+# The scheduler covers every database -------------------------------------------------------
+
+
+def scheduler(registry: Registry, schedules=()) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(install_signal_handlers=False),
+        schedules=schedules,
+        registry=registry,
+    )
+
+
+def expired_claim(alias: str, name: str) -> int:
+    """Claim one job on ``alias`` with a lease already over, as a worker killed mid-job."""
+    [claimed] = queue.claim(
+        [ClaimRequest(name, 1, 3)],
+        scope=AllTenants(),
+        limit=1,
+        lease=timedelta(milliseconds=1),
+        worker="gone:1:dead",
+        using=alias,
+    )
+    return claimed.id
+
+
+def test_the_watchdog_recovers_an_expired_lease_in_each_database(two_databases):
+    jobs.enqueue(ReportV1(number=1))
+    jobs.enqueue(NoteV1(number=2))
+    there = expired_claim(OTHER, ReportV1.job_name)
+    here = expired_claim("default", NoteV1.job_name)
+
+    report = scheduler(two_databases).run_once()
+
+    assert report.led and "watchdog" in report.ran and not report.failed
+    assert on(OTHER).get(pk=there).state == "queued"
+    assert on("default").get(pk=here).state == "queued"
+
+
+def test_a_failing_database_does_not_stop_the_duty_on_the_others(two_databases, caplog):
+    jobs.enqueue(NoteV1(number=1))
+    here = expired_claim("default", NoteV1.job_name)
+    sched = scheduler(two_databases)
+
+    def broken(now=None):
+        raise RuntimeError("the other server is down")
+
+    sched.watchdog.services[OTHER].run_once = broken  # type: ignore[method-assign]
+    report = sched.run_once()
+
+    assert "watchdog" in report.failed and "retention" in report.ran
+    assert on("default").get(pk=here).state == "queued"  # the home alias still recovered
+    assert "watchdog pass on database other failed" in caplog.text
+
+
+def test_cron_slots_of_a_bound_type_fire_in_its_database(two_databases):
+    schedules = load_schedules(
+        {
+            "reports": {"cron": "* * * * * *", "job": ReportV1.job_name, "payload": {"number": 7}},
+            "notes": {"cron": "* * * * * *", "job": NoteV1.job_name, "payload": {"number": 8}},
+        },
+        [],
+        two_databases,
+    )
+    report = scheduler(two_databases, schedules).run_once()
+
+    assert "cron" in report.ran and not report.failed
+    assert list(on(OTHER).values_list("name", flat=True)) == [ReportV1.job_name]
+    assert list(on("default").values_list("name", flat=True)) == [NoteV1.job_name]
+    slots = {a: set(ScheduleSlot.objects.using(a).values_list("schedule", flat=True)) for a in BOTH}
+    assert slots == {"default": {"notes"}, OTHER: {"reports"}}
+
+
+def test_archive_and_retention_run_in_each_database(two_databases):
+    done = jobs.enqueue(ReportV1(number=1))
+    run_worker(registry=two_databases, database=OTHER)
+    with connections[OTHER].cursor() as cur:  # finished long enough ago to be archived
+        cur.execute(
+            "UPDATE jobs_job SET finished_at = finished_at - interval '1 hour' WHERE id = %s",
+            [done.id],
+        )
+    assert scheduler(two_databases).run_once().failed == ()
+    assert JobHistory.objects.using(OTHER).filter(pk=done.id, state="succeeded").exists()
+    assert not on(OTHER).filter(pk=done.id).exists()
+
+
+def test_runscheduler_once_says_it_ran_every_duty_over_both_databases(two_databases):
+    out = StringIO()
+    call_command("runscheduler", "--once", stdout=out)
+    assert out.getvalue() == "led: ran cron, watchdog, retention, archive, gauges\n"
+
+
+# Settings and checks ------------------------------------------------------------------------
+
+
+def test_the_checks_name_an_unknown_or_missing_alias(two_databases, settings):
+    settings.JOBS = {"DATABASE": "nowhere"}
+    assert [e.id for e in check_databases()] == ["jobs.E040"]
+    settings.JOBS = {"DATABASES": ["default", "nowhere"]}
+    [unknown, missing] = check_databases()
+    assert "'nowhere'" in unknown.msg and unknown.id == "jobs.E041"
+    assert "leaves out aliases that hold jobs: 'other'" in missing.msg  # ReportV1 lives there
+    settings.JOBS = {"DATABASES": BOTH}
+    assert check_databases() == []
+    settings.JOBS = {}
+    assert databases.configured() == ("default", OTHER)  # derived from the registered types
