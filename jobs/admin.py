@@ -30,7 +30,7 @@ from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.core import checks
-from django.db import transaction
+from django.db import DEFAULT_DB_ALIAS, transaction
 from django.db.models import QuerySet
 from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse
@@ -68,8 +68,10 @@ from jobs.monitor import (
 )
 from jobs.monitor.batches import BatchAdmin
 from jobs.monitor.cancels import ELIGIBLE, cancel_url, cancel_view, effects, eligible
+from jobs.monitor.databases import DatabaseFilter, DatabaseRunTableAdmin, chosen, query
 from jobs.monitor.display import moment, now_of
-from jobs.monitor.modeladmin import InputFilter, RunTableAdmin
+from jobs.monitor.modeladmin import InputFilter
+from jobs.monitor.modeladmin import RunTableAdmin as RunTableAdmin  # apps subclass it from here
 from jobs.monitor.pauses import PauseAdmin, pause_links
 from jobs.monitor.processes import ProcessAdmin
 from jobs.registry import get_registry
@@ -121,11 +123,14 @@ class QueueFilter(InputFilter):
     parameter_name = field_name = "queue"
 
 
-class JobDisplay(RunTableAdmin):
-    """What the jobs list and the finished-jobs history share: filters, renderings, detail."""
+class JobDisplay(DatabaseRunTableAdmin):
+    """What the jobs list and the finished-jobs history share: filters, renderings, detail.
+
+    Both read the alias the request chooses (:mod:`jobs.monitor.databases`).
+    """
 
     list_display_links = ("id", "job_id")
-    list_filter = ("state", JobTypeFilter, TenantFilter, QueueFilter, "last_error")
+    list_filter = (DatabaseFilter, "state", JobTypeFilter, TenantFilter, QueueFilter, "last_error")
     readonly_fields: ClassVar[list[str] | tuple[str, ...]] = (
         "payload_pretty",
         "error_detail_pre",
@@ -167,7 +172,9 @@ class JobDisplay(RunTableAdmin):
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
         """A job in a batch or in a dependency gets a section saying so, after the first."""
         fieldsets = list(super().get_fieldsets(request, obj))
-        if obj is not None and batches.in_workflow(obj):
+        # Batches and dependencies are read from the default alias (jobs.monitor.databases).
+        home = (obj._state.db or DEFAULT_DB_ALIAS) == DEFAULT_DB_ALIAS if obj else False
+        if home and batches.in_workflow(obj):
             fieldsets.insert(1, (_("Workflow"), {"fields": ("workflow_display",)}))
         return fieldsets
 
@@ -300,7 +307,7 @@ class JobAdmin(JobDisplay):
             act=partial(
                 self._act,
                 logged="Made due now via the admin jobs list (retry now)",
-                call=lambda ids, by: queue.run_now(ids),
+                call=lambda ids, by: queue.run_now(ids, using=chosen(request)),
                 done=lambda n: ngettext(
                     "Made %(count)d job due now.", "Made %(count)d jobs due now.", n
                 ),
@@ -309,7 +316,7 @@ class JobAdmin(JobDisplay):
 
     def _cancel(self, request: HttpRequest, ids: list[int]) -> None:
         """The confirming POST of a cancel: jobs.control checks, changes and records."""
-        done = cancels.cancel(request.user, ids, via="the admin jobs list")
+        done = cancels.cancel(request.user, ids, via="the admin jobs list", using=chosen(request))
         acted = len(done.ended) + len(done.stopping)
         message = done.summary()
         if (selected := len(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))) > len(ids):
@@ -370,6 +377,7 @@ class JobAdmin(JobDisplay):
             # What the confirming POST does to each state among the rows it names.
             "notes": notes([state for _pk, state in rows]) if notes is not None else [],
             "confirm": confirm(len(taken)) % {"count": len(taken)} if confirm else "",
+            "database_query": query(chosen(request)),  # the rows' links keep their database
         }
         return TemplateResponse(request, "admin/jobs/job/action_confirmation.html", context)
 
@@ -386,13 +394,16 @@ class JobAdmin(JobDisplay):
 
         The change and its record commit together: no change without who made it.
         """
-        with transaction.atomic():
+        using = chosen(request)
+        if using != DEFAULT_DB_ALIAS:
+            logged = f"{logged} (database {using})"
+        with transaction.atomic(), transaction.atomic(using=using):
             changed = call(ids, request.user.get_username()) if ids else []
             if changed:
                 assert request.user.pk is not None  # the admin lets in only logged-in staff
                 LogEntry.objects.log_actions(
                     request.user.pk,
-                    Job.objects.filter(pk__in=changed).order_by("pk"),
+                    Job.objects.using(using).filter(pk__in=changed).order_by("pk"),
                     CHANGE,
                     change_message=logged,
                 )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.core.exceptions import PermissionDenied
-from django.db import transaction
+from django.db import DEFAULT_DB_ALIAS, transaction
 from django.db.models import Q, QuerySet
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
@@ -75,23 +75,29 @@ def can_cancel(user: Operator) -> bool:
     return user.has_perm(PERMISSION)
 
 
-def cancel(user: Operator, ids: Iterable[int], *, via: str) -> Cancelled:
-    """Cancel the queued and running jobs among ``ids`` as ``user``."""
+def cancel(
+    user: Operator, ids: Iterable[int], *, via: str, using: str = DEFAULT_DB_ALIAS
+) -> Cancelled:
+    """Cancel the queued and running jobs among ``ids`` (in the alias ``using``) as ``user``.
+
+    The log entries are written where the admin keeps them; on another alias they say which.
+    """
     if not can_cancel(user):
         raise PermissionDenied(
             _("You may not cancel jobs (needs the %(perm)s permission).") % {"perm": PERMISSION}
         )
     wanted = sorted(set(ids))
     by = user.get_username()
-    with transaction.atomic():
-        ended, stopping = queue.cancel_active(wanted, by=by)
+    where = "" if using == DEFAULT_DB_ALIAS else f" (database {using})"
+    with transaction.atomic(), transaction.atomic(using=using):
+        ended, stopping = queue.cancel_active(wanted, by=by, using=using)
         for acted, message in ((ended, "Cancelled"), (stopping, "Asked to stop (running)")):
             if acted:
                 LogEntry.objects.log_actions(
                     user.pk,
-                    Job.objects.filter(pk__in=acted).order_by("pk"),
+                    Job.objects.using(using).filter(pk__in=acted).order_by("pk"),
                     CHANGE,
-                    change_message=f"{message} via {via}",
+                    change_message=f"{message} via {via}{where}",
                 )
     done = set(ended) | set(stopping)
     return Cancelled(

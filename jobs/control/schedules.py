@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 from django.contrib.admin.models import ADDITION, LogEntry
 from django.core.exceptions import PermissionDenied
-from django.db import transaction
+from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils.translation import gettext as _
 
+from jobs import databases
 from jobs.control import pauses
 from jobs.control.tables import Operator, RunTable
 from jobs.models import Job, PauseKind
@@ -94,12 +95,13 @@ def run_now(user: Operator, name: str, *, token: str, via: str) -> RunNow:
     if not isinstance(token, str) or not _TOKEN.fullmatch(token):
         raise ValueError(_("That confirmation is not valid: ask again."))
     job_id = run_job_id(name, token)
-    with transaction.atomic():
-        job = enqueue(schedule.payload, job_id=job_id, tenant=schedule.tenant)
+    using = databases.bound(schedule.job) or databases.home()  # where its slots fire
+    with transaction.atomic(), transaction.atomic(using=using):
+        job = enqueue(schedule.payload, job_id=job_id, tenant=schedule.tenant, using=using)
         if job.created:
             LogEntry.objects.log_actions(
                 user.pk,
-                [Job.objects.get(pk=job.id)],
+                [Job.objects.using(using).get(pk=job.id)],
                 ADDITION,
                 change_message=f"Ran schedule {name} now via {via}: job {job_id}",
             )
@@ -107,8 +109,20 @@ def run_now(user: Operator, name: str, *, token: str, via: str) -> RunNow:
 
 
 def pause(user: Operator, name: str, *, reason: str = "", via: str) -> bool:
-    """Pause the configured schedule ``name``; False when it was paused already."""
-    find(name)
+    """Pause the configured schedule ``name``; False when it was paused already.
+
+    Refused (ValueError) for a schedule that fires in another database: the scheduler reads
+    its pauses there, so a pause recorded here would hold nothing back.
+    """
+    where = databases.bound(find(name).job)
+    if where is not None and where != DEFAULT_DB_ALIAS:
+        raise ValueError(
+            _(
+                "Schedule %(name)s fires in database %(database)s, whose pauses the scheduler "
+                "reads there: it cannot be paused from here."
+            )
+            % {"name": name, "database": where}
+        )
     return pauses.pause(user, PauseKind.SCHEDULE, name, reason=reason, via=via)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
+from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Q
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -21,6 +22,7 @@ from django.utils.translation import ngettext
 
 from jobs.control import cancels
 from jobs.models import Job
+from jobs.monitor.databases import chosen, query
 from jobs.monitor.display import moment, now_of
 from jobs.runs import RunState
 from jobs.scheduler.clock import database_now
@@ -80,9 +82,10 @@ def cancel_view(
     job = model_admin.get_object(request, unquote(object_id))
     if job is None:
         raise Http404(_("No job with id %(id)s.") % {"id": object_id})
-    back = reverse(f"{model_admin.admin_site.name}:jobs_job_change", args=[job.pk])
+    using = chosen(request)
+    back = reverse(f"{model_admin.admin_site.name}:jobs_job_change", args=[job.pk]) + query(using)
     if request.method == "POST" and request.POST.get("post") == "yes":
-        done = cancels.cancel(request.user, [job.pk], via="the admin job page")
+        done = cancels.cancel(request.user, [job.pk], via="the admin job page", using=using)
         acted = bool(done.ended or done.stopping)
         model_admin.message_user(
             request, done.summary(), messages.SUCCESS if acted else messages.WARNING
@@ -107,5 +110,6 @@ def cancel_view(
 
 
 def cancel_url(model_admin: admin.ModelAdmin, job: Job) -> str:  # type: ignore[type-arg]
-    """The job page's "Cancel…" link."""
-    return reverse(f"{model_admin.admin_site.name}:jobs_job_cancel", args=[job.pk])
+    """The job page's "Cancel…" link (naming the job's database when it is not the home one)."""
+    url = reverse(f"{model_admin.admin_site.name}:jobs_job_cancel", args=[job.pk])
+    return url + query(job._state.db or DEFAULT_DB_ALIAS)

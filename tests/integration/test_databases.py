@@ -7,10 +7,13 @@ process registry by the ``two_databases`` fixture only, so no other test meets t
 
 from __future__ import annotations
 
+import html
+import re
 from datetime import timedelta
 from io import StringIO
 
 import pytest
+from django.contrib.admin.models import LogEntry
 from django.core.management import CommandError, call_command
 from django.db import connections, transaction
 from django.test import override_settings
@@ -19,8 +22,10 @@ import jobs
 from jobs import databases, queue
 from jobs.databases import check_databases
 from jobs.models import Job, JobHistory, Rollup, ScheduleSlot
+from jobs.monitor.databases import DatabaseFilter
 from jobs.queue import AllTenants, ClaimRequest, InvalidJob, NewJob
 from jobs.registry import Registry, catalogue, get_registry
+from jobs.scheduler.clock import database_now
 from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.runner import Scheduler
 from jobs.scheduler.schedules import load_schedules
@@ -262,3 +267,109 @@ def test_the_checks_name_an_unknown_or_missing_alias(two_databases, settings):
     assert check_databases() == []
     settings.JOBS = {}
     assert databases.configured() == ("default", OTHER)  # derived from the registered types
+
+
+# The admin shows each database ---------------------------------------------------------------
+
+JOBS_LIST = "/admin/jobs/job/"
+
+
+def test_the_jobs_list_shows_the_chosen_database_and_offers_each(two_databases, admin_client):
+    here = jobs.enqueue(NoteV1(number=1), job_id="note-in-default")
+    there = jobs.enqueue(ReportV1(number=2), job_id="report-in-other")
+
+    home = admin_client.get(JOBS_LIST)
+    other = admin_client.get(JOBS_LIST, {"database": OTHER})
+
+    assert [r.job_id for r in home.context["cl"].result_list] == [here.job_id]
+    assert [r.job_id for r in other.context["cl"].result_list] == [there.job_id]
+    assert "Database: other" in other.content.decode()
+    assert "Database: default" in home.content.decode()
+    [choices] = [f for f in other.context["cl"].filter_specs if isinstance(f, DatabaseFilter)]
+    offered = list(choices.choices(other.context["cl"]))
+    assert [(c["display"], c["selected"]) for c in offered] == [("default", False), ("other", True)]
+    # The row's link keeps the database, and the job's page reads it from there.
+    links = {h for h in re_links(other) if f"/{there.id}/change/" in h}
+    assert links == {f"{JOBS_LIST}{there.id}/change/?_changelist_filters=database%3Dother"}
+    page = admin_client.get(links.pop())
+    assert page.context["original"].job_id == there.job_id
+    assert "Database: other" in page.content.decode()
+    # A job of the other database is found by ?database= as well.
+    direct = admin_client.get(f"{JOBS_LIST}{there.id}/change/", {"database": OTHER})
+    assert direct.context["original"].job_id == there.job_id
+
+
+def re_links(response) -> list[str]:
+    return [html.unescape(h) for h in re.findall(r'href="([^"]+)"', response.content.decode())]
+
+
+def test_cancel_and_retry_now_act_on_the_chosen_database(two_databases, admin_client):
+    there = jobs.enqueue(ReportV1(number=1), job_id="cancel-me")
+    later = jobs.enqueue(ReportV1(number=2), job_id="later", delay=timedelta(hours=1))
+    here = jobs.enqueue(NoteV1(number=3), job_id="keep-me")
+
+    url = f"{JOBS_LIST}?database={OTHER}"
+    ids = {"_selected_action": [there.id], "post": "yes"}
+    admin_client.post(url, {"action": "cancel_selected", **ids})
+    admin_client.post(
+        url, {"action": "run_now_selected", "_selected_action": [later.id], "post": "yes"}
+    )
+
+    assert on(OTHER).get(pk=there.id).state == "cancelled"
+    due = on(OTHER).get(pk=later.id)
+    assert due.run_after < due.created_at + timedelta(minutes=1)  # due now, not in an hour
+    assert on("default").get(pk=here.id).state == "queued"  # same ids or not: untouched
+    messages = sorted(LogEntry.objects.values_list("change_message", flat=True))
+    assert messages == [
+        "Cancelled via the admin jobs list (database other)",
+        "Made due now via the admin jobs list (retry now) (database other)",
+    ]
+
+
+def test_the_job_pages_cancel_view_acts_on_its_database(two_databases, admin_client):
+    there = jobs.enqueue(ReportV1(number=1))
+    page = admin_client.get(f"{JOBS_LIST}{there.id}/change/", {"database": OTHER})
+    cancel = page.context["cancel_url"]
+    assert cancel.endswith(f"/{there.id}/cancel/?database=other")
+
+    done = admin_client.post(cancel, {"post": "yes"})
+
+    assert done.status_code == 302 and done["Location"].endswith("?database=other")
+    assert on(OTHER).get(pk=there.id).state == "cancelled"
+
+
+def test_the_finished_jobs_list_shows_the_chosen_database(two_databases, admin_client):
+    done = jobs.enqueue(ReportV1(number=1))
+    run_worker(registry=two_databases, database=OTHER)
+    queue.history.archive(now=database_now(OTHER) + timedelta(minutes=1), using=OTHER)
+
+    listed = admin_client.get("/admin/jobs/jobhistory/", {"database": OTHER})
+    assert [r.pk for r in listed.context["cl"].result_list] == [done.id]
+    assert not admin_client.get("/admin/jobs/jobhistory/").context["cl"].result_list
+    # Replay goes through the failure monitor, which reads the default database: not offered.
+    assert "replay_selected" not in listed.context["cl"].model_admin.get_actions(
+        listed.wsgi_request
+    )
+
+
+def test_with_one_database_the_pages_offer_no_choice(admin_client):
+    jobs.enqueue(NoteV1(number=1))
+    page = admin_client.get(JOBS_LIST)
+    assert "Database:" not in page.content.decode()
+    assert not [f for f in page.context["cl"].filter_specs if isinstance(f, DatabaseFilter)]
+
+
+def test_a_schedule_of_a_bound_type_runs_now_in_its_database_and_is_not_paused_here(
+    two_databases, settings, admin_user
+):
+    from jobs.control import schedules as control
+
+    spec = {"cron": "0 3 * * *", "job": ReportV1.job_name, "payload": {"number": 5}}
+    settings.JOBS = {**settings.JOBS, "SCHEDULES": {"nightly-report": spec}}
+
+    done = control.run_now(admin_user, "nightly-report", token="a" * 32, via="the test")
+
+    assert on(OTHER).filter(pk=done.job, job_id=done.job_id).exists()
+    assert LogEntry.objects.get().object_id == str(done.job)
+    with pytest.raises(ValueError, match="fires in database other"):
+        control.pause(admin_user, "nightly-report", via="the test")
