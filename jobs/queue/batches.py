@@ -29,6 +29,7 @@ from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, transaction
 
+from jobs import databases
 from jobs.queue import _db, dependencies, enqueue, keys
 from jobs.queue.types import BatchFailure, BatchState, Enqueued, InvalidJob, NewJob, validate_key
 
@@ -65,6 +66,7 @@ def open(
                 "it takes no after, run_after, delay or batch_id"
             )
         template = enqueue.validated_row(successor)
+        databases.route([(None, successor.name)], using)  # where its type's workers look
     values: dict[str, Any] = template or {}
     with _db.cursor(using) as cur:
         cur.execute(

@@ -373,3 +373,17 @@ def test_a_schedule_of_a_bound_type_runs_now_in_its_database_and_is_not_paused_h
     assert LogEntry.objects.get().object_id == str(done.job)
     with pytest.raises(ValueError, match="fires in database other"):
         control.pause(admin_user, "nightly-report", via="the test")
+
+
+def test_a_batch_lives_in_one_database_with_its_members_and_successor(two_databases):
+    with pytest.raises(InvalidJob, match="lives in database 'other'"):  # a successor stranded
+        jobs.Batch.open(successor=ReportV1(number=0))
+    with pytest.raises(InvalidJob, match="lives in database 'other'"), jobs.batch() as batch:
+        batch.enqueue(ReportV1(number=1))
+
+    with jobs.batch(successor=ReportV1(number=0), using=OTHER) as batch:
+        member = batch.enqueue(NoteV1(number=1))
+    run_worker(registry=two_databases, database=OTHER)
+    names = sorted(on(OTHER).values_list("name", "state"))
+    assert names == [(NoteV1.job_name, "succeeded"), (ReportV1.job_name, "succeeded")]
+    assert on(OTHER).filter(pk=member.id, batch_id=batch.id).exists()
