@@ -387,3 +387,27 @@ def test_a_batch_lives_in_one_database_with_its_members_and_successor(two_databa
     names = sorted(on(OTHER).values_list("name", "state"))
     assert names == [(NoteV1.job_name, "succeeded"), (ReportV1.job_name, "succeeded")]
     assert on(OTHER).filter(pk=member.id, batch_id=batch.id).exists()
+
+
+class KeepRunAppOffOther:
+    """A router that keeps tests.runapp's tables off the ``other`` alias."""
+
+    def allow_migrate(self, db, app_label, **hints):
+        return False if (db, app_label) == (OTHER, "runapp") else None
+
+
+def test_the_watchdog_scans_a_run_table_only_where_the_routers_let_it_live(two_databases, settings):
+    from jobs.scheduler.watchdog import Watchdog
+    from tests.runapp.models import QuickRun
+
+    row = QuickRun.objects.using(OTHER).create(job_id="run-1", state="running", attempts=1)
+    an_hour_ago = database_now(OTHER) - timedelta(hours=1)
+    QuickRun.objects.using(OTHER).filter(pk=row.pk).update(heartbeat_at=an_hour_ago)
+
+    settings.DATABASE_ROUTERS = [f"{__name__}.KeepRunAppOffOther"]
+    assert "runapp.quickrun:stale" not in Watchdog(using=OTHER).run_once()
+    assert QuickRun.objects.using(OTHER).get(pk=row.pk).state == "running"
+
+    settings.DATABASE_ROUTERS = []
+    assert Watchdog(using=OTHER).run_once()["runapp.quickrun:stale"] == 1
+    assert QuickRun.objects.using(OTHER).get(pk=row.pk).state == "failed"
