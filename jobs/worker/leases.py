@@ -6,8 +6,16 @@ its handler still ran would let a second worker run the same job at the same tim
 past its timeout is told to stop (its attempt ends ``deadline_exceeded`` when it returns); one
 that never returns holds its slot and its job until the process exits. A job whose renewal
 finds its token gone has been taken away (a stall let the lease expire and a maintenance pass
-or another worker moved it): the handler is told to stop and no outcome will be written. A
-job whose handler already returned is not reported lost: its outcome write, which may have
+or another worker moved it): the handler is told to stop and no outcome will be written.
+
+So is a job whose lease ran out unrenewed. A renewal can hang where no timeout reaches (a
+silent pooler or proxy), or for as long as TCP takes to notice a dead link, and the keeper's
+thread waits with it. So a watch on a thread of its own tells each such handler to stop by
+the time its lease could end on the server, a lease after the start of the last call that
+set it, which is before another worker may take the job; and it aborts a renewal pass that
+has not come back within a lease, so the next one reconnects.
+
+A job whose handler already returned is not reported lost: its outcome write, which may have
 just committed, says whether it was applied or fenced. The same statement refreshes the
 process's row in ``jobs_process``, also when no job is held, so an idle worker stays live.
 """
@@ -25,6 +33,7 @@ from datetime import timedelta
 from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from jobs import dbbounds, queue, runs
 from jobs.conf import as_timedelta
@@ -58,15 +67,24 @@ class LeaseKeeper:
         self._every = lease_seconds / 3
         self._tick = min(tick, self._every)
         self._stop = threading.Event()
-        self._last_renewal = time.monotonic()
+        self._losing = threading.Lock()  # the renewals and the watch may both give a job up
+        # The renewal pass in progress: when it began, and the connection it runs on.
+        self._renewing_since: float | None = None
+        self._aborted_pass: float | None = None
+        self._connection: BaseDatabaseWrapper | None = None
         self._thread = threading.Thread(target=self._loop, name="jobs-lease-keeper", daemon=True)
+        self._watch_thread = threading.Thread(
+            target=self._watch, name="jobs-lease-watch", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()
+        self._watch_thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+        self._watch_thread.join(timeout)
 
     def _loop(self) -> None:
         next_renewal = time.monotonic() + self._every
@@ -79,18 +97,41 @@ class LeaseKeeper:
             ),
         )
         try:
-            with dbbounds.bounded(connections[self._using], bounds):
+            with dbbounds.bounded(connections[self._using], bounds) as self._connection:
                 while not self._stop.wait(self._tick):
                     now = time.monotonic()
+                    if now < next_renewal:
+                        continue
+                    next_renewal = now + self._every
+                    self._renewing_since = now
                     try:
-                        self._enforce_deadlines(now)
-                        if now >= next_renewal:
-                            next_renewal = now + self._every
-                            self.renew_once(now)
+                        self.renew_once(now)
                     except Exception:  # the keeper must outlive anything: leases depend on it
                         logger.exception("lease keeper pass failed; carrying on")
+                    finally:
+                        self._renewing_since = None
         finally:
             connections[self._using].close()
+
+    def _watch(self) -> None:
+        """Deadlines and unrenewed leases, on a thread that no database call holds up."""
+        while not self._stop.wait(self._tick):
+            try:
+                now = time.monotonic()
+                self._enforce_deadlines(now)
+                self._give_up_unrenewed(now)
+            except Exception:
+                logger.exception("lease watch pass failed; carrying on")
+
+    def _give_up_unrenewed(self, now: float) -> None:
+        """Stop the handlers whose lease may end within a tick; abort a pass a lease old."""
+        for running in self._held():
+            if not running.finished and now + self._tick >= running.leased_at + self._lease:
+                self._lose(running, f"not renewed within its {self._lease:g}s lease")
+        since = self._renewing_since
+        if since is not None and since != self._aborted_pass and now - since >= self._lease:
+            self._aborted_pass = since
+            dbbounds.abort(self._connection)  # the call raises; the next pass reconnects
 
     def _enforce_deadlines(self, now: float) -> None:
         for running in self._held():
@@ -115,7 +156,6 @@ class LeaseKeeper:
         renewable = [r for r in self._held() if not r.lost]
         beat = self._process_beat()
         if not renewable and beat is None:
-            self._last_renewal = now
             return set()
         reports = _unsent_reports(renewable)
         try:
@@ -126,8 +166,8 @@ class LeaseKeeper:
                 progress={token: report for token, (_, report) in reports.items()},
                 using=self._using,
             )
-            lost_tokens: set[UUID] | frozenset[UUID] = renewal.lost
         except Exception as exc:
+            # No lease is given up here: the watch does once a job's lease may have ended.
             logger.log(  # an idle worker's beat: the run loop reports the outage already
                 logging.WARNING if renewable else logging.DEBUG,
                 "lease renewal of %d jobs failed (%s: %s)",
@@ -137,39 +177,44 @@ class LeaseKeeper:
                 extra={"action": "renew_failed"},
             )
             connections[self._using].close()
-            if now - self._last_renewal >= self._lease:
-                # Past a full lease without a successful renewal, others may own the jobs.
-                lost_tokens = {r.job.claim_token for r in renewable}
-            else:
-                return set()
-        else:
-            _mark_sent(renewable, reports, renewal.unsent)
-            self._stop_cancelled(
-                [r for r in renewable if r.job.claim_token in renewal.cancel_requested]
-            )
-            if renewal.beat_missed and self._beat_missed is not None:
-                self._beat_missed()
-        self._last_renewal = now
-        self._beat_run_rows([r for r in renewable if r.job.claim_token not in lost_tokens])
+            return set()
+        _mark_sent(renewable, reports, renewal.unsent)
+        self._stop_cancelled(
+            [r for r in renewable if r.job.claim_token in renewal.cancel_requested]
+        )
+        if renewal.beat_missed and self._beat_missed is not None:
+            self._beat_missed()
+        kept = [r for r in renewable if r.job.claim_token not in renewal.lost]
+        for running in kept:  # their leases run from this call's start now (or later)
+            running.leased_at = max(running.leased_at, now)
+        self._beat_run_rows(kept)
         # Read after the renewal: an outcome is written only once its handler finished, so
         # a job that is not finished now cannot have lost its lease to our own outcome.
-        losers = [r for r in renewable if r.job.claim_token in lost_tokens and not r.finished]
+        losers = [r for r in renewable if r.job.claim_token in renewal.lost and not r.finished]
         for running in losers:
-            running.lost = True
-            with contextlib.suppress(Exception):
-                running.ctx.cancelled.set()
-            metrics.lost_leases.labels(running.job.name).inc()
-            logger.warning(
-                "lost the lease of job %s (%s); cancelling its handler, writing no outcome",
-                running.job.job_id,
-                running.job.name,
-                extra={
-                    "job_id": running.job.job_id,
-                    "job_type": running.job.name,
-                    "action": "lease_lost",
-                },
-            )
+            self._lose(running, "its claim is gone")
         return {r.job.id for r in losers}
+
+    def _lose(self, running: Running, why: str) -> None:
+        """Tell the handler to stop; no outcome of this attempt will be written. Once."""
+        with self._losing:
+            if running.lost:
+                return
+            running.lost = True
+        with contextlib.suppress(Exception):
+            running.ctx.cancelled.set()
+        metrics.lost_leases.labels(running.job.name).inc()
+        logger.warning(
+            "lost the lease of job %s (%s), %s; cancelling its handler, writing no outcome",
+            running.job.job_id,
+            running.job.name,
+            why,
+            extra={
+                "job_id": running.job.job_id,
+                "job_type": running.job.name,
+                "action": "lease_lost",
+            },
+        )
 
     def _stop_cancelled(self, asked: list[Running]) -> None:
         """An operator asked these attempts to stop: tell their handlers; they end cancelled."""
