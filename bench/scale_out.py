@@ -1,6 +1,6 @@
 """Scale-out: 50,000 no-op jobs drained by 1, 2, 4 and 8 worker processes; where it stops.
 
-    .venv/bin/python bench/scale_out.py [--jobs 50000] [--processes 1 2 4 8] [--runs 2]
+    .venv/bin/python bench/scale_out.py [--jobs 50000] [--processes 1 2 4 8] [--runs 3]
                                         [--concurrency 100 | --split 100] [--plot PATH]
                                         [--quick]
 
@@ -23,7 +23,7 @@ last outcome); CPU µs per job of the workers and of PostgreSQL (``_common.Postg
 the cores busy on the whole machine and the busiest worker process, in cores; write
 transactions and WAL flushes (``pg_stat_io``) per second and WAL bytes per job; connections
 per worker process; what the bench database's backends were doing, sampled from
-``pg_stat_activity`` at every poll (how many were in a statement on average, and of that time
+``pg_stat_activity`` every 50 ms (how many were in a statement on average, and of that time
 the share on CPU and waiting on a lock, a lightweight lock or I/O, with the commonest wait
 events); with ``pg_stat_statements``, the
 statements that cost PostgreSQL the most per job; and a line saying where the bottleneck is.
@@ -39,7 +39,7 @@ server (``<db>_bench``), where those counters include whatever else runs there. 
 the server, and the TCP forwarder between them would be measured with the workers.
 
 ``--quick`` (2,000 jobs, 1 and 2 processes, one run) is the smoke run the tests make. The full
-run takes 4 to 6 minutes on a 2-core machine.
+run (3 runs of each) takes about 4 minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ OWN = re.compile(
     r"pg_stat_|pg_snapshot_xmax|pg_backend_pid|GROUP BY state|FROM jobs_job WHERE state IN"
     r"|^(DELETE FROM jobs_pause|SELECT pg_notify|TRUNCATE|VACUUM|SHOW|SET|CREATE|LISTEN)"
 )
-#: Seconds between polls (each also samples pg_stat_activity): 10 ms cost 0.15 of a core.
-POLL = 0.02
+#: Seconds between polls for the end, and between samples of pg_stat_activity: polling
+#: every 10 ms and sampling at each poll cost 0.15 of a core, which the workers then lack.
+POLL, SAMPLE = 0.02, 0.05
 WAITS = ("Lock", "LWLock", "IO")  # pg_stat_activity's wait_event_type, as shown
 PLOT = "scale-out.png"  # under var/bench/ unless --plot says where
 
@@ -119,7 +120,7 @@ class Run:
     @property
     def others_cpu(self) -> float:
         """CPU seconds of every other process on the machine (a test run beside, say)."""
-        return self.machine_cpu - self.worker_cpu - self.pg_cpu - self.own_cpu
+        return max(0.0, self.machine_cpu - self.worker_cpu - self.pg_cpu - self.own_cpu)
 
     @property
     def rate(self) -> float:
@@ -147,8 +148,13 @@ class Activity:
 
     def __init__(self, run: Run) -> None:
         self.run = run
+        self.next = 0.0
 
     def __call__(self, cur: Any) -> None:
+        now = time.monotonic()
+        if now < self.next:
+            return
+        self.next = now + SAMPLE
         cur.execute(ACTIVITY)
         rows = cur.fetchall()
         self.run.samples += 1
@@ -293,37 +299,36 @@ def ceiling(run: Run, cores: int) -> float:
 
 
 def bottleneck(runs: list[Run], cores: int) -> str:
+    """Where the drain's time went: the cores, one worker's GIL, or the serial run loops."""
     busy = median(runs, lambda r: r.cores(r.machine_cpu))
     workers = median(runs, lambda r: r.cores(r.worker_cpu))
     pg = median(runs, lambda r: r.cores(r.pg_cpu))
     busiest = median(runs, lambda r: r.busiest)
     polls = median(runs, lambda r: r.cores(r.own_cpu))
-    others = busy - workers - pg - polls
+    others = median(runs, lambda r: r.cores(r.others_cpu))
     shared = f"; other processes used {others:.2f} cores" if others >= 0.2 else ""
-    if busy >= 0.9 * cores:
+    lock = median(runs, lambda r: r.share("Lock") + r.share("LWLock"))
+    io = median(runs, lambda r: r.share("IO"))
+    inside = f"in statements {lock:.0%} of the time waiting on locks, {io:.0%} on WAL I/O"
+    if busy >= 0.85 * cores:
         return (
             f"CPU: {busy:.2f} of {cores} cores busy (workers {workers:.2f}, PostgreSQL "
-            f"{pg:.2f}, this script's polls {polls:.2f}, other processes {others:.2f})"
+            f"{pg:.2f}, this script's polls {polls:.2f}, other processes {others:.2f}); {inside}"
         )
     if busiest >= 0.85:
         return (
             f"the worker process: the busiest used {busiest:.2f} of a core, and its threads "
             f"share one GIL ({busy:.2f} of {cores} cores busy{shared})"
         )
-    lock = median(runs, lambda r: r.share("Lock") + r.share("LWLock"))
-    io = median(runs, lambda r: r.share("IO"))
-    if lock >= 0.2:
-        return f"lock waits: {lock:.0%} of the time in statements{shared}"
-    if io >= 0.2:
-        return f"I/O waits (WAL flushes): {io:.0%} of the time in statements{shared}"
     active = median(runs, lambda r: r.active / r.processes)
     return (
-        f"the workers' run loops: each had PostgreSQL in a statement {active:.0%} of the time "
-        f"and was in its own Python the rest ({busy:.2f} of {cores} cores busy{shared})"
+        f"the run loops, one pass after the other: each had a statement in PostgreSQL "
+        f"{active:.0%} of the time ({inside}) and ran its own Python the rest "
+        f"({busy:.2f} of {cores} cores busy{shared})"
     )
 
 
-def top_waits(runs: list[Run], count: int = 3) -> str:
+def top_waits(runs: list[Run], count: int = 4) -> str:
     total: Counter[str] = Counter()
     for run in runs:
         total.update(run.waits)
@@ -443,7 +448,7 @@ def plot(groups: dict[int, list[Run]], path: Path, caption: str) -> None:
     left.plot(procs, linear, "--", color="#999", label=f"linear from {procs[0]} process(es)")
     cores = psutil.cpu_count() or 1
     roof = [median(groups[p], lambda r: ceiling(r, cores)) for p in procs]
-    left.plot(procs, roof, ":", color="#c05030", label=f"{cores} cores / CPU per job")
+    left.plot(procs, roof, ":", color="#c05030", label=f"ceiling: {cores} cores / CPU per job")
     left.set_xscale("log", base=2)
     left.set_xticks(procs, [str(p) for p in procs])
     left.set_ylim(0, max(*rates, *roof) * 1.3)
@@ -487,7 +492,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=50_000)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
     slots = parser.add_mutually_exclusive_group()
     slots.add_argument("--concurrency", type=int, default=100, help="per process")
     slots.add_argument("--split", type=int, help="total slots shared among the processes")
@@ -513,15 +518,19 @@ def main() -> int:
                 run = drain(processes, concurrency, args.jobs, pg, stats)
                 groups[processes].append(run)
                 print(
-                    f"  run {n + 1}: {processes} x {concurrency}: {run.rate:,.0f} jobs/s",
+                    f"  run {n + 1}: {processes} x {concurrency}: {run.rate:,.0f} jobs/s, "
+                    f"{run.per_job(run.worker_cpu + run.pg_cpu):.0f} µs CPU/job; other "
+                    f"processes used {run.cores(run.others_cpu):.2f} cores",
                     file=sys.stderr,
                 )
         truncate()
         where = "DATABASE_URL" if server is None else "the bench's own server, Unix socket"
         slots_text = f"{args.split} slots shared" if args.split else f"{args.concurrency} each"
+        others = [r.cores(r.others_cpu) for runs in groups.values() for r in runs]
         caption = (
             f"{args.jobs:,} no-op jobs, concurrency {slots_text}, median of {args.runs} "
-            f"run(s); {machine()}; {where}"
+            f"run(s); {machine()}; {where}; other processes used "
+            f"{min(others):.2f}-{max(others):.2f} cores"
         )
         print(caption)
         report(groups, cores, stats)
