@@ -152,7 +152,7 @@ def connect_params(
     """Keywords for ``psycopg.connect()`` of a dedicated connection, with the bounds.
 
     For connections outside Django's (a lock session, a LISTEN connection): the alias's
-    settings, less Django's own parameters, plus the bounds.
+    settings, less Django's own parameters, plus the bounds; statements are never prepared.
     """
     wrapper = _wrapper(connection)
     plain = getattr(wrapper, _PLAIN, None)
@@ -166,6 +166,9 @@ def connect_params(
         params = wrapper.get_connection_params()
     for key in DJANGO_ONLY_PARAMS:
         params.pop(key, None)
+    # Never prepared, whatever the alias's OPTIONS say: behind a transaction-mode pooler a
+    # statement prepared on one server connection is missing on the next.
+    params["prepare_threshold"] = None
     if application_name is not None:
         params["application_name"] = application_name[:63]
     return (bounds or Bounds.from_settings()).libpq_params(params)

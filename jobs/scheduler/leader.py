@@ -301,12 +301,11 @@ class Leadership:
             # Autocommit: the term's BEGIN and ROLLBACK are ours to send. Client-side binding:
             # each statement goes as a simple query, whose portal (and snapshot) the server
             # drops when it ends; a bound one's unnamed portal would keep its snapshot, and
-            # with it the term's xmin, until the next statement. Never prepared: a standby's
-            # tries land on any server connection of a pool.
+            # with it the term's xmin, until the next statement. (connect_params: never
+            # prepared, as a standby's tries land on any server connection of a pool.)
             self._conn = psycopg.connect(
                 **params,
                 autocommit=True,
-                prepare_threshold=None,
                 cursor_factory=psycopg.ClientCursor,
             )
         return self._conn

@@ -183,12 +183,8 @@ class NotifyListener:
 
 
 def _connect(params: dict[str, Any]) -> psycopg.Connection[Any]:
-    """An autocommit connection that never prepares a statement.
-
-    Django turns psycopg's prepared statements off for its own connections; these are not
-    Django's, and behind a pooler a statement prepared on one backend is missing on the next.
-    """
-    return psycopg.connect(**params, autocommit=True, prepare_threshold=None)
+    """An autocommit connection (``params`` from ``dbbounds.connect_params``: never prepares)."""
+    return psycopg.connect(**params, autocommit=True)
 
 
 def _backend(conn: psycopg.Connection[Any]) -> int:

@@ -109,6 +109,16 @@ class TestDedicatedConnections:
             assert conn.execute("SHOW application_name").fetchone()[0] == "jobs-test"
         assert "cursor_factory" not in params and "context" not in params
 
+    def test_a_dedicated_connection_never_prepares_even_where_the_alias_would(self, monkeypatch):
+        """Behind a transaction pooler the next run of a prepared statement lands elsewhere."""
+        monkeypatch.setitem(connection.settings_dict["OPTIONS"], "prepare_threshold", 1)
+        params = dbbounds.connect_params()
+        with psycopg.connect(**params, autocommit=True) as conn:
+            for _ in range(10):
+                conn.execute("SELECT %s::int", [1])
+            prepared = conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()
+        assert prepared == (0,)
+
     @override_settings(JOBS=BOUNDED)
     def test_a_tcp_connection_notices_a_dead_path_through_keepalives_and_user_timeout(self):
         with TcpProxy() as proxy:
