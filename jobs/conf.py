@@ -69,8 +69,9 @@ DEFAULTS: dict[str, Any] = {
     # A slot this late still fires as on time; a later one is a misfire (handled by the
     # schedule's misfire policy) and counts as overdue.
     "MISFIRE_GRACE": timedelta(seconds=60),
-    # A scheduler leader that has not proved itself for this long loses its database session
-    # (PostgreSQL's idle_session_timeout) and with it leadership, so a stalled or cut-off
+    # A scheduler leader that has not proved itself for this long loses its term's transaction
+    # (idle_in_transaction_session_timeout, set for that transaction only) and with it
+    # leadership, so a stalled or cut-off
     # leader hands over to a standby; a leader whose loop has not moved for this long (a duty
     # stuck in a call) steps down itself.
     "SCHEDULER_LEADER_TIMEOUT": timedelta(seconds=10),
