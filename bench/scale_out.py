@@ -436,7 +436,7 @@ def plot(groups: dict[int, list[Run]], path: Path, caption: str) -> None:
 
     procs = list(groups)
     rates = [median(groups[p], lambda r: r.rate) for p in procs]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6), width_ratios=[3, 2])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 5), width_ratios=[3, 2])
     for p in procs:
         left.scatter([p] * len(groups[p]), [r.rate for r in groups[p]], color="#9ab", s=18)
     left.plot(procs, rates, "o-", color="#1f5f9f", linewidth=2, label="median of the runs")
@@ -445,7 +445,8 @@ def plot(groups: dict[int, list[Run]], path: Path, caption: str) -> None:
             f"{rate:,.0f}", (p, rate), textcoords="offset points", xytext=(0, 8), ha="center"
         )
     linear = [rates[0] * p / procs[0] for p in procs]
-    left.plot(procs, linear, "--", color="#999", label=f"linear from {procs[0]} process(es)")
+    first = f"{procs[0]} process" + ("es" if procs[0] > 1 else "")
+    left.plot(procs, linear, "--", color="#999", label=f"linear from {first}")
     cores = psutil.cpu_count() or 1
     roof = [median(groups[p], lambda r: ceiling(r, cores)) for p in procs]
     left.plot(procs, roof, ":", color="#c05030", label=f"ceiling: {cores} cores / CPU per job")
@@ -471,7 +472,7 @@ def plot(groups: dict[int, list[Run]], path: Path, caption: str) -> None:
     right.legend(loc="upper left")
     right.set_ylim(0, max(w + p for w, p in zip(worker, pg, strict=True)) * 1.35)
     fig.text(0.5, 0.01, caption, ha="center", fontsize=9, color="#444")
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -529,8 +530,8 @@ def main() -> int:
         others = [r.cores(r.others_cpu) for runs in groups.values() for r in runs]
         caption = (
             f"{args.jobs:,} no-op jobs, concurrency {slots_text}, median of {args.runs} "
-            f"run(s); {machine()}; {where}; other processes used "
-            f"{min(others):.2f}-{max(others):.2f} cores"
+            f"run(s); other processes used {min(others):.2f}-{max(others):.2f} cores\n"
+            f"{machine()}; {where}"
         )
         print(caption)
         report(groups, cores, stats)
