@@ -39,7 +39,7 @@ server (``<db>_bench``), where those counters include whatever else runs there. 
 the server, and the TCP forwarder between them would be measured with the workers.
 
 ``--quick`` (2,000 jobs, 1 and 2 processes, one run) is the smoke run the tests make. The full
-run (3 runs of each) takes about 4 minutes on a 2-core machine.
+run (3 runs of each) takes about 3 minutes on a 2-core machine.
 """
 
 from __future__ import annotations
