@@ -185,7 +185,7 @@ def mark_running(running: Running) -> None:
     """The bound run row (policy.run_model) enters this attempt; on the handler's thread."""
     run_model = running.job_type.policy.run_model
     if run_model is not None:
-        with dbbounds.local():  # the worker's write on the handler's connection
+        with dbbounds.local(running.ctx.using):  # the worker's write on the handler's connection
             runs.mark_running(
                 run_model,
                 running.run_pk,
@@ -334,7 +334,7 @@ def count_next_attempt(running: Running, lease: timedelta | None, ended: Outcome
     """
     ctx = running.ctx
     try:
-        with dbbounds.local():
+        with dbbounds.local(ctx.using):
             attempt = queue.next_attempt(
                 running.job,
                 lease=lease,
@@ -364,7 +364,7 @@ def count_next_attempt(running: Running, lease: timedelta | None, ended: Outcome
 def _cancel_asked(running: Running, lease: timedelta | None) -> bool:
     """Whether the job, refused its next attempt, is still ours and was asked to stop."""
     try:
-        with dbbounds.local():
+        with dbbounds.local(running.ctx.using):
             renewal = queue.renew_leases([running.job], lease=lease, using=running.ctx.using)
     except Exception:  # unknown: treat it as lost, as a refused attempt always was
         return False
@@ -428,7 +428,7 @@ def sync_completed(running: Running) -> None:
     if running.job_type.policy.run_model is None or running.run_pk is None:
         return
     try:
-        with dbbounds.local():
+        with dbbounds.local(running.ctx.using):
             sync_run_rows([(running, Outcome.succeeded(running.job))])
     except Exception:
         logger.exception("could not mark the run row of job %s succeeded", running.job.job_id)
