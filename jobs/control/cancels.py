@@ -113,9 +113,11 @@ def matching(
     tenant: str = "",
     queue_name: str = "",
     state: str = "",
+    using: str = DEFAULT_DB_ALIAS,
 ) -> QuerySet[Job]:
-    """Active jobs matching a filter, newest first (what a bulk cancel acts on)."""
-    rows = Job.objects.filter(state__in=[state] if state else ACTIVE_STATES)
+    """Active jobs matching a filter in the alias ``using``, newest first (what a bulk cancel
+    acts on)."""
+    rows = Job.objects.using(using).filter(state__in=[state] if state else ACTIVE_STATES)
     condition = Q()
     if job_type:
         condition &= Q(name=job_type)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from django.contrib.admin.models import ADDITION, DELETION, LogEntry
 from django.core.exceptions import PermissionDenied
-from django.db import transaction
+from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils.translation import gettext as _
 
 from jobs import queue
@@ -35,27 +35,52 @@ def _require(user: Operator) -> None:
         )
 
 
-def pause(user: Operator, kind: str, value: str, *, reason: str = "", via: str) -> bool:
-    """Pause ``value`` (a job type, queue or tenant); False when it was paused already.
+def _where(kind: str, using: str) -> str:
+    """How a log entry names another alias; a schedule's pause is refused there."""
+    if using == DEFAULT_DB_ALIAS:
+        return ""
+    if kind == PauseKind.SCHEDULE:
+        raise ValueError(
+            f"schedules are paused in the {DEFAULT_DB_ALIAS!r} database only, not {using!r}"
+        )
+    return f" (database {using})"
+
+
+def pause(
+    user: Operator,
+    kind: str,
+    value: str,
+    *,
+    reason: str = "",
+    via: str,
+    using: str = DEFAULT_DB_ALIAS,
+) -> bool:
+    """Pause ``value`` (a job type, queue or tenant) in the alias ``using``; False when it was
+    paused already. The log entry is written where the admin keeps it, naming the alias.
 
     Raises ``ValueError`` for a kind or value that cannot be paused.
     """
     _require(user)
-    with transaction.atomic():
-        changed = queue.pause(kind, value, by=user.get_username(), reason=reason)
+    where = _where(kind, using)
+    with transaction.atomic(), transaction.atomic(using=using):
+        changed = queue.pause(kind, value, by=user.get_username(), reason=reason, using=using)
         if changed:
-            row = Pause.objects.get(kind=kind, value=value)
-            message = f"Paused via {via}" + (f": {reason}" if reason else "")
+            row = Pause.objects.using(using).get(kind=kind, value=value)
+            message = f"Paused via {via}{where}" + (f": {reason}" if reason else "")
             LogEntry.objects.log_actions(user.pk, [row], ADDITION, change_message=message)
     return changed
 
 
-def resume(user: Operator, kind: str, value: str, *, via: str) -> bool:
-    """Resume a paused job type, queue, tenant or schedule; False when it was not paused."""
+def resume(
+    user: Operator, kind: str, value: str, *, via: str, using: str = DEFAULT_DB_ALIAS
+) -> bool:
+    """Resume a paused job type, queue, tenant or schedule (in the alias ``using``); False
+    when it was not paused."""
     _require(user)
-    with transaction.atomic():
-        row = Pause.objects.select_for_update().filter(kind=kind, value=value).first()
-        message = f"Resumed via {via}"
+    where = _where(kind, using)
+    with transaction.atomic(), transaction.atomic(using=using):
+        row = Pause.objects.using(using).select_for_update().filter(kind=kind, value=value).first()
+        message = f"Resumed via {via}{where}"
         if kind == PauseKind.SCHEDULE:
             resumed = pausing.resume(value, by=f"resumed by {user.get_username()}")
             changed, skipped = resumed.resumed, resumed.skipped
@@ -65,7 +90,7 @@ def resume(user: Operator, kind: str, value: str, *, via: str) -> bool:
                     f"{skipped.slot.isoformat()} recorded as skipped"
                 )
         else:
-            changed = queue.resume(kind, value)
+            changed = queue.resume(kind, value, using=using)
         if changed and row is not None:
             LogEntry.objects.log_actions(user.pk, [row], DELETION, change_message=message)
     return changed

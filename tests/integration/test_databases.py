@@ -411,3 +411,44 @@ def test_the_watchdog_scans_a_run_table_only_where_the_routers_let_it_live(two_d
     settings.DATABASE_ROUTERS = []
     assert Watchdog(using=OTHER).run_once()["runapp.quickrun:stale"] == 1
     assert QuickRun.objects.using(OTHER).get(pk=row.pk).state == "failed"
+
+
+# manage.py jobs --database ---------------------------------------------------------------------
+
+
+def test_the_operator_command_pauses_lists_and_cancels_in_the_alias_it_names(two_databases):
+    """Pauses are read by the claim of the database they are in: one per alias."""
+    from jobs.models import Pause
+    from tests.integration.test_admin_factories import operator
+
+    operator("olga", "jobs.pause_work", "jobs.cancel_job")
+
+    def run(*args: str) -> str:
+        out = StringIO()
+        call_command("jobs", *args, stdout=out)
+        return out.getvalue()
+
+    assert run("--database", OTHER, "pause", "job_type", ReportV1.job_name, "--user", "olga") == (
+        f"Paused job_type {ReportV1.job_name}.\n"
+    )
+    assert Pause.objects.using(OTHER).filter(value=ReportV1.job_name).exists()
+    assert not Pause.objects.using("default").exists()
+    assert ReportV1.job_name in run("--database", OTHER, "paused")
+    assert run("paused").strip() == "Nothing is paused."
+    [entry] = LogEntry.objects.filter(user__username="olga")
+    assert entry.change_message == f"Paused via manage.py jobs (database {OTHER})"
+
+    report = jobs.enqueue(ReportV1(number=7))
+    out = run(
+        "--database", OTHER, "cancel", "--all", "--job-type", ReportV1.job_name, "--user", "olga"
+    )
+    assert out.startswith("1 active jobs match; taking 1.")
+    assert on(OTHER).get(pk=report.id).state == "cancelled"
+
+    run("--database", OTHER, "resume", "job_type", ReportV1.job_name, "--user", "olga")
+    assert not Pause.objects.using(OTHER).exists()
+
+    with pytest.raises(CommandError, match="holds no jobs here"):
+        run("--database", "nowhere", "paused")
+    with pytest.raises(CommandError, match="schedules are paused in the 'default' database"):
+        run("--database", OTHER, "pause", "schedule", "any", "--user", "olga")

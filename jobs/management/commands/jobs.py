@@ -7,6 +7,10 @@
     manage.py jobs cancel ID [ID …] --user U
     manage.py jobs cancel --all [--job-type T] [--tenant T] [--queue Q] [--state S] --user U
 
+``--database ALIAS`` (before the action) acts on the jobs tables of another alias of
+``JOBS["DATABASES"]`` (default ``JOBS["DATABASE"]``); schedules and run-now stay with the
+schedule's own database.
+
 The user named by ``--user`` must be active staff holding the permission the admin asks for
 (``jobs.pause_work``, ``jobs.cancel_job``, ``jobs.run_schedule``); every change gets a
 ``LogEntry`` under that user, exactly as from the admin.
@@ -19,6 +23,7 @@ from typing import Any
 from django.core.exceptions import PermissionDenied
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from jobs import databases
 from jobs.control import cancels, pauses, schedules
 from jobs.control.operators import staff_user
 from jobs.models import PauseKind
@@ -31,6 +36,12 @@ class Command(BaseCommand):
     help = "Pause, resume and cancel work as a named user (the admin's operator controls)."
 
     def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--database",
+            default=None,
+            help="the alias whose jobs to pause, resume, list or cancel (one of "
+            'JOBS["DATABASES"]; default JOBS["DATABASE"])',
+        )
         actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
         for name, text in (
             ("pause", "stop claiming a job type, queue or tenant, or firing a schedule"),
@@ -73,6 +84,7 @@ class Command(BaseCommand):
         cancel.add_argument("--dry-run", action="store_true", help="list, change nothing")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        options["database"] = _alias(options["database"])
         try:
             getattr(self, f"_{options['action'].replace('-', '_')}")(options)
         except PermissionDenied as exc:
@@ -83,7 +95,8 @@ class Command(BaseCommand):
     def _pause(self, options: dict[str, Any]) -> None:
         user = _staff(options["user"])
         kind, name = options["kind"], options["name"]
-        if pauses.pause(user, kind, name, reason=options["reason"], via=VIA):
+        using = options["database"]
+        if pauses.pause(user, kind, name, reason=options["reason"], via=VIA, using=using):
             self.stdout.write(f"Paused {kind} {name}.")
         else:
             self.stdout.write(f"{kind} {name} was paused already; nothing changed.")
@@ -91,7 +104,7 @@ class Command(BaseCommand):
     def _resume(self, options: dict[str, Any]) -> None:
         user = _staff(options["user"])
         kind, name = options["kind"], options["name"]
-        if pauses.resume(user, kind, name, via=VIA):
+        if pauses.resume(user, kind, name, via=VIA, using=options["database"]):
             self.stdout.write(f"Resumed {kind} {name}.")
         else:
             self.stdout.write(f"{kind} {name} was not paused; nothing changed.")
@@ -99,7 +112,7 @@ class Command(BaseCommand):
     def _paused(self, options: dict[str, Any]) -> None:
         from jobs import queue
 
-        rows = queue.paused()
+        rows = queue.paused(using=options["database"])
         for row in rows:
             reason = f" ({row.reason})" if row.reason else ""
             self.stdout.write(
@@ -126,6 +139,7 @@ class Command(BaseCommand):
                 tenant=options["tenant"],
                 queue_name=options["queue"],
                 state=options["state"],
+                using=options["database"],
             )
             ids = list(rows.values_list("pk", flat=True)[: options["limit"]])
             self.stdout.write(f"{rows.count()} active jobs match; taking {len(ids)}.")
@@ -134,7 +148,7 @@ class Command(BaseCommand):
         if options["dry_run"]:
             self.stdout.write(f"Would cancel: {' '.join(map(str, ids)) or '-'}")
             return
-        result = cancels.cancel(user, ids, via=VIA)
+        result = cancels.cancel(user, ids, via=VIA, using=options["database"])
         self.stdout.write(result.summary())
 
 
@@ -143,3 +157,16 @@ def _staff(username: str) -> Any:
         return staff_user(username)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
+
+
+def _alias(given: str | None) -> str:
+    """``--database``, checked against the aliases that hold jobs; the home one when absent."""
+    if given is None:
+        return databases.home()
+    known = databases.configured()
+    if given not in known:
+        raise CommandError(
+            f"--database {given!r} holds no jobs here: use one of {', '.join(known)} "
+            '(JOBS["DATABASES"])'
+        )
+    return given
