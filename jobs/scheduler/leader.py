@@ -19,10 +19,13 @@ one server connection for the length of a transaction and may give it another fo
 A session-level lock would stay behind on a server connection that other clients then use
 (one of them would "re-take" it and lead too), and the proofs would run on other backends.
 Inside one open transaction the lock, its proof (by ``pg_backend_pid()``) and the fence (by
-that pid) all mean the same, directly or through the pooler. The term costs nothing while it
-lasts: READ COMMITTED, no transaction id, and a proof that reads ``pg_lock_status()`` rather
-than catalogs, so between proofs the session holds no snapshot (vacuum is not held back) and
-no lock but the advisory one (no DDL waits for it).
+that pid and the term's virtual transaction id) all mean the same, directly or through the
+pooler. A pid alone would not do for the fence: the operating system hands pids out again
+(often from only 32768), so the backend of a later leader's lock session can get the pid of a
+stale leader's ended term, while a virtual transaction id is not reused. The term costs
+nothing while it lasts: READ COMMITTED, no transaction id, and a proof that reads
+``pg_lock_status()`` rather than catalogs, so between proofs the session holds no snapshot
+(vacuum is not held back) and no lock but the advisory one (no DDL waits for it).
 
 Why each step:
 
@@ -67,13 +70,17 @@ LOCK_KEY = int.from_bytes(b"jobs/sch", "big")
 # The term's first statement, after BEGIN ISOLATION LEVEL READ COMMITTED. Its bound is set
 # before the lock is tried, in the same statement, so no moment of the term is unbounded; a
 # transaction_timeout (PostgreSQL 17+) set for the role or database would end every term, so
-# the term turns it off for itself.
+# the term turns it off for itself. The last column is the term's virtual transaction id
+# (from the lock every transaction holds on its own), which names this term for the fence.
 ACQUIRE_SQL = """
 SELECT set_config('idle_in_transaction_session_timeout', %(timeout)s, true),
        CASE WHEN current_setting('transaction_timeout', true) IS NOT NULL
             THEN set_config('transaction_timeout', '0', true) END,
        pg_try_advisory_xact_lock(%(key)s),
-       pg_backend_pid()"""
+       pg_backend_pid(),
+       (SELECT l.virtualtransaction FROM pg_lock_status() AS l
+        WHERE l.locktype = 'virtualxid' AND l.pid = pg_backend_pid()
+          AND l.virtualxid = l.virtualtransaction)"""
 
 # On the lock session, inside the term. pg_lock_status() is the function behind the pg_locks
 # view: reading it takes no relation lock, which the term would otherwise keep to its end
@@ -87,11 +94,13 @@ SELECT EXISTS (
       AND l.objsubid = 1
 )"""
 
-# On the caller's connection, inside the caller's (short) transaction.
+# On the caller's connection, inside the caller's (short) transaction: the lock is held by
+# our term, not merely by a backend with our term's pid.
 FENCE_SQL = """
 SELECT EXISTS (
     SELECT 1 FROM pg_locks
     WHERE locktype = 'advisory' AND granted AND pid = %(pid)s
+      AND virtualtransaction = %(term)s
       AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
       AND classid = %(classid)s::bigint::oid AND objid = %(objid)s::bigint::oid
       AND objsubid = 1
@@ -122,6 +131,7 @@ class Leadership:
         # A call on the lock session with no answer this long is cut off (dbbounds.deadline).
         self.call_deadline = max(0.5, self.timeout.total_seconds() / 2)
         self.backend_pid: int | None = None
+        self.term_id: str | None = None  # the term's virtual transaction id, for the fence
         self._params = {"classid": key >> 32, "objid": key & 0xFFFFFFFF}
         self._mutex = threading.RLock()
         self._conn: psycopg.Connection | None = None
@@ -192,13 +202,15 @@ class Leadership:
         Runs on the caller's connection, inside the caller's transaction, so the check and
         the work it guards commit together or not at all.
         """
-        pid = self.backend_pid
-        if not self._leading or pid is None:
+        pid, term = self.backend_pid, self.term_id
+        if not self._leading or pid is None or term is None:
             raise LeadershipLost(f"scheduler {self.identity} is not the leader")
         with connections[using or self.using].cursor() as cur:
-            cur.execute(FENCE_SQL, {**self._params, "pid": pid})
+            cur.execute(FENCE_SQL, {**self._params, "pid": pid, "term": term})
             if not cur.fetchone()[0]:
-                raise LeadershipLost(f"lock session pid {pid} no longer holds the leader lock")
+                raise LeadershipLost(
+                    f"lock session pid {pid} (term {term}) no longer holds the leader lock"
+                )
 
     def step_down(self, reason: str) -> bool:
         """Stop leading now, closing the lock session; True if this process was leading."""
@@ -238,9 +250,10 @@ class Leadership:
             try:
                 self._connection()
                 self._send("BEGIN ISOLATION LEVEL READ COMMITTED")
-                *_, got, pid = self._fetch(ACQUIRE_SQL, {"timeout": timeout, "key": self.key})
+                *_, got, pid, term = self._fetch(ACQUIRE_SQL, {"timeout": timeout, "key": self.key})
                 if got:
                     self.backend_pid = pid  # the server's; a pooler's BackendKeyData is its own
+                    self.term_id = term
                 else:
                     self._send("ROLLBACK")  # a standby holds no transaction (nor, pooled, a server)
                 self._unreachable = False
@@ -315,4 +328,4 @@ class Leadership:
         if conn is not None:
             with contextlib.suppress(psycopg.Error):
                 conn.close()
-        self.backend_pid = None
+        self.backend_pid = self.term_id = None

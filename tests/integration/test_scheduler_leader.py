@@ -98,18 +98,20 @@ class TestLeadership:
         assert a.try_acquire()
         with transaction.atomic():
             a.fence()  # leading: passes inside the transaction
-        old_pid = a.backend_pid
+        old_pid, old_term = a.backend_pid, a.term_id
         terminate(old_pid)
         wait_for(b.try_acquire, what="the standby took over")
 
         with pytest.raises(LeadershipLost), transaction.atomic():
             a.fence()
-        with connection.cursor() as cur:  # the in-transaction check itself, by pid
+        with connection.cursor() as cur:  # the in-transaction check itself, by pid and term
             params = {"classid": KEY >> 32, "objid": KEY & 0xFFFFFFFF}
-            cur.execute(FENCE_SQL, {**params, "pid": old_pid})
+            cur.execute(FENCE_SQL, {**params, "pid": old_pid, "term": old_term})
             assert cur.fetchone()[0] is False
-            cur.execute(FENCE_SQL, {**params, "pid": b.backend_pid})
+            cur.execute(FENCE_SQL, {**params, "pid": b.backend_pid, "term": b.term_id})
             assert cur.fetchone()[0] is True
+            cur.execute(FENCE_SQL, {**params, "pid": b.backend_pid, "term": old_term})
+            assert cur.fetchone()[0] is False  # b's pid, another term
 
     def test_the_lock_session_is_named_and_times_out_when_the_leader_stops_proving(
         self, contenders
