@@ -168,6 +168,7 @@ class Leadership:
             self._leading = True
             self._standby_announced = False
             self._term += 1
+            self._closing.clear()  # a release ended the last term's keeper, not this one's
         metrics.leader.set(1)
         metrics.leadership_changes.labels("acquired").inc()
         logger.info(

@@ -147,6 +147,26 @@ def test_a_stale_leaders_fence_fails_when_its_old_pid_now_holds_the_lock_for_a_n
 # -- the keeper ----------------------------------------------------------------------------------
 
 
+def test_a_leadership_released_and_won_again_is_kept_by_its_keeper(contenders):
+    """Leadership objects outlive a release (a Scheduler run twice, tests): a new term must
+    be proved on its timer again, or the server's idle bound ends it between duties."""
+    a = contenders("a", timeout=timedelta(seconds=1))
+    assert a.try_acquire()
+    a.release()
+    assert a.try_acquire()
+    pid = a.backend_pid
+    assert pid is not None
+    won = backend(pid)
+    assert won is not None
+
+    def proved() -> bool:
+        now = backend(pid)
+        return now is not None and now["query_start"] > won["query_start"]
+
+    wait_for(proved, timeout=3, what="the keeper proved the new term")
+    assert a.prove() and lock_holders() == [pid]
+
+
 def test_the_keeper_and_the_loop_racing_on_the_lock_session(route, contenders):
     """The keeper, the loop's proofs, the cron fence and the stall guard's step-down on four
     threads at once: every proof before the step-down holds, none after, and the lock is
