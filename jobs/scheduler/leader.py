@@ -67,12 +67,15 @@ logger = logging.getLogger("jobs.scheduler")
 #: The advisory lock the leader holds ("jobs/sch" as a 64-bit key).
 LOCK_KEY = int.from_bytes(b"jobs/sch", "big")
 
-# The term's first statement, after BEGIN ISOLATION LEVEL READ COMMITTED. Its bound is set
-# before the lock is tried, in the same statement, so no moment of the term is unbounded; a
-# transaction_timeout (PostgreSQL 17+) set for the role or database would end every term, so
-# the term turns it off for itself. The last column is the term's virtual transaction id
-# (from the lock every transaction holds on its own), which names this term for the fence.
+# The term's start: BEGIN and its first statement in one query, so the server never waits
+# inside the term under the role's own idle_in_transaction_session_timeout (none by default,
+# or one shorter than a round trip). Its bound is set before the lock is tried, in the same
+# statement, so no moment of the term is unbounded; a transaction_timeout (PostgreSQL 17+)
+# set for the role or database would end every term, so the term turns it off for itself.
+# The last column is the term's virtual transaction id (from the lock every transaction
+# holds on its own), which names this term for the fence.
 ACQUIRE_SQL = """
+BEGIN ISOLATION LEVEL READ COMMITTED;
 SELECT set_config('idle_in_transaction_session_timeout', %(timeout)s, true),
        CASE WHEN current_setting('transaction_timeout', true) IS NOT NULL
             THEN set_config('transaction_timeout', '0', true) END,
@@ -250,8 +253,11 @@ class Leadership:
         for attempt in range(2):  # a stale standby connection gets one fresh retry
             try:
                 self._connection()
-                self._send("BEGIN ISOLATION LEVEL READ COMMITTED")
-                *_, got, pid, term = self._fetch(ACQUIRE_SQL, {"timeout": timeout, "key": self.key})
+                cur = self._send(ACQUIRE_SQL, {"timeout": timeout, "key": self.key})
+                cur.nextset()  # past BEGIN's result to the SELECT's
+                row = cur.fetchone()
+                assert row is not None  # a SELECT of function calls: one row
+                *_, got, pid, term = row
                 if got:
                     self.backend_pid = pid  # the server's; a pooler's BackendKeyData is its own
                     self.term_id = term

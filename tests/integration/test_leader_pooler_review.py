@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import selectors
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +30,7 @@ from tests.pgbouncer import (
     pgbouncer_fixture,  # noqa: F401  (provides `pgbouncer`)
     skip_reason,
 )
+from tests.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.once]
 
@@ -325,6 +328,47 @@ def test_the_roles_and_databases_limits_on_transactions_do_not_end_a_live_term(r
             stalled = time.monotonic()
             wait_for(b.try_acquire, timeout=5, what="the standby took over")
             assert 1.5 < time.monotonic() - stalled < 4
+
+
+class SlowProxy(TcpProxy):
+    """A path whose every answer from the server arrives ``delay`` seconds late (a far pooler)."""
+
+    delay = 0.15
+
+    def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
+        peers = {client: upstream, upstream: client}
+        with selectors.DefaultSelector() as selector:
+            for sock in peers:
+                selector.register(sock, selectors.EVENT_READ)
+            while not self._closed.is_set():
+                for key, _ in selector.select(timeout=0.1):
+                    try:
+                        data = key.fileobj.recv(65536)
+                        if not data:
+                            return self._drop(client, upstream)
+                        if key.fileobj is upstream:
+                            time.sleep(self.delay)  # the latency this path stands for
+                        peers[key.fileobj].sendall(data)
+                    except OSError:
+                        return self._drop(client, upstream)
+
+
+def test_no_moment_of_a_term_waits_under_the_roles_idle_bound(contenders):
+    """Between BEGIN and the statement that sets the term's own bound, the session is idle in
+    a transaction under the role's idle_in_transaction_session_timeout: none by default (a
+    process stopped there pins a pooled server connection for good), or one shorter than a
+    round trip, which ends every term before its lock is tried. The two go as one query."""
+    with database_settings(idle_in_transaction_session_timeout="50ms"), SlowProxy() as proxy:
+        shared = connection.settings_dict
+        saved = {key: shared.get(key) for key in ("HOST", "PORT")}
+        shared.update(HOST=proxy.host, PORT=str(proxy.port))
+        try:
+            a = contenders("a", timeout=timedelta(seconds=3))
+            assert a.try_acquire(), "no term could start: the role's bound ended each one"
+        finally:
+            shared.update(saved)
+        assert lock_holders() == [a.backend_pid]
+        assert a.prove()
 
 
 # -- the pooler's own maintenance -------------------------------------------------------------
