@@ -9,6 +9,11 @@ does while leading must reach every alias that holds jobs (:func:`jobs.databases
 
 With a single alias the duty is the service itself, unchanged. Cron goes to the alias where
 each schedule's job type lives, so a slot row and its job commit in one transaction there.
+
+An alias other than the home one that cannot be reached *rests* (:class:`Outages`): every
+duty passes it over for a few seconds, doubling while it stays away, up to a minute. A
+server that stops answering costs the loop a stall (cut by a bound, or by the stall guard)
+once per rest, not once per duty and pass; the home alias's work goes on between.
 Prometheus gauges are the home alias's: the other aliases' backlog is counted and recorded
 for their console, and their unsupported names are logged, but not exported, since two
 databases' figures under the same labels would overwrite each other.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import fields, is_dataclass
@@ -31,6 +37,7 @@ from jobs.scheduler import metrics
 from jobs.scheduler.clock import database_now
 from jobs.scheduler.gauges import Gauges
 from jobs.scheduler.leader import LeadershipLost
+from jobs.worker.flush import unreachable
 
 logger = logging.getLogger("jobs.scheduler")
 
@@ -39,13 +46,54 @@ class Service(Protocol):
     def run_once(self, now: datetime | None = None) -> object: ...
 
 
+class Outages:
+    """The aliases (not the home one) found unreachable lately, and the one being visited.
+
+    Shared by every duty of a scheduler, so an alias found gone by one duty is passed over
+    by the others until its rest ends; the stall guard reads :attr:`visiting` to cut a call
+    stuck there without giving up leadership.
+    """
+
+    #: Seconds an alias rests after it was found unreachable; doubled while it stays away.
+    REST = 5.0
+    REST_MAX = 60.0
+
+    def __init__(self) -> None:
+        self.visiting: str | None = None
+        self._until: dict[str, float] = {}
+        self._streak: Counter[str] = Counter()
+
+    def resting(self, alias: str) -> bool:
+        return time.monotonic() < self._until.get(alias, 0.0)
+
+    def gone(self, alias: str) -> float:
+        """``alias`` could not be reached: it rests; returns for how many seconds."""
+        self._streak[alias] += 1
+        rest: float = min(self.REST_MAX, self.REST * 2.0 ** (self._streak[alias] - 1))
+        self._until[alias] = time.monotonic() + rest
+        return rest
+
+    def reached(self, alias: str) -> None:
+        if self._streak.pop(alias, 0):
+            self._until.pop(alias, None)
+            logger.info("database %s is reachable again", alias, extra={"action": "database_back"})
+
+
 class PerDatabase:
     """A duty's services by alias, home first; ``run_once`` visits each and merges counts."""
 
-    def __init__(self, duty: str, services: Mapping[str, Service], *, home: str) -> None:
+    def __init__(
+        self,
+        duty: str,
+        services: Mapping[str, Service],
+        *,
+        home: str,
+        outages: Outages | None = None,
+    ) -> None:
         self.duty = duty
         self.services = dict(services)
         self.home = home
+        self.outages = outages or Outages()
 
     def run_once(self, now: datetime | None = None) -> object:
         """Run the duty on every alias; counts summed, ``errors`` counting failed aliases.
@@ -57,23 +105,37 @@ class PerDatabase:
             [service] = self.services.values()
             return service.run_once(now)
         counts: Counter[str] = Counter()
+        outages = self.outages
         for alias, service in self.services.items():
+            home = alias == self.home
+            if not home and outages.resting(alias):
+                counts["errors"] += 1  # not done there: --once reports the duty failed
+                continue
+            outages.visiting = alias
             try:
-                result = service.run_once(now if alias == self.home else None)
+                result = service.run_once(now if home else None)
             except LeadershipLost:
                 raise
-            except Exception:
+            except Exception as exc:
                 counts["errors"] += 1
                 metrics.errors.labels(self.duty).inc()
+                rest = (
+                    "" if home or not unreachable(exc) else f"; it rests {outages.gone(alias):g}s"
+                )
                 logger.exception(
-                    "%s pass on database %s failed; will try again",
+                    "%s pass on database %s failed%s; will try again",
                     self.duty,
                     alias,
+                    rest,
                     extra={"action": "duty_failed", "duty": self.duty, "database": alias},
                 )
                 with contextlib.suppress(Exception):
                     connections[alias].close()
                 continue
+            finally:
+                outages.visiting = None
+            if not home:
+                outages.reached(alias)
             counts.update(_counts(result))
         return counts
 

@@ -33,12 +33,13 @@ leadership, so a standby takes over at its next attempt.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
@@ -54,11 +55,12 @@ from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.cron import CronService
 from jobs.scheduler.gauges import Gauges
 from jobs.scheduler.leader import Leadership, LeadershipLost
-from jobs.scheduler.per_database import PerDatabase, RecordedGauges
+from jobs.scheduler.per_database import Outages, PerDatabase, RecordedGauges
 from jobs.scheduler.reporting import export, status
 from jobs.scheduler.retention import Archive, Retention
 from jobs.scheduler.schedules import Schedule, get_schedules
 from jobs.scheduler.watchdog import Watchdog
+from jobs.worker.flush import unreachable
 
 logger = logging.getLogger("jobs.scheduler")
 
@@ -106,6 +108,8 @@ class Scheduler:
             config.identity, timeout=config.leader_duration, using=home
         )
         self.schedules_by_alias = _by_alias(self.schedules, aliases, registry)
+        # Aliases found unreachable rest, for every duty at once (jobs.scheduler.per_database).
+        self.outages = outages = Outages()
         self.cron = PerDatabase(
             "cron",
             {
@@ -120,18 +124,26 @@ class Scheduler:
                 if alias == home or alias in self.schedules_by_alias
             },
             home=home,
+            outages=outages,
         )
         max_attempts = registry.max_attempts()
         self.watchdog = PerDatabase(
             "watchdog",
             {a: Watchdog(config.watchdog, max_attempts=max_attempts, using=a) for a in aliases},
             home=home,
+            outages=outages,
         )
         self.retention = PerDatabase(
-            "retention", {a: Retention(config.retention, using=a) for a in aliases}, home=home
+            "retention",
+            {a: Retention(config.retention, using=a) for a in aliases},
+            home=home,
+            outages=outages,
         )
         self.archive = PerDatabase(
-            "archive", {a: Archive(config.archive, using=a) for a in aliases}, home=home
+            "archive",
+            {a: Archive(config.archive, using=a) for a in aliases},
+            home=home,
+            outages=outages,
         )
         self.gauges = Gauges(databases.served(registry, home), using=home)
         gauges: dict[str, Gauges] = {home: self.gauges}
@@ -144,7 +156,9 @@ class Scheduler:
             Duty("retention", config.retention_interval, self.retention.run_once),
             Duty("archive", config.archive_interval, self.archive.run_once),
             Duty(
-                "gauges", config.gauge_interval, PerDatabase("gauges", gauges, home=home).run_once
+                "gauges",
+                config.gauge_interval,
+                PerDatabase("gauges", gauges, home=home, outages=outages).run_once,
             ),
         ]
         self.passes = 0  # passes that ran duties as leader
@@ -198,7 +212,9 @@ class Scheduler:
                 # Every alias's connection of the loop is bounded and watched by the guard.
                 self._dbs = []
                 for alias in self.aliases:
-                    db = stack.enter_context(dbbounds.bounded(connections[alias]))
+                    db = stack.enter_context(
+                        dbbounds.bounded(connections[alias], self._bounds(alias))
+                    )
                     stack.enter_context(db.execute_wrapper(guard))
                     self._dbs.append(db)
                 guard.start()
@@ -249,6 +265,19 @@ class Scheduler:
         path) must not keep leadership; the standby takes over at its next attempt.
         """
         activity = self._activity or "between passes"
+        visiting = self.outages.visiting
+        if visiting not in (None, self.home) and dbbounds.abort(self._db_of(visiting)):
+            # Stuck on another alias's server: cut that call (it raises, and the alias rests);
+            # the loop moves on at once and the home alias's work goes on, still led here.
+            logger.warning(
+                "scheduler %s aborted its connection to database %s, stuck in %s for %.1fs",
+                self.config.identity,
+                visiting,
+                activity,
+                seconds,
+                extra={"action": "stuck_call_aborted", "database": visiting},
+            )
+            return
         if self.leadership.step_down(
             f"the scheduler loop has not moved for {seconds:.1f}s (stuck in {activity})"
         ):
@@ -345,18 +374,41 @@ class Scheduler:
         self._activity = "reading schedule status"
         failing = False
         for alias, schedules in self.schedules_by_alias.items():
+            elsewhere = alias != self.home
+            if elsewhere and self.outages.resting(alias):
+                continue
+            self.outages.visiting = alias
             try:
-                export(
-                    status(
-                        now=now if alias == self.home else None, schedules=schedules, using=alias
-                    )
-                )
+                export(status(now=None if elsewhere else now, schedules=schedules, using=alias))
             except Exception as exc:
                 if not self._status_failing:
                     logger.warning("cannot read schedule status (database %s): %s", alias, exc)
                 failing = True
                 connections[alias].close()
+                if elsewhere and unreachable(exc):
+                    self.outages.gone(alias)
+            finally:
+                self.outages.visiting = None
         self._status_failing = failing
+
+    def _bounds(self, alias: str) -> dbbounds.Bounds:
+        """The bounds of the loop's connection to ``alias``.
+
+        Another alias's connection gives up connecting (and on a dead path) within half the
+        leader timeout: the stall guard cannot cut a connect short, so a server gone silent
+        would otherwise cost leadership instead of a rest.
+        """
+        bounds = dbbounds.Bounds.from_settings()
+        network = bounds.network_timeout
+        network = network.total_seconds() if isinstance(network, timedelta) else float(network)
+        half = self.config.leader_duration.total_seconds() / 2
+        if alias == self.home or not network or network <= half:
+            return bounds
+        return dataclasses.replace(bounds, network_timeout=max(1.0, half))
+
+    def _db_of(self, alias: str) -> BaseDatabaseWrapper | None:
+        """The loop's connection to ``alias`` (None outside :meth:`run`)."""
+        return dict(zip(self.aliases, self._dbs, strict=False)).get(alias)
 
     def _fence_elsewhere(self, using: str) -> None:
         """The cron fence on another alias: the lock's session is on the home alias.

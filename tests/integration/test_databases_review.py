@@ -8,19 +8,28 @@ alias and the types bound to it are those of tests/integration/test_databases.py
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
-from django.db import connections
+from django.db import connections, transaction
 
 import jobs
-from jobs import JobContext, Payload
+from jobs import JobContext, Payload, queue
 from jobs.errors import RetryAfter
-from jobs.models import Job
-from jobs.registry import JobType, Policy, Registry, catalogue, get_registry
+from jobs.models import Job, ScheduleSlot
+from jobs.queue import AllTenants, ClaimRequest
+from jobs.registry import JobType, Policy, Rate, Registry, catalogue, get_registry
+from jobs.scheduler.config import SchedulerConfig
+from jobs.scheduler.per_database import Outages
+from jobs.scheduler.runner import Scheduler
+from jobs.scheduler.schedules import load_schedules
 from jobs.testing import run_worker
-from tests.dbapp.types import OTHER, job_types
+from tests.dbapp.types import OTHER, NoteV1, ReportV1, job_types
 from tests.runapp.models import QuickRun
+from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", OTHER])
 
@@ -39,8 +48,54 @@ def run_there(payload: RunThereV1, ctx: JobContext) -> dict[str, object]:
     return {"attempt": ctx.attempt, "using": ctx.using}
 
 
+class EverythingV1(Payload, name="review.everything.v1"):
+    """A job of the other database that uses what a handler can: effects, progress,
+    jobs.complete, its batch, a throttle; limited by flow control."""
+
+    number: int
+
+
+def everything(payload: EverythingV1, ctx: JobContext) -> dict[str, object]:
+    ctx.progress(1, 3, "started")
+    key = jobs.effect_key(ctx, "charge")
+    charged = jobs.effect(ctx, "charge").run(lambda k: {"charged": k == key})
+    batch = jobs.Batch.of(ctx)
+    if payload.number == 0 and batch is not None:
+        batch.enqueue(EverythingV1(number=9))  # a member adds a member, in the same database
+    if payload.number == 1 and ctx.attempt == 1:
+        raise RetryAfter(0.01, "the upstream says slow down", throttle=True)
+    ctx.progress(3, 3, "done")
+    if payload.number == 2:
+        with transaction.atomic(using=ctx.using):
+            jobs.complete(ctx, {"completed": True})
+        return {}
+    return {**charged, "in_batch": batch is not None}
+
+
+async def everything_async(payload: AsyncThereV1, ctx: JobContext) -> dict[str, object]:
+    ctx.progress(1, 1)
+    return {"using": ctx.using}
+
+
+class AsyncThereV1(Payload, name="review.async_there.v1"):
+    number: int
+
+
 REVIEW_TYPES = [
     JobType(RunThereV1, run_there, Policy(database=OTHER, run_model=QuickRun, max_attempts=3)),
+    JobType(
+        EverythingV1,
+        everything,
+        Policy(
+            database=OTHER,
+            max_attempts=3,
+            global_concurrency=2,
+            tenant_concurrency=1,
+            rate_limit=Rate(100, 1),
+            fair=True,
+        ),
+    ),
+    JobType(AsyncThereV1, everything_async, Policy(database=OTHER, max_attempts=3)),
 ]
 
 
@@ -85,3 +140,158 @@ def test_a_worker_on_the_other_database_runs_its_run_row_jobs_with_default_down(
     assert (job.state, job.attempts, job.result) == ("succeeded", 2, {"attempt": 2, "using": OTHER})
     ran = QuickRun.objects.using(OTHER).get(pk=row.pk)
     assert (ran.state, ran.attempts) == ("succeeded", 2)
+
+
+def test_a_worker_on_the_other_database_needs_nothing_of_default_for_any_feature(registry):
+    """Effects, progress, jobs.complete, batches, throttles, flow limits, async handlers and
+    unbound types: all of a worker's statements go to its alias while default is down."""
+    with jobs.batch(using=OTHER) as batch:
+        batch.enqueue_many([EverythingV1(number=n) for n in range(3)], tenant="t1")
+    jobs.enqueue(AsyncThereV1(number=1))
+    note = jobs.enqueue(NoteV1(number=1), using=OTHER)
+
+    with unreachable("default"):
+        run_worker(registry=registry, database=OTHER)
+
+    rows = Job.objects.using(OTHER)
+    assert set(rows.values_list("state", flat=True)) == {"succeeded"}
+    assert rows.count() == 6  # three members, the one a member added, async, the note
+    assert rows.get(pk=note.id).result["using"] == OTHER
+    assert jobs.Batch(batch.id, OTHER).state().succeeded == 4
+
+
+# The scheduler with one alias gone ------------------------------------------------------------
+
+
+def scheduler(registry: Registry, schedules=()) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(install_signal_handlers=False), schedules=schedules, registry=registry
+    )
+
+
+def expired_claim(alias: str, name: str) -> int:
+    """Claim one job on ``alias`` with a lease already over, as a worker killed mid-job."""
+    [claimed] = queue.claim(
+        [ClaimRequest(name, 1, 3)],
+        scope=AllTenants(),
+        limit=1,
+        lease=timedelta(milliseconds=1),
+        worker="gone:1:dead",
+        using=alias,
+    )
+    return claimed.id
+
+
+def test_the_scheduler_keeps_the_home_database_going_while_the_other_server_is_down(
+    registry, monkeypatch, caplog
+):
+    """Down at start-up, and back during the run: the home alias's duties go on meanwhile,
+    and the other alias's resume once it is back, without a restart."""
+    monkeypatch.setattr(Outages, "REST", 0.2)
+    jobs.enqueue(NoteV1(number=1))
+    here = expired_claim("default", NoteV1.job_name)
+    schedules = load_schedules(
+        {
+            "notes": {"cron": "* * * * * *", "job": NoteV1.job_name, "payload": {"number": 2}},
+            "reports": {"cron": "* * * * * *", "job": ReportV1.job_name, "payload": {"number": 3}},
+        },
+        [],
+        registry,
+    )
+    sched = scheduler(registry, schedules)
+    host = connections.settings[OTHER]["HOST"]
+    first: dict[str, bool] = {}
+    deadline = time.monotonic() + 5
+
+    def until(s: Scheduler) -> bool:
+        if not first:
+            first.update(s.last_pass)
+            connections[OTHER].settings_dict["HOST"] = host  # back (in the loop's own copy)
+            return False
+        back = ScheduleSlot.objects.using(OTHER).filter(schedule="reports").exists()
+        return back or time.monotonic() > deadline
+
+    with unreachable(OTHER):
+        sched.run(until=until)
+
+    # Every duty missed the other alias (and says so), the home one did its work.
+    assert first == dict.fromkeys(["cron", "watchdog", "retention", "archive", "gauges"], False)
+    assert Job.objects.get(pk=here).state == "queued"  # the home alias's lease recovered
+    assert Job.objects.filter(job_id__startswith="cron:notes:").exists()  # and its cron fired
+    # The first duty found it gone; the others passed it over while it rested.
+    assert "cron pass on database other failed; it rests 0.2s" in caplog.text
+    assert "watchdog pass on database other failed" not in caplog.text
+    # Back: its duties resume in the same run.
+    assert Job.objects.using(OTHER).filter(job_id__startswith="cron:reports:").exists()
+    assert "database other is reachable again" in caplog.text
+
+
+def target_of(alias: str) -> str | tuple[str, int]:
+    """Where ``alias``'s server listens: a Unix socket path, or (host, port)."""
+    params = connections.settings[alias]
+    host, port = params["HOST"] or "localhost", int(params.get("PORT") or 5432)
+    return os.path.join(host, f".s.PGSQL.{port}") if host.startswith("/") else (host, port)
+
+
+@contextlib.contextmanager
+def through(proxy: TcpProxy, alias: str) -> Iterator[None]:
+    """New connections to ``alias`` go through ``proxy`` (the test's own is reopened after)."""
+    params = connections.settings[alias]
+    saved = params["HOST"], params["PORT"]
+    connections[alias].close()
+    params["HOST"], params["PORT"] = proxy.host, str(proxy.port)
+    try:
+        yield
+    finally:
+        proxy.thaw()
+        params["HOST"], params["PORT"] = saved
+        connections[alias].close()
+
+
+def test_a_silent_other_server_delays_the_home_databases_cron_by_one_stall_at_most(
+    registry, settings, caplog
+):
+    """A server that stops answering (a hung pooler, a dead path TCP cannot see) used to cost
+    a stall of the leader timeout on every duty that visited it, and leadership each time:
+    the home database's per-second schedule fired in bursts, seconds late. Now the stuck call
+    is cut without stepping down, and the alias rests before it is tried again."""
+    settings.JOBS = {**settings.JOBS, "DB_NETWORK_TIMEOUT": 1, "SCHEDULER_LEADER_TIMEOUT": 2}
+    schedules = load_schedules(
+        {
+            "notes": {"cron": "* * * * * *", "job": NoteV1.job_name, "payload": {"number": 2}},
+            "reports": {"cron": "* * * * * *", "job": ReportV1.job_name, "payload": {"number": 3}},
+        },
+        [],
+        registry,
+    )
+    frozen: list[float] = []
+
+    def until(sched: Scheduler) -> bool:
+        if not frozen and sched.passes >= 1:
+            proxy.freeze()
+            frozen.append(time.monotonic())
+        return bool(frozen) and time.monotonic() - frozen[0] > 4.5
+
+    with TcpProxy(target_of(OTHER)) as proxy, through(proxy, OTHER):
+        scheduler(registry, schedules).run(until=until)
+
+    late = [
+        (row.recorded_at - row.slot).total_seconds()
+        for row in ScheduleSlot.objects.filter(schedule="notes").order_by("slot")
+    ]
+    assert len(late) >= 5
+    assert "lost leadership" not in caplog.text
+    assert max(late) < 2.5, late  # one stall of the leader timeout, not one per duty
+    assert sum(seconds > 1.5 for seconds in late) <= 1, late  # and only one
+
+
+def test_the_schedulers_connection_to_another_database_gives_up_within_half_the_leader_timeout(
+    registry, settings
+):
+    """The stall guard cannot cut a connect short: with the default bounds (a 10 s network
+    timeout, a 10 s leader timeout) a silent server would win the race and cost leadership."""
+    sched = scheduler(registry)
+    assert sched._bounds(OTHER).network_timeout == 5.0
+    assert sched._bounds("default").network_timeout == timedelta(seconds=10)
+    settings.JOBS = {**settings.JOBS, "DB_NETWORK_TIMEOUT": 3}
+    assert sched._bounds(OTHER).network_timeout == timedelta(seconds=3)  # shorter: kept
