@@ -15,7 +15,7 @@ from django.core.exceptions import PermissionDenied
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils.translation import gettext as _
 
-from jobs import queue
+from jobs import databases, queue
 from jobs.control.tables import Operator
 from jobs.models import Pause, PauseKind
 from jobs.scheduler import pausing
@@ -46,6 +46,38 @@ def _where(kind: str, using: str) -> str:
     return f" (database {using})"
 
 
+def refusal(kind: str, value: str, using: str = DEFAULT_DB_ALIAS) -> str | None:
+    """Why a pause of ``value`` recorded in ``using`` would hold nothing back (None: it would).
+
+    A pause is read where the work happens: by the claims of the workers of its database, and
+    for a schedule by the ticks in the database its job type lives in.
+    """
+    from jobs.scheduler.schedules import get_schedules
+
+    if using not in databases.configured():
+        return (
+            f"database {using} holds no jobs (JOBS['DATABASES'] is "
+            f"{', '.join(databases.configured())}): no worker would read a pause there"
+        )
+    if kind == PauseKind.JOB_TYPE:
+        where = databases.bound(value)
+        if where is not None and where != using:
+            return (
+                f"job type {value} lives in database {where}, whose workers read its pauses "
+                f"there: pause it there (manage.py jobs --database {where} pause job_type "
+                f"{value})"
+            )
+    if kind == PauseKind.SCHEDULE:
+        for schedule in get_schedules():
+            where = databases.bound(schedule.job) or databases.home()
+            if schedule.name == value and where != using:
+                return (
+                    f"schedule {value}'s job type lives in database {where}, where its slots "
+                    f"fire and its pauses are read: it cannot be paused in {using}"
+                )
+    return None
+
+
 def pause(
     user: Operator,
     kind: str,
@@ -58,9 +90,12 @@ def pause(
     """Pause ``value`` (a job type, queue or tenant) in the alias ``using``; False when it was
     paused already. The log entry is written where the admin keeps it, naming the alias.
 
-    Raises ``ValueError`` for a kind or value that cannot be paused.
+    Raises ``ValueError`` for a kind or value that cannot be paused, and for a pause that
+    would hold nothing back there (:func:`refusal`).
     """
     _require(user)
+    if (why := refusal(kind, value, using)) is not None:
+        raise ValueError(why)
     where = _where(kind, using)
     with transaction.atomic(), transaction.atomic(using=using):
         changed = queue.pause(kind, value, by=user.get_username(), reason=reason, using=using)

@@ -91,6 +91,9 @@ class PauseForm(forms.Form):
                 validate(data["kind"], data["value"])
             except ValueError as exc:
                 self.add_error("value", str(exc))
+            else:
+                if (why := pauses.refusal(data["kind"], data["value"])) is not None:
+                    self.add_error("value", why)  # the pauses page acts on default
         return data
 
 

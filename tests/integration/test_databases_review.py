@@ -12,14 +12,16 @@ import os
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from io import StringIO
 
 import pytest
+from django.core.management import CommandError, call_command
 from django.db import connections, transaction
 
 import jobs
 from jobs import JobContext, Payload, queue
 from jobs.errors import RetryAfter
-from jobs.models import Job, ScheduleSlot
+from jobs.models import Job, Pause, ScheduleSlot
 from jobs.queue import AllTenants, ClaimRequest
 from jobs.registry import JobType, Policy, Rate, Registry, catalogue, get_registry
 from jobs.scheduler.config import SchedulerConfig
@@ -295,3 +297,62 @@ def test_the_schedulers_connection_to_another_database_gives_up_within_half_the_
     assert sched._bounds("default").network_timeout == timedelta(seconds=10)
     settings.JOBS = {**settings.JOBS, "DB_NETWORK_TIMEOUT": 3}
     assert sched._bounds(OTHER).network_timeout == timedelta(seconds=3)  # shorter: kept
+
+
+# Pauses that would hold nothing back ----------------------------------------------------------
+
+PAUSE_ADD = "/admin/jobs/pause/add/"
+
+
+def command(*args: str) -> str:
+    out = StringIO()
+    call_command("jobs", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_pausing_a_type_or_schedule_of_another_database_here_is_refused_not_ignored(
+    registry, settings
+):
+    """The workers of the other database read its pauses there: a pause of one of its types,
+    or of a schedule firing there, recorded in default held nothing back, yet said "Paused"
+    (the pauses page and manage.py jobs without --database let both through)."""
+    from tests.integration.test_admin_factories import client_for, operator
+
+    spec = {"cron": "0 3 * * *", "job": ReportV1.job_name, "payload": {"number": 5}}
+    settings.JOBS = {**settings.JOBS, "SCHEDULES": {"nightly-report": spec}}
+    olga = operator("olga", "jobs.pause_work")
+    admin = client_for(olga)
+
+    for kind, value in (("job_type", ReportV1.job_name), ("schedule", "nightly-report")):
+        page = admin.post(PAUSE_ADD, {"kind": kind, "value": value, "post": "yes"})
+        assert page.status_code == 200, page  # the form again, saying why
+        assert "lives in database other" in str(page.context["form"].errors["value"])
+        with pytest.raises(CommandError, match="lives in database other"):
+            command("pause", kind, value, "--user", "olga")
+    assert not Pause.objects.using("default").exists()
+    assert not Pause.objects.using(OTHER).exists()
+
+    # Where it lives, the type pauses; unbound types, queues and tenants pause anywhere.
+    command("--database", OTHER, "pause", "job_type", ReportV1.job_name, "--user", "olga")
+    command("pause", "job_type", NoteV1.job_name, "--user", "olga")
+    command("--database", OTHER, "pause", "tenant", "t1", "--user", "olga")
+    assert set(Pause.objects.using(OTHER).values_list("value", flat=True)) == {
+        ReportV1.job_name,
+        "t1",
+    }
+    assert list(Pause.objects.values_list("value", flat=True)) == [NoteV1.job_name]
+
+
+def test_the_pauses_page_refuses_a_database_that_holds_no_jobs(registry, settings):
+    """With every job in another database (JOBS["DATABASE"]), the pauses page still writes to
+    default, where no worker reads: refused, saying why."""
+    from tests.integration.test_admin_factories import client_for, operator
+
+    settings.JOBS = {**settings.JOBS, "DATABASE": OTHER, "DATABASES": [OTHER]}
+    admin = client_for(operator("olga", "jobs.pause_work"))
+
+    page = admin.post(PAUSE_ADD, {"kind": "queue", "value": "bulk", "post": "yes"})
+
+    assert page.status_code == 200
+    assert "database default holds no jobs" in str(page.context["form"].errors["value"])
+    assert not Pause.objects.using("default").exists()
