@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import transaction
 
+from jobs import databases
 from jobs.payloads import Payload
 from jobs.producer import JobSpec, new_jobs
 
@@ -34,10 +35,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Batch:
-    """A handle on one batch: add members, seal it, read its counts and failures."""
+    """A handle on one batch: add members, seal it, read its counts and failures.
+
+    ``using`` is the batch's database alias; by default ``JOBS["DATABASE"]``, where
+    :func:`jobs.enqueue` puts unbound types' jobs.
+    """
 
     id: int
-    using: str = DEFAULT_DB_ALIAS
+    using: str = field(default_factory=databases.home)
 
     @classmethod
     def open(
@@ -47,7 +52,7 @@ class Batch:
         tenant: str | None = None,
         description: str = "",
         by: str = "",
-        using: str = DEFAULT_DB_ALIAS,
+        using: str | None = None,
     ) -> Batch:
         """Make an open batch. Add members, then :meth:`seal` it (``jobs.batch()`` does both).
 
@@ -56,6 +61,7 @@ class Batch:
         """
         from jobs.queue import batches
 
+        using = using or databases.home()
         template = None if successor is None else new_jobs([successor], {})[0]
         return cls(
             batches.open(template, tenant=tenant, description=description, by=by, using=using),
@@ -139,12 +145,14 @@ def batch(
     tenant: str | None = None,
     description: str = "",
     by: str = "",
-    using: str = DEFAULT_DB_ALIAS,
+    using: str | None = None,
 ) -> Iterator[Batch]:
     """Open a batch, yield it to add members, and seal it, all in one transaction.
 
-    An exception in the block rolls the batch and its members back together.
+    An exception in the block rolls the batch and its members back together. ``using`` is
+    the database alias (default ``JOBS["DATABASE"]``); the transaction is that alias's.
     """
+    using = using or databases.home()
     with transaction.atomic(using=using):
         handle = Batch.open(successor, tenant=tenant, description=description, by=by, using=using)
         yield handle

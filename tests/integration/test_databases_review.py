@@ -356,3 +356,25 @@ def test_the_pauses_page_refuses_a_database_that_holds_no_jobs(registry, setting
     assert page.status_code == 200
     assert "database default holds no jobs" in str(page.context["form"].errors["value"])
     assert not Pause.objects.using("default").exists()
+
+
+# The home database is JOBS["DATABASE"], not Django's default ----------------------------------
+
+
+def test_a_batch_without_using_goes_where_enqueue_puts_unbound_jobs(registry, settings):
+    """jobs.enqueue() sends an unbound type's jobs to JOBS["DATABASE"]; jobs.batch() and
+    Batch.open() sent them to Django's default alias instead, where no worker looked."""
+    settings.JOBS = {**settings.JOBS, "DATABASE": OTHER}
+
+    with jobs.batch(successor=NoteV1(number=0)) as batch:
+        member = batch.enqueue(NoteV1(number=1))
+    opened = jobs.Batch.open()
+    opened.enqueue(NoteV1(number=2))
+    opened.seal()
+
+    assert (batch.using, opened.using) == (OTHER, OTHER)
+    assert Job.objects.using(OTHER).filter(pk=member.id, batch_id=batch.id).exists()
+    assert not Job.objects.using("default").exists()
+    run_worker(registry=registry)  # the home alias's worker, as runworker without --database
+    assert jobs.Batch(batch.id, OTHER).state().succeeded == 1
+    assert jobs.Batch(opened.id).state().succeeded == 1  # a handle names the home alias too
