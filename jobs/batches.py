@@ -117,7 +117,7 @@ class Batch:
             "after": after,
             "on_dependency_failure": on_dependency_failure,
         }
-        return batches.add(self.id, new_jobs(items, shared), using=self.using)
+        return batches.add(self.id, new_jobs(items, shared, using=self.using), using=self.using)
 
     def seal(self) -> bool:
         """No more members from the creator; True when this fired the successor."""

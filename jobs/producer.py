@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from jobs import databases
 from jobs.conf import as_timedelta
 from jobs.payloads import InvalidPayload, Payload
 from jobs.registry import Policy, catalogue
@@ -118,13 +119,48 @@ def enqueue_many(
         "after": after,
         "on_dependency_failure": on_dependency_failure,
     }
-    return jobs_queue.enqueue_many(new_jobs(jobs, shared), using=using)
+    return jobs_queue.enqueue_many(new_jobs(jobs, shared, using=using), using=using)
 
 
-def new_jobs(jobs: Iterable[Payload | JobSpec], shared: dict[str, Any]) -> list[NewJob]:
-    """The queue's jobs for typed payloads, with ``shared`` as every job's default options."""
+def new_jobs(
+    jobs: Iterable[Payload | JobSpec], shared: dict[str, Any], *, using: str | None = None
+) -> list[NewJob]:
+    """The queue's jobs for typed payloads, with ``shared`` as every job's default options.
+
+    ``using`` is the alias they are enqueued with (None: their types'), against which the
+    enqueue results they wait for (``after``) are checked.
+    """
     shared = {key: shared.get(key) for key in _SHARED}
-    return [_new_job(item, index, shared) for index, item in enumerate(jobs)]
+    items = list(jobs)
+    built = [_new_job(item, index, shared) for index, item in enumerate(items)]
+    _waits_in_one_database(items, built, shared["after"], using)
+    return built
+
+
+def _waits_in_one_database(
+    items: list[Any], built: list[NewJob], shared_after: Any, using: str | None
+) -> None:
+    """A job waits only for jobs of its own database: row ids are counted per database, so
+    an id from another one names an unrelated job here (or none)."""
+    from jobs.queue import Enqueued, InvalidJob
+
+    found = []
+    for index, item in enumerate(items):
+        own = item.after if isinstance(item, JobSpec) else None
+        for upstream in _first(own, shared_after) or ():
+            if isinstance(upstream, Enqueued):
+                found.append((index, upstream))
+    if not found:
+        return
+    target = databases.route([(index, job.name) for index, job in enumerate(built)], using)
+    for index, upstream in found:
+        if upstream.using != target:
+            raise InvalidJob(
+                f"after: job {upstream.id} ({upstream.name}) is in database "
+                f"{upstream.using!r}, and this job goes to {target!r}: a job waits only for "
+                "jobs of its own database",
+                index=index,
+            )
 
 
 # The options enqueue_many applies to every job that does not set its own.

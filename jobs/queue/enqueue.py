@@ -10,6 +10,7 @@ whose window has passed still holds its key until someone needs it: enqueue then
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -89,7 +90,7 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str | None = None) -> list[En
             result = Enqueued(
                 result.id, result.job_id, result.tenant, result.name, result.state, False
             )
-        results.append(result)
+        results.append(replace(result, using=using))
     return results
 
 

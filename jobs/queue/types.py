@@ -123,6 +123,7 @@ class Enqueued:
     name: str
     state: str
     created: bool
+    using: str = "default"  # the database alias it is in: row ids are counted per database
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,6 +320,8 @@ class Renewal:
     beat_missed: bool = False
     # Progress reports sent with the renewal and not written: their row was locked.
     unsent: frozenset[UUID] = frozenset()
+    # Held rows another session had locked: not renewed this time, nor lost.
+    skipped: frozenset[UUID] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ import jobs
 from jobs import JobContext, Payload, queue
 from jobs.errors import RetryAfter
 from jobs.models import Job, Pause, ScheduleSlot
-from jobs.queue import AllTenants, ClaimRequest
+from jobs.queue import AllTenants, ClaimRequest, InvalidJob
 from jobs.registry import JobType, Policy, Rate, Registry, catalogue, get_registry
 from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.per_database import Outages
@@ -378,3 +378,32 @@ def test_a_batch_without_using_goes_where_enqueue_puts_unbound_jobs(registry, se
     run_worker(registry=registry)  # the home alias's worker, as runworker without --database
     assert jobs.Batch(batch.id, OTHER).state().succeeded == 1
     assert jobs.Batch(opened.id).state().succeeded == 1  # a handle names the home alias too
+
+
+# Dependencies across databases -----------------------------------------------------------------
+
+
+def next_id_in(alias: str, value: int) -> None:
+    """Make the next job row id of ``alias`` be ``value`` (each database counts its own)."""
+    with connections[alias].cursor() as cur:
+        cur.execute("SELECT setval(pg_get_serial_sequence('jobs_job', 'id'), %s, false)", [value])
+
+
+def test_a_job_cannot_wait_for_an_enqueued_job_of_another_database(registry):
+    """Row ids are per database: a note (default) told to wait for a report (other) waited
+    for whichever default job had the report's id, an unrelated one, and said nothing."""
+    report = jobs.enqueue(ReportV1(number=1))
+    next_id_in("default", report.id)
+    unrelated = jobs.enqueue(NoteV1(number=0), job_id="unrelated")
+    assert unrelated.id == report.id  # the same number, two different jobs
+
+    with pytest.raises(InvalidJob, match=r"after: job .* is in database 'other'.*'default'"):
+        jobs.enqueue(NoteV1(number=2), after=[report])
+    with pytest.raises(InvalidJob, match="is in database 'other'"), jobs.batch() as batch:
+        batch.enqueue(NoteV1(number=3), after=[report])
+    assert list(Job.objects.values_list("pk", flat=True)) == [unrelated.id]
+
+    # In the report's own database it waits for the report, as asked.
+    there = jobs.enqueue(NoteV1(number=4), after=[report], using=OTHER)
+    assert (there.state, Job.objects.using(OTHER).get(pk=there.id).waiting_on) == ("queued", 1)
+    assert report.using == OTHER and unrelated.using == "default"
