@@ -385,7 +385,8 @@ def renew_leases(
         return Renewal()
     reports = [progress.get(job.claim_token) for job in jobs] if progress else []
     # Rows another session has locked (an operator's open transaction) are skipped, not
-    # waited for: their renewal waits for the next round, and they are not reported lost.
+    # waited for: their renewal waits for the next round, and they are not reported lost
+    # (``Renewal.skipped``: their leases run on from the last renewal that wrote them).
     with _db.bound_cursor(using) as cur:
         cur.execute(
             f"""
@@ -417,11 +418,10 @@ def renew_leases(
             -- A beat that found no row: one row with no token says so.
             UNION ALL
             SELECT NULL, FALSE, FALSE, FALSE FROM beat_missed WHERE missed
-            -- Reports of held rows another session has locked: not written this time.
+            -- Held rows not renewed: lost (above), or locked by another session (skipped).
             UNION ALL
             SELECT held.token, FALSE, FALSE, TRUE FROM held
-            WHERE held.report IS NOT NULL
-              AND NOT EXISTS (SELECT 1 FROM renewed r WHERE r.token = held.token)
+            WHERE NOT EXISTS (SELECT 1 FROM renewed r WHERE r.token = held.token)
             """,
             {
                 "ids": [job.id for job in jobs],
@@ -434,11 +434,14 @@ def renew_leases(
             },
         )
         rows = cur.fetchall()
+    lost = frozenset(token for token, lost, _, _ in rows if lost)
+    unrenewed = frozenset(token for token, _, _, flag in rows if flag)
     return Renewal(
-        lost=frozenset(token for token, lost, _, _ in rows if lost),
+        lost=lost,
         cancel_requested=frozenset(token for token, lost, asked, _ in rows if asked and not lost),
         beat_missed=any(token is None for token, _, _, _ in rows),
-        unsent=frozenset(token for token, _, _, unsent in rows if unsent),
+        unsent=unrenewed & frozenset(progress or ()),
+        skipped=unrenewed - lost,
     )
 
 

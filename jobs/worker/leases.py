@@ -186,7 +186,8 @@ class LeaseKeeper:
             self._beat_missed()
         kept = [r for r in renewable if r.job.claim_token not in renewal.lost]
         for running in kept:  # their leases run from this call's start now (or later)
-            running.leased_at = max(running.leased_at, now)
+            if running.job.claim_token not in renewal.skipped:  # locked: not renewed
+                running.leased_at = max(running.leased_at, now)
         self._beat_run_rows(kept)
         # Read after the renewal: an outcome is written only once its handler finished, so
         # a job that is not finished now cannot have lost its lease to our own outcome.

@@ -1,0 +1,209 @@
+"""The lease watch under a slow or busy database, a slow claim, and a stop while a call hangs.
+
+The watch gives a job up a lease after the last call that set its lease on the server
+(``Running.leased_at``). It must not be later than the server's lease end (another worker
+may run the job from then on), and it must not give up jobs whose leases were renewed.
+Slow statements are made with triggers on the jobs table that sleep on the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
+
+import jobs
+from jobs import JobContext, Payload, queue
+from jobs.models import Job
+from jobs.queue import ClaimRequest, NewJob
+from jobs.queue.types import AllTenants
+from jobs.registry import JobType, Policy, Registry
+from jobs.worker.config import WorkerConfig
+from jobs.worker.execution import Running, make_context
+from jobs.worker.leases import LeaseKeeper
+from jobs.worker.runner import Worker
+from tests.acceptance.conftest import wait_for
+from tests.worker_support import Echo, Recorder, registry
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def claim_one(lease: float) -> Running:
+    queue.enqueue(NewJob(Echo.job_name, {"text": "x"}))
+    before = time.monotonic()
+    [job] = queue.claim(
+        [ClaimRequest(Echo.job_name, 1)], scope=AllTenants(), lease=timedelta(seconds=lease)
+    )
+    job_type = registry(Recorder())[Echo.job_name]
+    return Running(job, job_type, make_context(job, job_type), leased_at=before)
+
+
+def lease_left(job_id: int) -> float:
+    """Seconds until the row's lease ends on the server (a plain read: no lock waited for)."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT EXTRACT(EPOCH FROM lease_expires_at - clock_timestamp()) "
+            "FROM jobs_job WHERE id = %s",
+            [job_id],
+        )
+        return float(cur.fetchone()[0])
+
+
+@contextlib.contextmanager
+def sleeping_trigger(when: str, seconds: float) -> Iterator[None]:
+    """Updates of jobs rows matching ``when`` (a trigger's WHEN) take ``seconds`` longer."""
+    with connection.cursor() as cur:
+        cur.execute(
+            f"""
+            CREATE FUNCTION review_slow() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN PERFORM pg_sleep({seconds}); RETURN NEW; END $$;
+            CREATE TRIGGER review_slow BEFORE UPDATE ON jobs_job
+                FOR EACH ROW WHEN ({when}) EXECUTE FUNCTION review_slow();
+            """
+        )
+    try:
+        yield
+    finally:
+        with connection.cursor() as cur:
+            cur.execute("DROP TRIGGER review_slow ON jobs_job; DROP FUNCTION review_slow()")
+
+
+# A lease renewal: a running row stays running, in the same attempt, with a new lease.
+RENEWAL = (
+    "OLD.state = 'running' AND NEW.state = 'running' AND NEW.attempts = OLD.attempts "
+    "AND NEW.lease_expires_at IS DISTINCT FROM OLD.lease_expires_at"
+)
+CLAIM = "OLD.state = 'queued' AND NEW.state = 'running'"
+
+
+@contextlib.contextmanager
+def row_locked(job_id: int) -> Iterator[None]:
+    """Another session holds the job's row locked (an operator's open transaction)."""
+    locked, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        try:
+            with transaction.atomic(), connection.cursor() as cur:
+                cur.execute("SELECT 1 FROM jobs_job WHERE id = %s FOR UPDATE", [job_id])
+                locked.set()
+                release.wait(30)
+        finally:
+            connections[DEFAULT_DB_ALIAS].close()
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    assert locked.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
+        thread.join(10)
+
+
+def test_a_row_another_session_keeps_locked_is_given_up_before_its_lease_ends():
+    # Renewals skip a locked row (SKIP LOCKED) and do not report it lost, but its lease is
+    # not renewed either: it ends on the server a lease after the last renewal that wrote it.
+    lease = 1.0
+    running = claim_one(lease)
+    keeper = LeaseKeeper(lambda: [running], lease_seconds=lease, tick=0.02)
+    keeper.start()
+    try:
+        renewed = running.leased_at
+        wait_for(lambda: running.leased_at > renewed, timeout=5, what="a first renewal")
+        with row_locked(running.job.id):
+            # Whichever comes first: the watch gives the job up, or its lease ends.
+            wait_for(
+                lambda: running.lost or lease_left(running.job.id) <= 0,
+                timeout=5,
+                what="a give-up or the lease's end",
+            )
+            left = lease_left(running.job.id)
+            assert running.lost, f"the lease ended on the server ({left:.3f}s), still held"
+            assert left > -0.05, left
+    finally:
+        keeper.stop()
+
+
+class CompleteSlowly(Payload, name="test.review.complete_slowly.v1"):
+    seconds: float
+
+
+def complete_slowly(told: list[bool]):
+    def handle(payload: CompleteSlowly, ctx: JobContext) -> None:
+        with transaction.atomic(using=ctx.using):
+            jobs.complete(ctx, "done")
+            time.sleep(payload.seconds)  # the row stays locked by this transaction
+        told.append(ctx.cancelled.is_set())
+
+    return handle
+
+
+def test_a_handler_holding_its_completed_row_past_its_lease_is_told_to_stop_and_completes():
+    # jobs.complete() locks the job's row until the handler's transaction commits; held for
+    # more than a lease, the watch gives the attempt up, and the commit still completes it.
+    lease = 1.0
+    told: list[bool] = []
+    reg = Registry([JobType(CompleteSlowly, complete_slowly(told), Policy())])
+    enqueued = queue.enqueue(NewJob(CompleteSlowly.job_name, {"seconds": 1.5 * lease}))
+    config = WorkerConfig(
+        concurrency=1,
+        poll_interval=0.05,
+        shutdown_timeout=1.0,
+        install_signal_handlers=False,
+        listen=False,
+        lease=timedelta(seconds=lease),
+    )
+    deadline = time.monotonic() + 10
+    Worker(reg, config).run(until=lambda w: (bool(told) and w.idle) or time.monotonic() > deadline)
+    job = Job.objects.get(pk=enqueued.id)
+    assert told == [True]
+    assert (job.state, job.attempts, job.result) == ("succeeded", 1, "done")
+
+
+def test_slow_but_successful_renewals_give_up_nothing():
+    # Each renewal takes 20 % of the lease on the server: every lease is renewed in time.
+    lease = 1.5
+    running = claim_one(lease)
+    keeper = LeaseKeeper(lambda: [running], lease_seconds=lease, tick=0.02)
+    with sleeping_trigger(RENEWAL, 0.3):
+        keeper.start()
+        try:
+            deadline = time.monotonic() + 3 * lease
+            least = lease
+            while time.monotonic() < deadline:
+                least = min(least, lease_left(running.job.id))
+                assert not running.lost and not running.ctx.cancelled.is_set()
+                time.sleep(0.05)
+        finally:
+            keeper.stop()
+    assert least > 0, least
+
+
+def test_renewals_that_time_out_give_the_job_up_before_its_lease_ends(caplog):
+    # Renewals slower than their statement timeout (a third of the lease) are rolled back:
+    # the lease is not renewed, and the job must be given up before it ends on the server.
+    lease = 1.5
+    running = claim_one(lease)
+    keeper = LeaseKeeper(lambda: [running], lease_seconds=lease, tick=0.02)
+    with (
+        caplog.at_level(logging.WARNING, logger="jobs.worker"),
+        sleeping_trigger(RENEWAL, 0.9 * lease),
+    ):
+        keeper.start()
+        try:
+            wait_for(
+                lambda: running.lost or lease_left(running.job.id) <= 0,
+                timeout=5,
+                what="a give-up or the lease's end",
+            )
+            left = lease_left(running.job.id)
+        finally:
+            keeper.stop()
+    assert running.lost and left > -0.05, left
+    assert "lease renewal of 1 jobs failed" in caplog.text
