@@ -25,6 +25,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error
 from django.db import DatabaseError, connections
 
+from jobs import dbbounds
 from jobs.conf import jobs_settings
 from jobs.registry import catalogue
 
@@ -106,8 +107,12 @@ def bound_elsewhere(registry: Registry, alias: str) -> tuple[str, ...]:
 
 
 def has_jobs_tables(alias: str) -> bool:
-    """Whether ``alias``'s database has the jobs table (``migrate --database alias`` ran)."""
-    with connections[alias].cursor() as cur:
+    """Whether ``alias``'s database has the jobs table (``migrate --database alias`` ran).
+
+    Asked on a connection with the worker's bounds (:mod:`jobs.dbbounds`): a server that
+    accepts connections but never answers makes this raise, not hang.
+    """
+    with dbbounds.bounded(connections[alias]) as db, db.cursor() as cur:
         cur.execute("SELECT to_regclass('jobs_job') IS NOT NULL")
         row = cur.fetchone()
     return bool(row and row[0])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -19,7 +20,7 @@ from django.core.management import CommandError, call_command
 from django.db import connections, transaction
 
 import jobs
-from jobs import JobContext, Payload, queue
+from jobs import JobContext, Payload, databases, queue
 from jobs.errors import RetryAfter
 from jobs.models import Job, Pause, ScheduleSlot
 from jobs.queue import AllTenants, ClaimRequest, InvalidJob
@@ -407,3 +408,25 @@ def test_a_job_cannot_wait_for_an_enqueued_job_of_another_database(registry):
     there = jobs.enqueue(NoteV1(number=4), after=[report], using=OTHER)
     assert (there.state, Job.objects.using(OTHER).get(pk=there.id).waiting_on) == ("queued", 1)
     assert report.using == OTHER and unrelated.using == "default"
+
+
+# runworker --database on a server that does not answer ---------------------------------------
+
+
+def test_runworker_checks_a_silent_database_within_its_bounds_then_starts(registry, settings):
+    """runworker --database reads the alias's tables before starting; on a server that
+    accepts connections but never answers, that read had no bound and hung the command
+    before it logged anything or served /healthz. Now it gives up within the network bound
+    and starts (the worker then retries, as for any outage)."""
+    settings.JOBS = {**settings.JOBS, "DB_NETWORK_TIMEOUT": 1}
+    found: list[list[str]] = []
+    with TcpProxy(target_of(OTHER)) as proxy, through(proxy, OTHER):
+        proxy.freeze()
+        check = threading.Thread(target=lambda: found.append(databases.problems(OTHER)))
+        check.start()
+        check.join(timeout=8)
+        answered = not check.is_alive()
+        proxy.close()  # a check still stuck fails now, so the thread ends either way
+        check.join()
+    assert answered, "the check of a silent database hung"
+    assert found == [[]]  # unreachable now: not refused
