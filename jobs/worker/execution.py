@@ -80,9 +80,9 @@ class Running:
     cancel_requested: bool = False  # an operator asked this attempt to stop: it ends cancelled
     shutdown: bool = False  # cancelled by a drain: hand the job back whatever happens
     claimed_at: float = field(default_factory=time.monotonic)
-    # When its lease last began, by this process's clock: the claim's return (the lease
-    # keeper's watch acts a tick early, which covers the claim's answer on its way back),
-    # then the start of each renewal. A lease after it, the keeper gives the job up.
+    # When its lease last began, by this process's clock: the claim's sending (the run loop
+    # passes it), then the start of each renewal that wrote the row. A lease after it, the
+    # keeper gives the job up.
     leased_at: float = field(default_factory=time.monotonic)
     attempt: int = 0  # the attempt the queue recorded last (claim or next_attempt)
     run_pk: object = None  # the bound run row (policy.run_model), once the payload is decoded

@@ -241,6 +241,9 @@ class Worker(Draining):
             self._flush_history(now)  # an idle worker still writes what it counted
             return
         outcomes = [(r, o) for r, o in acks if o is not None and not r.lost]
+        # A claim's lease begins on the server as its statement starts: by our clock, no
+        # later than now (its answer may take long to come, and the pass to dispatch it).
+        sent_at = time.monotonic()
         try:
             report, claimed = self._write_and_claim(outcomes, requests)
         except Exception as exc:  # a refused statement, an outage, or a bug: never fatal
@@ -267,7 +270,7 @@ class Worker(Draining):
         if report is not None and report.busy:
             acks, outcomes = self._defer_busy(acks, outcomes, report.busy_tokens)
         self._settle(acks, outcomes, report)
-        self._dispatch(claimed)
+        self._dispatch(claimed, leased_at=sent_at)
         self._flush_history(now)
 
     def _throttle(self, acks: list[tuple[Running, Outcome | None]]) -> None:
@@ -531,12 +534,12 @@ class Worker(Draining):
                         extra={"job_type": request.name, "action": "gate_check_failed"},
                     )
 
-    def _dispatch(self, claimed: list[ClaimedJob]) -> None:
+    def _dispatch(self, claimed: list[ClaimedJob], *, leased_at: float) -> None:
         on_loop: list[Running] = []
         for job in claimed:
             job_type = self.registry[job.name]
             ctx = make_context(job, job_type, using=self.config.database)
-            running = Running(job, job_type, ctx)
+            running = Running(job, job_type, ctx, leased_at=leased_at)
             with self._lock:
                 self._held[job.id, job.claim_token] = running
                 self._in_flight += 1

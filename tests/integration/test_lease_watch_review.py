@@ -29,7 +29,7 @@ from jobs.worker.execution import Running, make_context
 from jobs.worker.leases import LeaseKeeper
 from jobs.worker.runner import Worker
 from tests.acceptance.conftest import wait_for
-from tests.worker_support import Echo, Recorder, registry
+from tests.worker_support import Echo, Recorder, Step, registry
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -207,3 +207,35 @@ def test_renewals_that_time_out_give_the_job_up_before_its_lease_ends(caplog):
             keeper.stop()
     assert running.lost and left > -0.05, left
     assert "lease renewal of 1 jobs failed" in caplog.text
+
+
+def test_a_claims_lease_is_counted_from_before_the_claim_was_sent():
+    # The claim's lease begins on the server when the statement starts; a slow claim (here
+    # 0.4 s on the server) must not make the worker think its lease ends later than it does.
+    lease = 30.0
+    enqueued = queue.enqueue(NewJob(Step.job_name, {"plan": ["slow"], "seconds": 10}))
+    seen: list[tuple[float, float]] = []
+
+    def until(w: Worker) -> bool:
+        with w._lock:
+            held = list(w._held.values())
+        if held:
+            [running] = held
+            ours = running.leased_at + lease - time.monotonic()
+            seen.append((ours, lease_left(enqueued.id)))
+            w.request_stop(force=True)
+        return bool(seen)
+
+    config = WorkerConfig(
+        concurrency=1,
+        poll_interval=0.05,
+        shutdown_timeout=0.1,
+        cancel_timeout=1.0,
+        install_signal_handlers=False,
+        listen=False,
+        lease=timedelta(seconds=lease),
+    )
+    with sleeping_trigger(CLAIM, 0.4):
+        Worker(registry(Recorder()), config).run(until=until)
+    [(ours, server)] = seen
+    assert ours <= server + 0.05, (ours, server)
