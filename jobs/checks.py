@@ -14,8 +14,9 @@ Ids are stable so they can be looked up and, for warnings, silenced:
 * ``jobs.E021`` ``SCHEDULER_LEADER_TIMEOUT`` under one second (a live leader could lose it)
 * ``jobs.W022`` ``DB_STATEMENT_TIMEOUT`` / ``DB_LOCK_TIMEOUT`` not below the leader timeout
 * ``jobs.E023`` ``DB_NETWORK_TIMEOUT`` under one second (keepalives count whole seconds)
-* ``jobs.E040`` ``DATABASE`` is not a Django database alias; ``E041`` ``DATABASES`` names an
-  unknown alias or leaves out one that holds jobs (:func:`jobs.databases.check_databases`)
+* ``jobs.E040`` ``DATABASE`` (or a task backend's ``DATABASE``) is not a Django alias;
+  ``E041`` ``DATABASES`` is not a list of aliases, names an unknown one or leaves out one
+  that holds jobs (:func:`jobs.databases.check_databases`)
 """
 
 from __future__ import annotations

@@ -141,7 +141,8 @@ def problems(alias: str) -> list[str]:
 
 
 def check_databases(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """``jobs.E040``/``E041``: the jobs aliases are Django aliases, and every one is listed."""
+    """``jobs.E040``/``E041``: the jobs aliases (``JOBS["DATABASE"]``, each task backend's
+    ``DATABASE``, ``JOBS["DATABASES"]``) are Django aliases, and every one is listed."""
     user = getattr(settings, "JOBS", None) or {}
     if not isinstance(user, dict):
         return []  # jobs.E007
@@ -156,10 +157,28 @@ def check_databases(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
                 id="jobs.E040",
             )
         )
+    for name, options in (getattr(settings, "TASKS", None) or {}).items():
+        if not isinstance(options, dict) or options.get("BACKEND") != TASK_BACKEND:
+            continue
+        alias = (options.get("OPTIONS") or {}).get("DATABASE")
+        if alias is not None and (not isinstance(alias, str) or alias not in aliases):
+            errors.append(
+                Error(
+                    f"TASKS[{name!r}]['OPTIONS']['DATABASE'] must be an alias of "
+                    f"settings.DATABASES, got {alias!r}.",
+                    hint=f"Configured aliases: {', '.join(sorted(aliases))}.",
+                    id="jobs.E040",
+                )
+            )
     listed = user.get("DATABASES")
     if listed is None:
         return errors
-    if isinstance(listed, str) or not isinstance(listed, list | tuple) or not listed:
+    if (
+        isinstance(listed, str)
+        or not isinstance(listed, list | tuple)
+        or not listed
+        or not all(isinstance(alias, str) for alias in listed)
+    ):
         return [
             *errors,
             Error(
@@ -177,6 +196,8 @@ def check_databases(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
                 id="jobs.E041",
             )
         )
+    if not isinstance(database, str):  # jobs.E040: what it would need listed is unknown
+        return errors
     needed = [database, *_bound_aliases(), *_task_aliases(database)]
     missing = [alias for alias in _unique(needed) if alias not in listed]
     if missing:

@@ -21,6 +21,7 @@ from django.db import connections, transaction
 
 import jobs
 from jobs import JobContext, Payload, databases, queue
+from jobs.databases import check_databases
 from jobs.errors import RetryAfter
 from jobs.models import Job, Pause, ScheduleSlot
 from jobs.queue import AllTenants, ClaimRequest, InvalidJob
@@ -430,3 +431,38 @@ def test_runworker_checks_a_silent_database_within_its_bounds_then_starts(regist
         check.join()
     assert answered, "the check of a silent database hung"
     assert found == [[]]  # unreachable now: not refused
+
+
+# The checks on malformed settings ---------------------------------------------------------------
+
+
+def test_the_checks_report_malformed_database_settings_instead_of_crashing(registry, settings):
+    """A list inside JOBS["DATABASES"], or a non-string JOBS["DATABASE"] next to a listed
+    JOBS["DATABASES"], made check_databases raise TypeError: manage.py check (and every
+    command that runs the checks) died with a traceback instead of naming the setting."""
+    settings.JOBS = {"DATABASES": [["default"]]}
+    [error] = check_databases()
+    assert error.id == "jobs.E041" and "got [['default']]" in error.msg
+
+    settings.JOBS = {"DATABASE": ["default"], "DATABASES": BOTH}
+    [error] = check_databases()
+    assert error.id == "jobs.E040" and "got ['default']" in error.msg
+
+
+def test_a_task_backend_naming_an_unknown_alias_is_a_check_error_not_a_scheduler_crash(
+    registry, settings
+):
+    """TASKS[...]["OPTIONS"]["DATABASE"] counts among the aliases that hold jobs, but no
+    check looked at it: a typo passed manage.py check, then runscheduler died at start-up
+    (ConnectionDoesNotExist) and every task enqueue failed."""
+    backend = {"BACKEND": "jobs.backends.PostgresBackend", "OPTIONS": {"DATABASE": "reprots"}}
+    settings.TASKS = {"default": backend}
+    settings.JOBS = {}
+
+    [error] = check_databases()
+
+    assert error.id == "jobs.E040"
+    assert error.msg == (
+        "TASKS['default']['OPTIONS']['DATABASE'] must be an alias of settings.DATABASES, "
+        "got 'reprots'."
+    )
