@@ -146,7 +146,7 @@ def test_a_worker_on_the_other_database_runs_its_run_row_jobs_with_default_down(
     assert (ran.state, ran.attempts) == ("succeeded", 2)
 
 
-def test_a_worker_on_the_other_database_needs_nothing_of_default_for_any_feature(registry):
+def test_a_worker_on_the_other_database_needs_nothing_of_default_for_any_feature(registry, caplog):
     """Effects, progress, jobs.complete, batches, throttles, flow limits, async handlers and
     unbound types: all of a worker's statements go to its alias while default is down."""
     with jobs.batch(using=OTHER) as batch:
@@ -162,6 +162,9 @@ def test_a_worker_on_the_other_database_needs_nothing_of_default_for_any_feature
     assert rows.count() == 6  # three members, the one a member added, async, the note
     assert rows.get(pk=note.id).result["using"] == OTHER
     assert jobs.Batch(batch.id, OTHER).state().succeeded == 4
+    reported = rows.filter(name=EverythingV1.job_name).exclude(payload__number=2)  # complete()
+    assert all(row.progress for row in reported)
+    assert "jobs-review-socket-dir" not in caplog.text  # no attempt on default, even logged
 
 
 # The scheduler with one alias gone ------------------------------------------------------------
@@ -466,3 +469,31 @@ def test_a_task_backend_naming_an_unknown_alias_is_a_check_error_not_a_scheduler
         "TASKS['default']['OPTIONS']['DATABASE'] must be an alias of settings.DATABASES, "
         "got 'reprots'."
     )
+
+
+# The admin with a crafted database parameter -----------------------------------------------------
+
+JOBS_LIST = "/admin/jobs/job/"
+
+
+def test_a_crafted_database_parameter_reads_and_acts_on_the_home_database_only(
+    registry, admin_client, settings
+):
+    """An alias Django has but JOBS["DATABASES"] leaves out, an unknown one, or markup: the
+    pages show the home database and actions act there; nothing is echoed back."""
+    settings.JOBS = {**settings.JOBS, "DATABASES": ["default"]}
+    here = jobs.enqueue(NoteV1(number=1))
+    jobs.enqueue(NoteV1(number=2), using=OTHER)  # a Django alias, left out of JOBS["DATABASES"]
+
+    for value in (OTHER, "nowhere", "<b>x</b>", ""):
+        page = admin_client.get(JOBS_LIST, {"database": value})
+        assert [r.pk for r in page.context["cl"].result_list] == [here.id], value
+        assert "<b>x</b>" not in page.content.decode()
+        admin_client.post(
+            f"{JOBS_LIST}?database={value}",
+            {"action": "cancel_selected", "_selected_action": [here.id], "post": "yes"},
+        )
+        job_page = admin_client.get(f"{JOBS_LIST}{here.id}/change/", {"database": value})
+        assert job_page.context["original"].pk == here.id
+    assert Job.objects.get(pk=here.id).state == "cancelled"
+    assert Job.objects.using(OTHER).get().state == "queued"  # untouched
