@@ -83,6 +83,10 @@ class LeaseKeeper:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        # The worker has settled or abandoned its jobs by now: a pass in flight, which may
+        # hang on a silent path, must not hold its exit up (nor outlive it in this process).
+        if self._renewing_since is not None:
+            dbbounds.abort(self._connection)
         self._thread.join(timeout)
         self._watch_thread.join(timeout)
 
@@ -104,6 +108,9 @@ class LeaseKeeper:
                         continue
                     next_renewal = now + self._every
                     self._renewing_since = now
+                    if self._stop.is_set():  # stop() looked before this pass began
+                        self._renewing_since = None
+                        break
                     try:
                         self.renew_once(now)
                     except Exception:  # the keeper must outlive anything: leases depend on it

@@ -29,6 +29,7 @@ from jobs.worker.execution import Running, make_context
 from jobs.worker.leases import LeaseKeeper
 from jobs.worker.runner import Worker
 from tests.acceptance.conftest import wait_for
+from tests.tcp_proxy import TcpProxy
 from tests.worker_support import Echo, Recorder, Step, registry
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -239,3 +240,28 @@ def test_a_claims_lease_is_counted_from_before_the_claim_was_sent():
         Worker(registry(Recorder()), config).run(until=until)
     [(ours, server)] = seen
     assert ours <= server + 0.05, (ours, server)
+
+
+def test_a_stop_while_a_renewal_hangs_returns_at_once():
+    lease = 1.0
+    running = claim_one(lease)
+    shared = connections.settings[DEFAULT_DB_ALIAS]  # new connections of every thread
+    saved = {key: shared.get(key) for key in ("HOST", "PORT")}
+    with TcpProxy() as proxy:
+        connections[DEFAULT_DB_ALIAS].close()
+        shared.update(HOST="127.0.0.1", PORT=str(proxy.port))
+        keeper = LeaseKeeper(lambda: [running], lease_seconds=lease, tick=0.02)
+        try:
+            keeper.start()
+            renewed = running.leased_at
+            wait_for(lambda: running.leased_at > renewed, timeout=5, what="a first renewal")
+        finally:
+            shared.update(saved)
+        proxy.freeze()
+        wait_for(lambda: keeper._renewing_since is not None, timeout=5, what="a hanging pass")
+        started = time.monotonic()
+        keeper.stop()
+        took = time.monotonic() - started
+        proxy.thaw()
+    assert took < 1.0, took
+    assert not keeper._thread.is_alive()
