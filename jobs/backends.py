@@ -157,6 +157,10 @@ class PostgresBackend(BaseTaskBackend):
         history second never misses it; replay moves it back, so the jobs table is read
         once more before giving up.
         """
+        return self._result_in(result_id, self.database)
+
+    def _result_in(self, result_id: str, using: str) -> TaskResult[..., Any]:
+        """:meth:`get_result` from the alias ``using`` (where a worker claimed the task)."""
         from jobs.models import Job, JobHistory
 
         try:
@@ -164,9 +168,7 @@ class PostgresBackend(BaseTaskBackend):
         except ValueError:
             raise TaskResultDoesNotExist(result_id) from None
         for model in (Job, JobHistory, Job):
-            found = model._default_manager.using(self.database).filter(
-                pk=pk, name=DjangoTaskV1.job_name
-            )
+            found = model._default_manager.using(using).filter(pk=pk, name=DjangoTaskV1.job_name)
             for job in found:
                 return self._result(job)
         raise TaskResultDoesNotExist(result_id)
@@ -211,12 +213,14 @@ def run_task(payload: DjangoTaskV1, ctx: JobContext) -> Any:
     Any other exception is the task's own and follows the type's retry policy.
     """
     backend = _backend(payload.backend)
+    # Read where the job was claimed: ids are per database, and the backend's DATABASE may
+    # have moved since this task was enqueued.
     try:
         task = _import_task(payload.path)
     except Reject as exc:
-        _finished(backend, backend.get_result(str(ctx.id)), exc)
+        _finished(backend, backend._result_in(str(ctx.id), ctx.using), exc)
         raise
-    result = backend.get_result(str(ctx.id))
+    result = backend._result_in(str(ctx.id), ctx.using)
     task_started.send(type(backend), task_result=result)
     try:
         try:

@@ -18,6 +18,7 @@ from io import StringIO
 import pytest
 from django.core.management import CommandError, call_command
 from django.db import connections, transaction
+from django.tasks import task
 
 import jobs
 from jobs import JobContext, Payload, databases, queue
@@ -497,3 +498,36 @@ def test_a_crafted_database_parameter_reads_and_acts_on_the_home_database_only(
         assert job_page.context["original"].pk == here.id
     assert Job.objects.get(pk=here.id).state == "cancelled"
     assert Job.objects.using(OTHER).get().state == "queued"  # untouched
+
+
+# Django's task API: a task read back from where its job is ----------------------------------------
+
+
+@task(takes_context=True)
+def whoami(context, label: str) -> dict:
+    """What the task's context says it is."""
+    return {"label": label, "context_args": list(context.task_result.args)}
+
+
+def tasks_in(alias: str) -> dict:
+    return {"default": {"BACKEND": "jobs.backends.PostgresBackend", "OPTIONS": {"DATABASE": alias}}}
+
+
+def test_a_task_run_where_its_job_is_reads_its_own_result_there(registry, settings):
+    """The worker's task handler read the task's result (the context's task_result, the
+    signals' argument) from the backend's DATABASE, not from the database the job was
+    claimed in: after the backend moved to another alias, a task still queued in the old one
+    got the result of whichever task had its id in the new one."""
+    settings.TASKS = tasks_in("default")
+    mine = whoami.enqueue("mine")
+    next_id_in(OTHER, int(mine.id))
+    settings.TASKS = tasks_in(OTHER)  # the backend moves; one task is still queued in default
+    theirs = whoami.enqueue("theirs")
+    assert theirs.id == mine.id  # the same number, two different tasks
+
+    run_worker(registry=registry)  # the default alias's worker runs the one left there
+
+    assert Job.objects.get(pk=int(mine.id)).result == {
+        "label": "mine",
+        "context_args": ["mine"],
+    }
