@@ -136,6 +136,8 @@ def execute(
     if isinstance(decoded, Outcome):
         return decoded
     while True:
+        if running.lost:  # given up before this call (the watch does not wait for us)
+            return None
         mark_running(running)
         error, result, duration = _call(job_type, decoded.payload, ctx)
         metrics.for_type(job.name).handler_duration.observe(duration)

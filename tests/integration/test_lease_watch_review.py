@@ -19,7 +19,7 @@ import pytest
 from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 
 import jobs
-from jobs import JobContext, Payload, queue
+from jobs import JobContext, Payload, RetryAfter, queue
 from jobs.models import Job
 from jobs.queue import ClaimRequest, NewJob
 from jobs.queue.types import AllTenants
@@ -265,3 +265,54 @@ def test_a_stop_while_a_renewal_hangs_returns_at_once():
         proxy.thaw()
     assert took < 1.0, took
     assert not keeper._thread.is_alive()
+
+
+# The next attempt of an in-process retry: the same claim, one attempt more.
+NEXT_ATTEMPT = "OLD.state = 'running' AND NEW.state = 'running' AND NEW.attempts > OLD.attempts"
+
+
+class RetryOnce(Payload, name="test.review.retry_once.v1"):
+    pass
+
+
+def retry_once(calls: list[int], *, is_async: bool):
+    def handle(payload: RetryOnce, ctx: JobContext) -> None:
+        calls.append(ctx.attempt)
+        if len(calls) == 1:
+            raise RetryAfter(0.05)  # waited out in the worker
+
+    async def ahandle(payload: RetryOnce, ctx: JobContext) -> None:
+        handle(payload, ctx)
+
+    return ahandle if is_async else handle
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_a_job_given_up_while_its_next_attempt_is_recorded_is_not_run_again(is_async):
+    # A short RetryAfter is waited out and the next attempt recorded (queue.next_attempt,
+    # which locks the row: renewals skip it). Given up meanwhile, the job must not run again.
+    lease = 1.0
+    calls: list[int] = []
+    reg = Registry([JobType(RetryOnce, retry_once(calls, is_async=is_async), Policy())])
+    enqueued = queue.enqueue(NewJob(RetryOnce.job_name, {}))
+    config = WorkerConfig(
+        concurrency=1,
+        poll_interval=0.05,
+        shutdown_timeout=1.0,
+        install_signal_handlers=False,
+        listen=False,
+        lease=timedelta(seconds=lease),
+        recovery_interval=60.0,  # the given-up job is not claimed again within the test
+        maintenance_interval=60.0,
+    )
+    deadline = time.monotonic() + 10
+
+    def until(w: Worker) -> bool:
+        if time.monotonic() > deadline:
+            return True
+        return Job.objects.get(pk=enqueued.id).attempts >= 2 and w.idle
+
+    with sleeping_trigger(NEXT_ATTEMPT, 1.2 * lease):
+        Worker(reg, config).run(until=until)
+    assert Job.objects.get(pk=enqueued.id).attempts == 2, "the next attempt was recorded"
+    assert calls == [1], "the handler ran again after the job was given up"
