@@ -88,6 +88,20 @@ class DatabaseRunTableAdmin(RunTableAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         return super().get_queryset(request).using(chosen(request))
 
+    def get_preserved_filters(self, request: HttpRequest) -> str:
+        """The list's filters every link of a page carries (its way back, History, the
+        save's redirect), naming the chosen alias even when the page was reached by
+        ``?database=`` itself: a row id means another row in another database."""
+        preserved = super().get_preserved_filters(request)
+        alias = chosen(request)
+        if alias == databases.home():
+            return preserved
+        filters = QueryDict(QueryDict(preserved).get("_changelist_filters", ""), mutable=True)
+        if filters.get(PARAM) == alias:
+            return preserved
+        filters[PARAM] = alias
+        return urlencode({"_changelist_filters": filters.urlencode()})
+
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:

@@ -8,7 +8,9 @@ alias and the types bound to it are those of tests/integration/test_databases.py
 from __future__ import annotations
 
 import contextlib
+import html
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -531,3 +533,24 @@ def test_a_task_run_where_its_job_is_reads_its_own_result_there(registry, settin
         "label": "mine",
         "context_args": ["mine"],
     }
+
+
+def test_the_links_of_a_job_page_of_the_other_database_keep_it(registry, admin_client):
+    """Reached by ?database= (as the cancel view sends one back), the page's History link and
+    its way back to the list dropped the alias: History showed the default job that has the
+    same id, and the list the default database."""
+    report = jobs.enqueue(ReportV1(number=1))
+    next_id_in("default", report.id)
+    namesake = jobs.enqueue(NoteV1(number=2), job_id="namesake")
+    assert namesake.id == report.id
+
+    page = admin_client.get(f"{JOBS_LIST}{report.id}/change/", {"database": OTHER})
+    assert page.context["original"].job_id == report.job_id
+    links = re_links(page)
+    [history] = [h for h in links if f"/{report.id}/history/" in h]
+    assert admin_client.get(history).context["object"].job_id == report.job_id
+    assert f"{JOBS_LIST}?database=other" in links  # the breadcrumbs' way back to the list
+
+
+def re_links(response) -> list[str]:
+    return [html.unescape(h) for h in re.findall(r'href="([^"]+)"', response.content.decode())]
