@@ -64,6 +64,8 @@ class EverythingV1(Payload, name="review.everything.v1"):
 
 def everything(payload: EverythingV1, ctx: JobContext) -> dict[str, object]:
     ctx.progress(1, 3, "started")
+    if payload.number == 0:
+        ctx.sleep(0.5)  # over a lease renewal or two: they carry the progress
     key = jobs.effect_key(ctx, "charge")
     charged = jobs.effect(ctx, "charge").run(lambda k: {"charged": k == key})
     batch = jobs.Batch.of(ctx)
@@ -77,6 +79,18 @@ def everything(payload: EverythingV1, ctx: JobContext) -> dict[str, object]:
             jobs.complete(ctx, {"completed": True})
         return {}
     return {**charged, "in_batch": batch is not None}
+
+
+class CancelMeV1(Payload, name="review.cancel_me.v1"):
+    """A job of the other database that an operator cancels while it runs (itself, here)."""
+
+    number: int
+
+
+def cancel_me(payload: CancelMeV1, ctx: JobContext) -> None:
+    queue.cancel_running([ctx.id], by="an operator", using=ctx.using)
+    if not ctx.cancelled.wait(5):  # learnt at the next lease renewal, in this database
+        raise AssertionError("the cancel did not reach the worker")
 
 
 async def everything_async(payload: AsyncThereV1, ctx: JobContext) -> dict[str, object]:
@@ -103,6 +117,7 @@ REVIEW_TYPES = [
         ),
     ),
     JobType(AsyncThereV1, everything_async, Policy(database=OTHER, max_attempts=3)),
+    JobType(CancelMeV1, cancel_me, Policy(database=OTHER, max_attempts=3)),
 ]
 
 
@@ -149,18 +164,25 @@ def test_a_worker_on_the_other_database_runs_its_run_row_jobs_with_default_down(
     assert (ran.state, ran.attempts) == ("succeeded", 2)
 
 
-def test_a_worker_on_the_other_database_needs_nothing_of_default_for_any_feature(registry, caplog):
-    """Effects, progress, jobs.complete, batches, throttles, flow limits, async handlers and
-    unbound types: all of a worker's statements go to its alias while default is down."""
+def test_a_worker_on_the_other_database_needs_nothing_of_default_for_any_feature(
+    registry, settings, caplog
+):
+    """Effects, progress, lease renewals, an operator's cancel, jobs.complete, batches,
+    throttles, flow limits, async handlers and unbound types: all of a worker's statements go
+    to its alias while default is down."""
+    settings.JOBS = {**settings.JOBS, "LEASE": 0.3}  # renewals every 0.1 s
     with jobs.batch(using=OTHER) as batch:
         batch.enqueue_many([EverythingV1(number=n) for n in range(3)], tenant="t1")
     jobs.enqueue(AsyncThereV1(number=1))
     note = jobs.enqueue(NoteV1(number=1), using=OTHER)
+    cancelled = jobs.enqueue(CancelMeV1(number=1))
 
     with unreachable("default"):
         run_worker(registry=registry, database=OTHER)
 
     rows = Job.objects.using(OTHER)
+    assert rows.get(pk=cancelled.id).state == "cancelled"
+    rows = rows.exclude(pk=cancelled.id)
     assert set(rows.values_list("state", flat=True)) == {"succeeded"}
     assert rows.count() == 6  # three members, the one a member added, async, the note
     assert rows.get(pk=note.id).result["using"] == OTHER
