@@ -280,6 +280,7 @@ def through(proxy: TcpProxy, alias: str) -> Iterator[None]:
         connections[alias].close()
 
 
+@pytest.mark.slow
 def test_a_silent_other_server_delays_the_home_databases_cron_by_one_stall_at_most(
     registry, settings, caplog
 ):
