@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import fields, is_dataclass
 from datetime import datetime
 from typing import Protocol
@@ -60,8 +60,19 @@ class Outages:
 
     def __init__(self) -> None:
         self.visiting: str | None = None
+        self.visits = 0  # tells one visit of an alias from the next
         self._until: dict[str, float] = {}
         self._streak: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def visit(self, alias: str) -> Iterator[None]:
+        """The loop is working on ``alias`` (for the stall guard) while in this block."""
+        self.visiting = alias
+        self.visits += 1
+        try:
+            yield
+        finally:
+            self.visiting = None
 
     def resting(self, alias: str) -> bool:
         return time.monotonic() < self._until.get(alias, 0.0)
@@ -111,9 +122,9 @@ class PerDatabase:
             if not home and outages.resting(alias):
                 counts["errors"] += 1  # not done there: --once reports the duty failed
                 continue
-            outages.visiting = alias
             try:
-                result = service.run_once(now if home else None)
+                with outages.visit(alias):
+                    result = service.run_once(now if home else None)
             except LeadershipLost:
                 raise
             except Exception as exc:
@@ -132,8 +143,6 @@ class PerDatabase:
                 with contextlib.suppress(Exception):
                     connections[alias].close()
                 continue
-            finally:
-                outages.visiting = None
             if not home:
                 outages.reached(alias)
             counts.update(_counts(result))

@@ -265,7 +265,7 @@ class Scheduler:
         path) must not keep leadership; the standby takes over at its next attempt.
         """
         activity = self._activity or "between passes"
-        visiting = self.outages.visiting
+        visiting, visit = self.outages.visiting, self.outages.visits
         if visiting not in (None, self.home) and dbbounds.abort(self._db_of(visiting)):
             # Stuck on another alias's server: cut that call (it raises, and the alias rests);
             # the loop moves on at once and the home alias's work goes on, still led here.
@@ -277,7 +277,21 @@ class Scheduler:
                 seconds,
                 extra={"action": "stuck_call_aborted", "database": visiting},
             )
+            # Unless the loop was stuck on something else: still in that visit half a
+            # timeout later, it gives up leading as for any other stall.
+            grace = self.config.leader_duration.total_seconds() / 2
+            later = threading.Timer(grace, self._still_stuck, args=(visit, seconds + grace))
+            later.daemon = True
+            later.start()
             return
+        self._give_up(seconds, activity)
+
+    def _still_stuck(self, visit: int, seconds: float) -> None:
+        if self.outages.visits == visit and self.outages.visiting is not None:
+            self._give_up(seconds, self._activity or "between passes")
+
+    def _give_up(self, seconds: float, activity: str) -> None:
+        """Stop leading and abort the loop's connections (the stuck call raises)."""
         if self.leadership.step_down(
             f"the scheduler loop has not moved for {seconds:.1f}s (stuck in {activity})"
         ):
@@ -377,9 +391,9 @@ class Scheduler:
             elsewhere = alias != self.home
             if elsewhere and self.outages.resting(alias):
                 continue
-            self.outages.visiting = alias
             try:
-                export(status(now=None if elsewhere else now, schedules=schedules, using=alias))
+                with self.outages.visit(alias):
+                    export(status(now=None if elsewhere else now, schedules=schedules, using=alias))
             except Exception as exc:
                 if not self._status_failing:
                     logger.warning("cannot read schedule status (database %s): %s", alias, exc)
@@ -387,8 +401,6 @@ class Scheduler:
                 connections[alias].close()
                 if elsewhere and unreachable(exc):
                     self.outages.gone(alias)
-            finally:
-                self.outages.visiting = None
         self._status_failing = failing
 
     def _bounds(self, alias: str) -> dbbounds.Bounds:

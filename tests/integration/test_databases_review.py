@@ -577,3 +577,41 @@ def test_the_links_of_a_job_page_of_the_other_database_keep_it(registry, admin_c
 
 def re_links(response) -> list[str]:
     return [html.unescape(h) for h in re.findall(r'href="([^"]+)"', response.content.decode())]
+
+
+@pytest.mark.slow
+def test_a_loop_still_stuck_after_its_call_on_the_other_database_is_cut_gives_up_leading(
+    registry, settings, caplog
+):
+    """Cutting the other alias's connection unsticks a call stuck there; if the loop is stuck
+    on something else meanwhile, it must not keep leadership for ever: half a leader timeout
+    later it steps down, as for a stall on the home alias."""
+    settings.JOBS = {**settings.JOBS, "SCHEDULER_LEADER_TIMEOUT": 2}
+    sched = scheduler(registry)
+    release = threading.Event()
+
+    def stuck_elsewhere(now=None):
+        with connections[OTHER].cursor() as cur:  # the connection the guard will cut
+            cur.execute("SELECT 1")
+        release.wait(10)  # stuck, but not in a statement on that connection
+        return {}
+
+    sched.watchdog.services[OTHER].run_once = stuck_elsewhere  # type: ignore[method-assign]
+    threading.Timer(8, release.set).start()  # the test's own bound
+    started = time.monotonic()
+
+    def until(s: Scheduler) -> bool:
+        return not s.leadership.leading or time.monotonic() - started > 8
+
+    def watch() -> None:
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline and "lost leadership" not in caplog.text:
+            release.wait(0.05)
+        release.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    sched.run(until=until)
+
+    assert "aborted its connection to database other" in caplog.text
+    assert "lost leadership" in caplog.text
+    assert time.monotonic() - started < 6
