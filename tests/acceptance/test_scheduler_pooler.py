@@ -59,6 +59,7 @@ def lock_holder() -> str | None:
         row = conn.execute(
             "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
             "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 "
+            "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
             "AND l.classid = %s::bigint::oid AND l.objid = %s::bigint::oid",
             [LOCK_KEY >> 32, LOCK_KEY & 0xFFFFFFFF],
         ).fetchone()

@@ -58,6 +58,7 @@ def lock_holders() -> list[int]:
     with direct() as conn:
         rows = conn.execute(
             "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
             "AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = 1",
             [KEY >> 32, KEY & 0xFFFFFFFF],
         ).fetchall()

@@ -58,6 +58,7 @@ def lock_holders(key: int = KEY) -> list[int]:
     with connection.cursor() as cur:
         cur.execute(
             "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
             "AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = 1",
             [key >> 32, key & 0xFFFFFFFF],
         )
