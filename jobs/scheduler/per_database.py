@@ -10,13 +10,14 @@ does while leading must reach every alias that holds jobs (:func:`jobs.databases
 With a single alias the duty is the service itself, unchanged. Cron goes to the alias where
 each schedule's job type lives, so a slot row and its job commit in one transaction there.
 
+Prometheus gauges are the home alias's: the other aliases' backlog is counted and recorded
+for their console, and their unsupported names are logged, but not exported, since two
+databases' figures under the same labels would overwrite each other.
+
 An alias other than the home one that cannot be reached *rests* (:class:`Outages`): every
 duty passes it over for a few seconds, doubling while it stays away, up to a minute. A
 server that stops answering costs the loop a stall (cut by a bound, or by the stall guard)
 once per rest, not once per duty and pass; the home alias's work goes on between.
-Prometheus gauges are the home alias's: the other aliases' backlog is counted and recorded
-for their console, and their unsupported names are logged, but not exported, since two
-databases' figures under the same labels would overwrite each other.
 """
 
 from __future__ import annotations
