@@ -36,6 +36,39 @@ def database_url_for_tests() -> str:
     return f"postgres://{quote(params['USER'])}{password}@{host}:{port}/{params['NAME']}"
 
 
+#: What :func:`outcome_log` records into.
+OUTCOMES_TABLE = "test_outcomes"
+
+
+@pytest.fixture
+def outcome_log():
+    """Record every transition of a job out of ``running`` (job, new state, its holder) in
+    :data:`OUTCOMES_TABLE`, by a trigger: the database's own account of outcomes."""
+    with connection.cursor() as cur:
+        cur.execute(
+            """
+            CREATE TABLE test_outcomes (
+                job bigint NOT NULL, state text NOT NULL, worker text NOT NULL,
+                at timestamptz NOT NULL DEFAULT clock_timestamp());
+            CREATE FUNCTION test_outcome() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO test_outcomes (job, state, worker)
+                VALUES (NEW.id, NEW.state, OLD.claimed_by);
+                RETURN NULL;
+            END $$;
+            CREATE TRIGGER test_outcome AFTER UPDATE OF state ON jobs_job FOR EACH ROW
+                WHEN (OLD.state = 'running' AND NEW.state <> 'running')
+                EXECUTE FUNCTION test_outcome();
+            """
+        )
+    yield OUTCOMES_TABLE
+    with connection.cursor() as cur:
+        cur.execute(
+            "DROP TRIGGER test_outcome ON jobs_job; DROP FUNCTION test_outcome(); "
+            "DROP TABLE test_outcomes"
+        )
+
+
 class Process:
     """A manage.py command running in its own process, its output captured in a file."""
 

@@ -111,34 +111,6 @@ def hosts(tmp_path):
             host.destroy()
 
 
-@pytest.fixture
-def outcome_log():
-    """Record every transition of a job out of ``running``: (job, new state, its holder)."""
-    with connection.cursor() as cur:
-        cur.execute(
-            """
-            CREATE TABLE test_host_outcomes (
-                job bigint NOT NULL, state text NOT NULL, worker text NOT NULL,
-                at timestamptz NOT NULL DEFAULT clock_timestamp());
-            CREATE FUNCTION test_host_outcome() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                INSERT INTO test_host_outcomes (job, state, worker)
-                VALUES (NEW.id, NEW.state, OLD.claimed_by);
-                RETURN NULL;
-            END $$;
-            CREATE TRIGGER test_host_outcome AFTER UPDATE OF state ON jobs_job FOR EACH ROW
-                WHEN (OLD.state = 'running' AND NEW.state <> 'running')
-                EXECUTE FUNCTION test_host_outcome();
-            """
-        )
-    yield
-    with connection.cursor() as cur:
-        cur.execute(
-            "DROP TRIGGER test_host_outcome ON jobs_job; DROP FUNCTION test_host_outcome(); "
-            "DROP TABLE test_host_outcomes"
-        )
-
-
 def test_hosts_lose_no_job_and_double_none_through_a_kill_and_a_cut(hosts, outcome_log, tmp_path):
     a, b, c = hosts
     trace, gate = tmp_path / "trace", tmp_path / "gate"
@@ -261,7 +233,7 @@ def recorded_transitions() -> dict[int, tuple[list[str], list[str]]]:
     with connection.cursor() as cur:
         cur.execute(
             "SELECT job, array_agg(state ORDER BY at), array_agg(worker ORDER BY at) "
-            "FROM test_host_outcomes GROUP BY job"
+            "FROM test_outcomes GROUP BY job"
         )
         return {job: (states, workers) for job, states, workers in cur.fetchall()}
 

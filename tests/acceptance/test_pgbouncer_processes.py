@@ -39,34 +39,6 @@ WORKER = [
 ]
 
 
-@pytest.fixture
-def outcome_log():
-    """Record every transition of a job out of ``running``: (job, new state, its holder)."""
-    with connection.cursor() as cur:
-        cur.execute(
-            """
-            CREATE TABLE test_pooled_outcomes (
-                job bigint NOT NULL, state text NOT NULL, worker text NOT NULL,
-                at timestamptz NOT NULL DEFAULT clock_timestamp());
-            CREATE FUNCTION test_pooled_outcome() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                INSERT INTO test_pooled_outcomes (job, state, worker)
-                VALUES (NEW.id, NEW.state, OLD.claimed_by);
-                RETURN NULL;
-            END $$;
-            CREATE TRIGGER test_pooled_outcome AFTER UPDATE OF state ON jobs_job FOR EACH ROW
-                WHEN (OLD.state = 'running' AND NEW.state <> 'running')
-                EXECUTE FUNCTION test_pooled_outcome();
-            """
-        )
-    yield
-    with connection.cursor() as cur:
-        cur.execute(
-            "DROP TRIGGER test_pooled_outcome ON jobs_job; DROP FUNCTION test_pooled_outcome(); "
-            "DROP TABLE test_pooled_outcomes"
-        )
-
-
 def succeeded() -> int:
     return Job.objects.filter(state="succeeded").count()
 
@@ -118,7 +90,7 @@ def test_workers_through_pgbouncer_lose_no_job_and_double_none(
     with connection.cursor() as cur:
         cur.execute(
             "SELECT job, array_agg(state ORDER BY at), array_agg(worker ORDER BY at) "
-            "FROM test_pooled_outcomes GROUP BY job"
+            "FROM test_outcomes GROUP BY job"
         )
         transitions = {job: (states, workers) for job, states, workers in cur.fetchall()}
     assert set(transitions) == {job.id for job in load}
