@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -57,10 +58,19 @@ def contenders():
         leadership.release()
 
 
-def direct() -> psycopg.Connection:
-    """A connection of the test's own straight to PostgreSQL, whatever the test routes."""
-    params = dbbounds.connect_params(bounds=dbbounds.Bounds(0, 0, 0))
-    return psycopg.connect(**params, autocommit=True)
+_STRAIGHT: dict[str, Any] = {}
+
+
+@pytest.fixture(autouse=True)
+def _straight_to_postgresql(django_db_setup: None) -> None:
+    """Keep the way straight to PostgreSQL before a test routes the alias via the pooler."""
+    _STRAIGHT.clear()
+    _STRAIGHT.update(dbbounds.connect_params(bounds=dbbounds.Bounds(0, 0, 0)))
+
+
+def direct() -> psycopg.Connection[Any]:
+    """A connection of the test's own straight to PostgreSQL, even while a pooler routes."""
+    return psycopg.connect(**_STRAIGHT, autocommit=True)
 
 
 def lock_holders() -> list[int]:

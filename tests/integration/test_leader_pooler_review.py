@@ -37,32 +37,13 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.once]
 # The leader tests' fixtures: each case straight to PostgreSQL and through the pooler, and
 # Leadership objects on a test key, released at teardown.
 route, contenders, wait_for, KEY = base.route, base.contenders, base.wait_for, base.KEY
+_straight_to_postgresql, direct, lock_holders = (
+    base._straight_to_postgresql,
+    base.direct,
+    base.lock_holders,
+)
 
 NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
-_STRAIGHT: dict[str, Any] = {}
-
-
-@pytest.fixture(autouse=True)
-def _straight_to_postgresql(django_db_setup: None) -> None:
-    """Keep the way straight to PostgreSQL before a test routes the alias via the pooler."""
-    _STRAIGHT.clear()
-    _STRAIGHT.update(dbbounds.connect_params(bounds=dbbounds.Bounds(0, 0, 0)))
-
-
-def direct() -> psycopg.Connection[Any]:
-    """A connection of the test's own straight to PostgreSQL, even while a pooler routes."""
-    return psycopg.connect(**_STRAIGHT, autocommit=True)
-
-
-def lock_holders() -> list[int]:
-    with direct() as conn:
-        rows = conn.execute(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
-            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
-            "AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = 1",
-            [KEY >> 32, KEY & 0xFFFFFFFF],
-        ).fetchall()
-    return [pid for (pid,) in rows]
 
 
 def backend(pid: int) -> dict[str, Any] | None:
