@@ -68,11 +68,12 @@ def _drop_orphaned_test_databases() -> None:
         cur.execute("SELECT datname FROM pg_database WHERE datname LIKE %s", [prefix + "%"])
         for (name,) in cur.fetchall():
             match = re.fullmatch(re.escape(prefix) + r"(\d+)", name)
-            if match and not _alive(int(match.group(1))):
+            if match and not alive(int(match.group(1))):
                 cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (a test run's, whose database is then in use)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

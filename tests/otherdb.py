@@ -20,6 +20,8 @@ from urllib.parse import quote, unquote, urlsplit
 
 import psycopg
 
+from tests.conftest import alive
+
 ALIAS = "other"
 ROOT = Path(__file__).resolve().parents[1]
 PGDATA = ROOT / "var" / "postgres-other"
@@ -98,18 +100,8 @@ def _drop_orphans(settings: dict) -> None:
     with psycopg.connect(**{k: v for k, v in params.items() if v}, autocommit=True) as conn:
         for (found,) in conn.execute("SELECT datname FROM pg_database").fetchall():
             match = pattern.fullmatch(found)
-            if match and not _alive(int(match.group(1))):
+            if match and not alive(int(match.group(1))):
                 conn.execute(f'DROP DATABASE IF EXISTS "{found}"')
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def url(settings: dict, name: str) -> str:
