@@ -17,13 +17,14 @@ rather than fail; :meth:`Host.restore` brings the link back. Needs root and ipro
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import ipaddress
 import os
 import re
 import shutil
 import subprocess
+
+from tests.conftest import alive
 
 PREFIX = "jobs-test-"  # namespaces are named PREFIX<pid of the test run>-<host>
 
@@ -47,7 +48,7 @@ def remove_orphans() -> None:
     """Delete the namespaces (and so their links) of test runs that were killed."""
     listing = _ip("netns", "list", check=False).stdout
     for namespace, pid in re.findall(rf"^({re.escape(PREFIX)}(\d+)-\S+)", listing, re.M):
-        if not _alive(int(pid)):
+        if not alive(int(pid)):
             _ip("netns", "delete", namespace, check=False)
 
 
@@ -164,10 +165,3 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if check and done.returncode:
         raise RuntimeError(f"ip {' '.join(args)} failed: {done.stderr.strip()}")
     return done
-
-
-def _alive(pid: int) -> bool:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, 0)
-        return True
-    return False

@@ -40,7 +40,7 @@ from psycopg import sql
 
 import jobs
 from tests.acceptance.conftest import wait_for
-from tests.conftest import _alive
+from tests.conftest import alive
 
 # The same on every Django version: scripts/test runs it in the first leg only.
 pytestmark = pytest.mark.once
@@ -350,7 +350,7 @@ def smoke_database():
         ).fetchall()
         for (orphan,) in rows:
             match = re.fullmatch(re.escape(SMOKE_DB_PREFIX) + r"(\d+)", orphan)
-            if match and (orphan == name or not _alive(int(match.group(1)))):
+            if match and (orphan == name or not alive(int(match.group(1)))):
                 drop_database(conn, orphan)
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     try:
