@@ -123,54 +123,36 @@ ensure_venv() {
     export PATH=$venv/bin:$PATH
 }
 
-# ensure_chromium: the browser test (tests/acceptance/test_browser.py) drives Debian's Chromium.
-# Install it when it is missing and this is root with apt-get (as on a fresh CI machine); where
-# that cannot be done, the browser test skips itself and says why.
-ensure_chromium() {
-    local chromium=${CHROMIUM:-/usr/bin/chromium} log=$ROOT/var/apt-chromium.log
-    [[ -x $chromium ]] && return 0
+# apt_install PACKAGE WHAT: install a Debian package some tests need, when this is root with
+# apt-get (as on a fresh CI machine); where that cannot be done, those tests (WHAT) skip
+# themselves and say why. The log goes to var/apt-PACKAGE.log.
+apt_install() {
+    local package=$1 what=$2 log=$ROOT/var/apt-$1.log
     if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
-        echo "note: no Chromium at $chromium and no root apt-get to install it: the browser test will be skipped" >&2
+        echo "note: no $package and no root apt-get to install it: $what will be skipped" >&2
         return 0
     fi
-    step "installing chromium with apt-get, for the browser test (log: var/apt-chromium.log)"
+    step "installing $package with apt-get, for $what (log: var/apt-$package.log)"
     mkdir -p "$ROOT/var"
-    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >"$log" 2>&1; then
-        echo "warning: could not install chromium (see $log): the browser test will be skipped" >&2
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$package"; } >"$log" 2>&1; then
+        echo "warning: could not install $package (see $log): $what will be skipped" >&2
     fi
+}
+
+# ensure_chromium: the browser test (tests/acceptance/test_browser.py) drives Debian's Chromium.
+ensure_chromium() {
+    [[ -x ${CHROMIUM:-/usr/bin/chromium} ]] || apt_install chromium "the browser test"
 }
 
 # ensure_pgbouncer: the pooler tests (tests/integration/test_pgbouncer.py and the process tests)
-# start Debian's PgBouncer in transaction mode in front of the test database. Installed like
-# Chromium above: with apt-get when this is root; otherwise those tests skip and say why.
+# start Debian's PgBouncer in transaction mode in front of the test database.
 ensure_pgbouncer() {
-    local log=$ROOT/var/apt-pgbouncer.log
-    command -v pgbouncer >/dev/null && return 0
-    [[ -x /usr/sbin/pgbouncer ]] && return 0
-    if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
-        echo "note: no pgbouncer and no root apt-get to install it: the pooler tests will be skipped" >&2
-        return 0
-    fi
-    step "installing pgbouncer with apt-get, for the pooler tests (log: var/apt-pgbouncer.log)"
-    mkdir -p "$ROOT/var"
-    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer; } >"$log" 2>&1; then
-        echo "warning: could not install pgbouncer (see $log): the pooler tests will be skipped" >&2
-    fi
+    command -v pgbouncer >/dev/null || [[ -x /usr/sbin/pgbouncer ]] ||
+        apt_install pgbouncer "the pooler tests"
 }
 
 # ensure_iproute2: the many-hosts test (tests/acceptance/test_hosts.py) runs workers as hosts in
-# network namespaces it makes with iproute2's ip, which a minimal Debian image lacks. Installed
-# like Chromium above: with apt-get when this is root; otherwise that test skips and says why.
+# network namespaces it makes with iproute2's ip, which a minimal Debian image lacks.
 ensure_iproute2() {
-    local log=$ROOT/var/apt-iproute2.log
-    command -v ip >/dev/null && return 0
-    if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
-        echo "note: no ip command and no root apt-get to install iproute2: the many-hosts test will be skipped" >&2
-        return 0
-    fi
-    step "installing iproute2 with apt-get, for the many-hosts test (log: var/apt-iproute2.log)"
-    mkdir -p "$ROOT/var"
-    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2; } >"$log" 2>&1; then
-        echo "warning: could not install iproute2 (see $log): the many-hosts test will be skipped" >&2
-    fi
+    command -v ip >/dev/null || apt_install iproute2 "the many-hosts test"
 }
