@@ -28,14 +28,7 @@ def cursor(using: str | None) -> Iterator[CursorWrapper]:
 
 
 class _BoundCursor(psycopg.Cursor):
-    """Server-side binding, prepared only where the alias asks for it.
-
-    psycopg prepares a statement from its ``prepare_threshold``-th run on a connection, which
-    Django sets from ``OPTIONS`` and leaves off by default, so a pooler in transaction mode
-    has nothing to keep. On a direct connection ``"prepare_threshold": 1`` plans each of
-    the worker's statements once per connection instead of on every run: planning is a
-    quarter to a half of what PostgreSQL spends on a claim (docs/worker.md).
-    """
+    """Server-side binding, never prepared: a pooler in transaction mode keeps no statements."""
 
     def execute(  # type: ignore[override]  # one signature for both of psycopg's overloads
         self,
@@ -45,7 +38,7 @@ class _BoundCursor(psycopg.Cursor):
         prepare: bool | None = None,
         binary: bool | None = None,
     ) -> Self:
-        return super().execute(query, params, prepare=prepare, binary=binary)
+        return super().execute(query, params, prepare=False, binary=binary)
 
 
 @contextmanager

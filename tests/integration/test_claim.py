@@ -178,32 +178,3 @@ class TestLeases:
         )
 
         assert queue.renew([kept, taken]) == {taken.id}
-
-
-def _prepared_after_claims() -> int:
-    """How many statements the connection keeps prepared after a few claims and renewals."""
-    for number in range(3):
-        queue.enqueue(NewJob("test.prepared.v1", job_id=f"p{number}"))
-        [job] = queue.claim([ClaimRequest("test.prepared.v1", 1)], scope=AllTenants(), worker="w")
-        queue.renew([job])
-    with connection.cursor() as cur:
-        cur.execute("SELECT count(*) FROM pg_prepared_statements")
-        return cur.fetchone()[0]
-
-
-@pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("threshold", [None, 1])
-def test_the_queue_prepares_its_statements_only_where_the_alias_asks(monkeypatch, threshold):
-    """Django leaves prepare_threshold off (a transaction pooler keeps no statements); on a
-    direct connection it can be turned on, and the queue's statements are then planned once."""
-    options = connection.settings_dict.setdefault("OPTIONS", {})
-    if threshold is None:
-        monkeypatch.delitem(options, "prepare_threshold", raising=False)
-    else:
-        monkeypatch.setitem(options, "prepare_threshold", threshold)
-    connection.close()
-    try:
-        prepared = _prepared_after_claims()
-    finally:
-        connection.close()  # the next test connects with the settings it expects
-    assert (prepared > 0) == (threshold is not None)
