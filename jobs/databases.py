@@ -71,10 +71,14 @@ def route(jobs: Sequence[tuple[int | None, str]], using: str | None) -> str:
     """
     from jobs.queue.types import InvalidJob
 
-    wanted = {index: bound(name) for index, name in jobs}
+    # One lookup a type, not a job; each type's first job is the one an error names.
+    first_of: dict[str, int | None] = {}
+    for index, name in jobs:
+        first_of.setdefault(name, index)
+    bound_to = {name: bound(name) for name in first_of}
     if using is not None:
-        for index, name in jobs:
-            alias = wanted[index]
+        for name, index in first_of.items():
+            alias = bound_to[name]
             if alias is not None and alias != using:
                 raise InvalidJob(
                     f"{name} lives in database {alias!r} (its job type says so); it cannot "
@@ -82,18 +86,16 @@ def route(jobs: Sequence[tuple[int | None, str]], using: str | None) -> str:
                     index=index,
                 )
         return using
-    goes = {index: alias or home() for index, alias in wanted.items()}
-    aliases = set(goes.values())
-    if len(aliases) > 1:
-        first: dict[str, tuple[int | None, str]] = {}
-        for index, name in jobs:
-            first.setdefault(goes[index], (index, name))
+    first: dict[str, tuple[int | None, str]] = {}
+    for name, index in first_of.items():
+        first.setdefault(bound_to[name] or home(), (index, name))
+    if len(first) > 1:
         where = "; ".join(f"job #{i} ({name}) to {alias!r}" for alias, (i, name) in first.items())
         raise InvalidJob(
             f"a batch must go to one database, but its jobs go to several: {where}. "
             "Enqueue each database's jobs on their own, or pass using= for unbound types"
         )
-    return aliases.pop() if aliases else home()
+    return next(iter(first), home())
 
 
 def served(registry: Registry, alias: str) -> tuple[str, ...]:

@@ -10,7 +10,6 @@ whose window has passed still holds its key until someone needs it: enqueue then
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -88,9 +87,9 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str | None = None) -> list[En
         result = done[key]
         if row is not firsts[key] and result.created:
             result = Enqueued(
-                result.id, result.job_id, result.tenant, result.name, result.state, False
+                result.id, result.job_id, result.tenant, result.name, result.state, False, using
             )
-        results.append(replace(result, using=using))
+        results.append(result)
     return results
 
 
@@ -106,7 +105,7 @@ def _insert_alone(row: dict[str, Any], using: str) -> dict[tuple[str, str], Enqu
     if not inserted or id_ is None:
         return None
     key = (row["tenant"], row["job_id"])
-    return {key: Enqueued(id_, row["job_id"], row["tenant"], row["name"], "queued", True)}
+    return {key: Enqueued(id_, row["job_id"], row["tenant"], row["name"], "queued", True, using)}
 
 
 def _insert_in_transaction(
@@ -244,6 +243,7 @@ def _insert_or_find(
     cur: CursorWrapper, rows: list[dict[str, Any]]
 ) -> dict[tuple[str, str], Enqueued]:
     done: dict[tuple[str, str], Enqueued] = {}
+    using = cur.db.alias  # each result names the database it is in
     pending = rows
     # Later rounds reuse the first round's clock, so a row inserted late is as due as the rest.
     base: datetime | None = None
@@ -255,7 +255,9 @@ def _insert_or_find(
             row["id"] = id_
             if inserted and id_ is not None:
                 key = (row["tenant"], row["job_id"])
-                done[key] = Enqueued(id_, row["job_id"], row["tenant"], row["name"], "queued", True)
+                done[key] = Enqueued(
+                    id_, row["job_id"], row["tenant"], row["name"], "queued", True, using
+                )
         skipped = [row for row in pending if (row["tenant"], row["job_id"]) not in done]
         if not skipped:
             return done
@@ -278,6 +280,7 @@ def _insert_or_find(
                     holder["name"],
                     holder["state"],
                     False,
+                    using,
                 )
         if not pending:
             return done
