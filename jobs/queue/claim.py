@@ -20,7 +20,7 @@ entries once where the walk crosses them twice.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -139,7 +139,9 @@ _RESERVED_BRANCH = """
         LIMIT w.lim)"""
 
 
-def _flow_ctes(due: str, tenant_rows: str, flows: flow.FlowForm, scope: Scope) -> str:
+def _flow_ctes(
+    due: str, tenant_rows: Callable[[bool], str], flows: flow.FlowForm, scope: Scope
+) -> str:
     def narrowed(extra: str) -> str:  # the due rows, with one more condition
         return due.replace("\n  AND j.name = w.name", "\n  AND j.name = w.name" + extra)
 
@@ -163,18 +165,22 @@ def _flow_ctes(due: str, tenant_rows: str, flows: flow.FlowForm, scope: Scope) -
     elif flows.plain:
         branches.append(_PLAIN_BRANCH.replace("{due}", due))
     if flows.tiered:
-        fill = flow.FILL.replace("{due}", narrowed(flow.BELOW_TOP + flow.NOT_LOW))
+        # The kept places' part only when some name keeps a share for lower classes.
+        kept = flows.tiered_reserved
+        fill = flow.FILL.replace("{due}", narrowed(flow.BELOW_TOP + (flow.NOT_LOW if kept else "")))
         rows = (
-            tenant_rows.replace("{top}", top_level + low)
-            .replace("{budget}", flow.LOW_BUDGET)
+            tenant_rows(False)
+            .replace("{top}", top_level + (low if kept else ""))
+            .replace("{budget}", flow.LOW_BUDGET if kept else "w.lim")
             .replace("{level}", flow.TOP_LEVEL_ROWS)
-            .replace("{low_rows}", flow.LOW_ROWS)
+            .replace("{low_rows}", flow.LOW_ROWS if kept else "")
             .replace("{fill}", fill)
         )
         branches.append(_TIERED_BRANCH.replace("{tenant_rows}", rows))
     if flows.capped:
         rows = (
-            tenant_rows.replace("{top}", "")
+            tenant_rows(True)
+            .replace("{top}", "")
             .replace("{budget}", "w.lim")
             .replace("{level}", "")
             .replace("{low_rows}", "")
@@ -212,12 +218,15 @@ def _claim_ctes(
     due = (_DUE_WALK if walk else _DUE_SCAN).format(scope=scope_sql, paused=pauses.PAUSED_ROWS)
     if flows is None:
         return _CLAIM_CTES.replace("{due}", due), scope_params
-    tenant_rows = (
-        flow.tenant_rows(flows)
-        .replace("{scope}", scope_sql)
-        .replace("{paused}", pauses.PAUSED_ROWS)
-        .replace("{tenant_scope}", scope.sql("c")[0])
-    )
+
+    def tenant_rows(limited: bool) -> str:
+        return (
+            flow.tenant_rows(flows, limited=limited)
+            .replace("{scope}", scope_sql)
+            .replace("{paused}", pauses.PAUSED_ROWS)
+            .replace("{tenant_scope}", scope.sql("c")[0])
+        )
+
     return _flow_ctes(due, tenant_rows, flows, scope), scope_params
 
 

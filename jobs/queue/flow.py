@@ -210,6 +210,8 @@ class FlowForm:
     capped: bool  # some name is tenant-ordered with a tenant limit
     tenant_rated: bool  # some name has a tenant rate limit
     reserved: bool  # some name claimed in the plain order keeps a share for lower classes
+    # Some fair name without tenant limits keeps a share for lower classes.
+    tiered_reserved: bool = False
     # The statement also writes outcomes (``written``, jobs.queue.cycle): the jobs it ends
     # are running in its snapshot, and their places are free once it commits.
     releasing: bool = False
@@ -246,6 +248,9 @@ def form(
         tenant_rated=any(f is not None and f.tenant_rate is not None for f in asked),
         reserved=any(
             f is not None and not f.tenant_ordered and f.lower_share is not None for f in asked
+        ),
+        tiered_reserved=any(
+            f is not None and f.tiered and f.lower_share is not None for f in asked
         ),
     )
 
@@ -308,9 +313,14 @@ def gate(flows: FlowForm) -> str:
     )
 
 
-def tenant_rows(flows: FlowForm) -> str:
-    """:data:`TENANT_ROWS` with the running counts this form needs."""
-    return TENANT_ROWS.replace("{tenant_unreleased}", _TENANT_UNRELEASED if flows.releasing else "")
+def tenant_rows(flows: FlowForm, *, limited: bool) -> str:
+    """:data:`TENANT_ROWS` for this form: with ``limited``, each tenant's room is bounded by
+    its tenant limit and bucket (:data:`TENANT_ROOM`, with the running counts this form
+    needs); without, by the claim's budget alone, and the running jobs are not read."""
+    if not limited:
+        return TENANT_ROWS.replace("{busy}", "").replace("{room}", "(SELECT n FROM budget)")
+    busy = TENANT_BUSY.replace("{tenant_unreleased}", _TENANT_UNRELEASED if flows.releasing else "")
+    return TENANT_ROWS.replace("{busy}", busy).replace("{room}", TENANT_ROOM)
 
 
 # No name takes a gate: each name's room is what it asks.
@@ -321,6 +331,28 @@ room AS MATERIALIZED (
     FROM wanted w
 )"""
 
+#: A tenant-limited name's running jobs by tenant (for :data:`TENANT_ROOM`).
+TENANT_BUSY = """busy AS MATERIALIZED (
+    SELECT r.tenant, count(*)::int{tenant_unreleased} AS n FROM jobs_job r
+    WHERE w.tcap IS NOT NULL AND r.state = 'running' AND r.name = w.name
+    GROUP BY r.tenant
+),
+"""
+
+#: A tenant's room in a claim of a name with tenant limits: the claim's budget, within the
+#: tenant's free places and its bucket's tokens.
+TENANT_ROOM = (
+    """GREATEST(0, LEAST(
+                (SELECT n FROM budget),
+                w.tcap - COALESCE((SELECT b.n FROM busy b WHERE b.tenant = c.tenant), 0),
+                COALESCE((SELECT floor(LEAST(w.tburst, tb.tokens + w.trate * """
+    + _SINCE.format("tb.refilled_at")
+    + """))::int
+                 FROM jobs_flowtenant tb WHERE tb.name = w.name AND tb.tenant = c.tenant),
+                 floor(w.tburst)::int)
+            ))"""
+)
+
 #: A tenant's room, as far as its due rows go (counted up to the claim's limit, unlocked):
 #: what a tenant cannot use goes to the other tenants in round two.
 AVAIL = """LEAST(t.room, (
@@ -330,6 +362,9 @@ AVAIL = """LEAST(t.room, (
               AND j.run_after <= statement_timestamp()
               AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
               AND {paused}
+            -- In the per-tenant index's order, so the planner reads the index, not the heap
+            -- (whose claimed rows a scan in table order would step over first).
+            ORDER BY j.priority DESC, j.run_after, j.id
             LIMIT LEAST(t.room, w.lim)) due)::int)"""
 
 # A tenant-ordered name's due rows (``w`` is its room row): the tenants with queued rows,
@@ -362,12 +397,7 @@ behind(tenant) AS (
             ORDER BY j.tenant LIMIT 1)
     FROM behind b WHERE b.tenant IS NOT NULL
 ),
-busy AS MATERIALIZED (
-    SELECT r.tenant, count(*)::int{tenant_unreleased} AS n FROM jobs_job r
-    WHERE w.tcap IS NOT NULL AND r.state = 'running' AND r.name = w.name
-    GROUP BY r.tenant
-),
-tenants AS MATERIALIZED (
+{busy}tenants AS MATERIALIZED (
     SELECT * FROM (
     SELECT t.tenant, t.pass, t.weight, """
     + AVAIL
@@ -376,21 +406,15 @@ tenants AS MATERIALIZED (
         SELECT c.tenant, c.pass,
             COALESCE((SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = c.tenant), 1)
                 AS weight,
-            GREATEST(0, LEAST(
-                (SELECT n FROM budget),
-                w.tcap - COALESCE((SELECT b.n FROM busy b WHERE b.tenant = c.tenant), 0),
-                COALESCE((SELECT floor(LEAST(w.tburst, tb.tokens + w.trate * """
-    + _SINCE.format("tb.refilled_at")
-    + """))::int
-                 FROM jobs_flowtenant tb WHERE tb.name = w.name AND tb.tenant = c.tenant),
-                 floor(w.tburst)::int)
-            )) AS room
+            {room} AS room
         FROM (SELECT tenant, 1 AS pass FROM ahead WHERE tenant IS NOT NULL
               UNION ALL
               SELECT tenant, 2 FROM behind WHERE tenant IS NOT NULL) c
         WHERE c.tenant || '' <> ALL((SELECT tenants FROM paused)::text[]) AND {tenant_scope}
     ) t
     WHERE t.room > 0
+    -- Not pulled up into the filter below, which would count each tenant's rows again.
+    OFFSET 0
     ) r
     -- Only tenants with a job this claim could start take a place among the tenants read.
     WHERE r.avail > 0

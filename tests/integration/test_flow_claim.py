@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from jobs import queue
 from jobs.models import FlowGate, Job, TenantBucket, TenantWeight
 from jobs.queue import AllTenants, ClaimRequest, NewJob, OnlyTenant, flow
+from jobs.queue._db import bound_cursor
+from jobs.queue.claim import claim_parts
 from jobs.queue.flow import FlowLimits
 from jobs.scheduler.clock import database_now
 from tests.acceptance.conftest import wait_for
@@ -360,3 +362,49 @@ def test_a_fair_type_keeps_the_lower_share_too(claim_form):
     got = Counter((job.tenant, job.priority) for job in take(limits, asked=8))
 
     assert got == {("c", 0): 4, ("a", 5): 2, ("b", 5): 2}
+
+
+def _plan_nodes(plan: dict):
+    yield plan
+    for child in plan.get("Plans", ()):
+        yield from _plan_nodes(child)
+
+
+def test_a_fair_claim_reads_each_tenants_due_rows_by_index_and_counts_them_once():
+    """Measured in a drain: the count of a tenant's due rows was planned as a scan of the
+    whole table (its LIMIT made the planner expect to stop early, but the claimed rows at the
+    table's start come first) and evaluated twice, once per reference to it."""
+    limits = FlowLimits(fair=True)
+    flow.ensure({NAME: limits})
+    for _ in range(6):
+        queue.enqueue_many([NewJob(NAME, {}, tenant=t) for t in ("a", "b") for _ in range(2500)])
+    with connection.cursor() as cur:
+        cur.execute("ANALYZE jobs_job")
+    parts = claim_parts(
+        [ClaimRequest(NAME, 100)],
+        scope=AllTenants(),
+        limit=None,
+        lease=None,
+        worker="w",
+        using="default",
+        limits={NAME: limits},
+    )
+    assert parts is not None
+    ctes, update, params, post = parts
+    sql = f"WITH {ctes}, claimed AS ({update}){post}\nSELECT * FROM claimed"
+    with transaction.atomic(), bound_cursor("default") as cur:
+        cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
+        [[document]] = cur.fetchall()
+        transaction.set_rollback(True)
+    nodes = list(_plan_nodes(document[0]["Plan"]))
+    scans = [n for n in nodes if n.get("Relation Name") == "jobs_job"]
+    assert not [n for n in scans if n["Node Type"] == "Seq Scan"]
+    # Per tenant read: one count of its due rows and one pull of its share.
+    per_tenant = [
+        n
+        for n in scans
+        if n.get("Index Name") == "jobs_job_tenant_claim"
+        and "tenant)::text = " in n.get("Index Cond", "")
+        and n.get("Actual Loops", 0) > 0
+    ]
+    assert len(per_tenant) == 2, [n.get("Index Cond") for n in per_tenant]
