@@ -20,7 +20,8 @@ entries once where the walk crosses them twice.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+import re
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -31,7 +32,7 @@ from jobs.conf import jobs_settings
 from jobs.progress import Progress
 from jobs.queue import _db, attempts, flow, pauses, processes, rollup, text
 from jobs.queue.outcomes import report_json
-from jobs.queue.types import ClaimedJob, ClaimRequest, ProcessBeat, Renewal, Scope
+from jobs.queue.types import ClaimedJob, ClaimRequest, ProcessBeat, Renewal, Scope, pick_scope_sql
 
 # The claim's CTEs: what is paused, what each name asks for (paused names left out), and the
 # rows picked for it (locked as the outer LIMIT pulls them). ``{due}`` is one of the two
@@ -124,10 +125,14 @@ picked AS (
 _PLAIN_BRANCH = """
         SELECT d.id FROM ({due}
         ) d WHERE NOT w.ordered"""
+# A fair name without tenant limits: its rows come from the function, whose plans each
+# connection keeps (planning the statement inline cost more than running it).
 _TIERED_BRANCH = """
-        (SELECT t.id FROM ({tenant_rows}
-        ) t WHERE w.ordered AND w.tcap IS NULL AND w.trate IS NULL
-        LIMIT w.lim)"""
+        SELECT t.id FROM jobs_fair_pick(
+            w.name, w.lim, w.cap, w.after, w.lshare,
+            (SELECT queues FROM paused), (SELECT tenants FROM paused),
+            %(pick_tenant)s::text, %(pick_component)s::text) AS t(id)
+        WHERE w.ordered AND w.tcap IS NULL AND w.trate IS NULL"""
 _CAPPED_BRANCH = """
         SELECT t.id FROM ({tenant_rows}
         ) t WHERE w.ordered AND (w.tcap IS NOT NULL OR w.trate IS NOT NULL)"""
@@ -139,18 +144,93 @@ _RESERVED_BRANCH = """
         LIMIT w.lim)"""
 
 
-def _flow_ctes(
-    due: str, tenant_rows: Callable[[bool], str], flows: flow.FlowForm, scope: Scope
-) -> str:
+def _tiered_rows(due: str, tenant_rows: str, scope_sql: str) -> str:
+    """A fair name's rows within its highest class with due jobs, the places it keeps for
+    the classes below first and the room its tenants leave filled from them (``w`` is its
+    room row); :func:`fair_pick_function` makes it a function."""
+
+    def narrowed(extra: str) -> str:  # the due rows, with one more condition
+        return due.replace("\n  AND j.name = w.name", "\n  AND j.name = w.name" + extra)
+
+    top_level = flow.TOP_LEVEL.replace("{scope}", scope_sql).replace("{paused}", pauses.PAUSED_ROWS)
+    low = flow.LOW.replace("{due}", narrowed(flow.BELOW_TOP))
+    fill = flow.FILL.replace("{due}", narrowed(flow.BELOW_TOP + flow.NOT_LOW))
+    return (
+        tenant_rows.replace("{top}", top_level + low)
+        .replace("{budget}", flow.LOW_BUDGET)
+        .replace("{level}", flow.TOP_LEVEL_ROWS)
+        .replace("{low_rows}", flow.LOW_ROWS)
+        .replace("{fill}", fill)
+    )
+
+
+# What the function takes for what a claim's room row (``w``) and ``paused`` CTE give.
+_PICK_ARGUMENTS = {
+    "w.name": "p_name",
+    "w.lim": "p_lim",
+    "w.cap": "p_cap",
+    "w.after": "p_after",
+    "w.lshare": "p_lshare",
+    "(SELECT queues FROM paused)": "p_queues",
+    "(SELECT tenants FROM paused)": "p_tenants",
+}
+
+
+def fair_pick_function() -> str:
+    """``CREATE OR REPLACE FUNCTION jobs_fair_pick``: :func:`_tiered_rows` as a PL/pgSQL
+    function, so each connection plans it a few times and then keeps a generic plan.
+
+    A migration holds the text this returns (a test compares them): a change to the SQL
+    it is built from needs a migration that replaces the function. It reads the classes by
+    the priority walk, which every supported server runs, and takes the worker's scope as
+    arguments (:func:`~jobs.queue.types.pick_scope_sql`). It runs in a snapshot of its own
+    (a VOLATILE function's): rows it locks that the claim's snapshot does not show are
+    updated by the claim as any row changed since its snapshot is; rows enqueued since then
+    stay queued.
+    """
+    due = _DUE_WALK.format(scope=pick_scope_sql("j"), paused=pauses.PAUSED_ROWS)
+    rows = _tiered_rows(
+        due,
+        flow.tenant_rows(limited=False)
+        .replace("{scope}", pick_scope_sql("j"))
+        .replace("{paused}", pauses.PAUSED_ROWS)
+        .replace("{tenant_scope}", pick_scope_sql("c")),
+        pick_scope_sql("j"),
+    )
+    for column, argument in _PICK_ARGUMENTS.items():
+        rows = rows.replace(column, argument)
+    if re.search(r"\bw\.|\bpaused\b", rows):
+        raise AssertionError("the fair pick refers to the claim's statement")
+    body = "\n".join("    " + line if line else "" for line in rows.strip().splitlines())
+    return (
+        "CREATE OR REPLACE FUNCTION jobs_fair_pick(\n"
+        "    p_name text, p_lim integer, p_cap integer, p_after text, p_lshare float8,\n"
+        "    p_queues text[], p_tenants text[], p_tenant text, p_component text\n"
+        ") RETURNS SETOF bigint LANGUAGE plpgsql VOLATILE\n"
+        # The cost of a custom plan is always estimated below the generic one's (a bound
+        # LIMIT reads as few rows), so left to itself PostgreSQL plans it anew every call.
+        "SET plan_cache_mode = force_generic_plan AS $$\n"
+        "BEGIN\n"
+        "    RETURN QUERY SELECT picked.id FROM (\n"
+        f"{body}\n"
+        "    ) picked LIMIT p_lim;\n"
+        "END\n"
+        "$$;\n"
+    )
+
+
+def _flow_ctes(due: str, flows: flow.FlowForm, scope: Scope) -> str:
     def narrowed(extra: str) -> str:  # the due rows, with one more condition
         return due.replace("\n  AND j.name = w.name", "\n  AND j.name = w.name" + extra)
 
     scope_sql, _ = scope.sql("j")
-    top_level = flow.TOP_LEVEL.replace("{scope}", scope_sql).replace("{paused}", pauses.PAUSED_ROWS)
-    low = flow.LOW.replace("{due}", narrowed(flow.BELOW_TOP))
     branches = []
     if flows.plain and flows.reserved:
         # The kept places first, then the plain order past them.
+        top_level = flow.TOP_LEVEL.replace("{scope}", scope_sql).replace(
+            "{paused}", pauses.PAUSED_ROWS
+        )
+        low = flow.LOW.replace("{due}", narrowed(flow.BELOW_TOP))
         reserved = (
             "\nWITH RECURSIVE "
             + top_level
@@ -165,21 +245,13 @@ def _flow_ctes(
     elif flows.plain:
         branches.append(_PLAIN_BRANCH.replace("{due}", due))
     if flows.tiered:
-        # The kept places' part only when some name keeps a share for lower classes.
-        kept = flows.tiered_reserved
-        fill = flow.FILL.replace("{due}", narrowed(flow.BELOW_TOP + (flow.NOT_LOW if kept else "")))
-        rows = (
-            tenant_rows(False)
-            .replace("{top}", top_level + (low if kept else ""))
-            .replace("{budget}", flow.LOW_BUDGET if kept else "w.lim")
-            .replace("{level}", flow.TOP_LEVEL_ROWS)
-            .replace("{low_rows}", flow.LOW_ROWS if kept else "")
-            .replace("{fill}", fill)
-        )
-        branches.append(_TIERED_BRANCH.replace("{tenant_rows}", rows))
+        branches.append(_TIERED_BRANCH)
     if flows.capped:
         rows = (
-            tenant_rows(True)
+            flow.tenant_rows(limited=True, releasing=flows.releasing)
+            .replace("{scope}", scope_sql)
+            .replace("{paused}", pauses.PAUSED_ROWS)
+            .replace("{tenant_scope}", scope.sql("c")[0])
             .replace("{top}", "")
             .replace("{budget}", "w.lim")
             .replace("{level}", "")
@@ -219,15 +291,7 @@ def _claim_ctes(
     if flows is None:
         return _CLAIM_CTES.replace("{due}", due), scope_params
 
-    def tenant_rows(limited: bool) -> str:
-        return (
-            flow.tenant_rows(flows, limited=limited)
-            .replace("{scope}", scope_sql)
-            .replace("{paused}", pauses.PAUSED_ROWS)
-            .replace("{tenant_scope}", scope.sql("c")[0])
-        )
-
-    return _flow_ctes(due, tenant_rows, flows, scope), scope_params
+    return _flow_ctes(due, flows, scope), scope_params
 
 
 def claim_parts(
@@ -276,6 +340,8 @@ def claim_parts(
     if flows is None:
         return ctes, _CLAIM_UPDATE, params, ""
     params.update(flow.request_params(requests, limits or {}, after or {}))
+    if flows.tiered:
+        params.update(scope.pick_params())
     return ctes, _CLAIM_UPDATE, params, flow.after_claim(flows)
 
 

@@ -210,8 +210,6 @@ class FlowForm:
     capped: bool  # some name is tenant-ordered with a tenant limit
     tenant_rated: bool  # some name has a tenant rate limit
     reserved: bool  # some name claimed in the plain order keeps a share for lower classes
-    # Some fair name without tenant limits keeps a share for lower classes.
-    tiered_reserved: bool = False
     # The statement also writes outcomes (``written``, jobs.queue.cycle): the jobs it ends
     # are running in its snapshot, and their places are free once it commits.
     releasing: bool = False
@@ -248,9 +246,6 @@ def form(
         tenant_rated=any(f is not None and f.tenant_rate is not None for f in asked),
         reserved=any(
             f is not None and not f.tenant_ordered and f.lower_share is not None for f in asked
-        ),
-        tiered_reserved=any(
-            f is not None and f.tiered and f.lower_share is not None for f in asked
         ),
     )
 
@@ -313,13 +308,13 @@ def gate(flows: FlowForm) -> str:
     )
 
 
-def tenant_rows(flows: FlowForm, *, limited: bool) -> str:
-    """:data:`TENANT_ROWS` for this form: with ``limited``, each tenant's room is bounded by
-    its tenant limit and bucket (:data:`TENANT_ROOM`, with the running counts this form
-    needs); without, by the claim's budget alone, and the running jobs are not read."""
+def tenant_rows(*, limited: bool, releasing: bool = False) -> str:
+    """:data:`TENANT_ROWS`: with ``limited``, each tenant's room is bounded by its tenant
+    limit and bucket (:data:`TENANT_ROOM`; ``releasing`` as in :class:`FlowForm`); without,
+    by the claim's budget alone, and the running jobs are not read."""
     if not limited:
         return TENANT_ROWS.replace("{busy}", "").replace("{room}", "(SELECT n FROM budget)")
-    busy = TENANT_BUSY.replace("{tenant_unreleased}", _TENANT_UNRELEASED if flows.releasing else "")
+    busy = TENANT_BUSY.replace("{tenant_unreleased}", _TENANT_UNRELEASED if releasing else "")
     return TENANT_ROWS.replace("{busy}", busy).replace("{room}", TENANT_ROOM)
 
 

@@ -168,6 +168,21 @@ class Scope:
         """A condition on the jobs table aliased ``alias``, with its named parameters."""
         raise NotImplementedError
 
+    def pick_params(self) -> dict[str, str | None]:
+        """The scope as the fair pick function's two arguments (see :func:`pick_scope_sql`)."""
+        return {"pick_tenant": None, "pick_component": None}
+
+
+def pick_scope_sql(alias: str) -> str:
+    """Every scope as one condition on two arguments, for SQL whose plan is kept whatever the
+    scope (a PL/pgSQL function): ``p_tenant`` alone, or every tenant without a
+    ``p_component`` override, or (both NULL) every tenant."""
+    return (
+        f"(p_tenant IS NULL OR {alias}.tenant = p_tenant) AND (p_component IS NULL OR "
+        f"NOT EXISTS (SELECT 1 FROM jobs_tenantoverride o "
+        f"WHERE o.tenant = {alias}.tenant AND o.component = p_component))"
+    )
+
 
 @dataclass(frozen=True, slots=True)
 class AllTenantsExcept(Scope):
@@ -185,6 +200,9 @@ class AllTenantsExcept(Scope):
             {"scope_component": self.component},
         )
 
+    def pick_params(self) -> dict[str, str | None]:
+        return {"pick_tenant": None, "pick_component": self.component}
+
 
 @dataclass(frozen=True, slots=True)
 class OnlyTenant(Scope):
@@ -197,6 +215,9 @@ class OnlyTenant(Scope):
 
     def sql(self, alias: str) -> tuple[str, dict[str, Any]]:
         return f"{alias}.tenant = %(scope_tenant)s", {"scope_tenant": self.tenant}
+
+    def pick_params(self) -> dict[str, str | None]:
+        return {"pick_tenant": self.tenant, "pick_component": None}
 
 
 @dataclass(frozen=True, slots=True)

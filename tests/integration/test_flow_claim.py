@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -16,8 +17,6 @@ from hypothesis import strategies as st
 from jobs import queue
 from jobs.models import FlowGate, Job, TenantBucket, TenantWeight
 from jobs.queue import AllTenants, ClaimRequest, NewJob, OnlyTenant, flow
-from jobs.queue._db import bound_cursor
-from jobs.queue.claim import claim_parts
 from jobs.queue.flow import FlowLimits
 from jobs.scheduler.clock import database_now
 from tests.acceptance.conftest import wait_for
@@ -373,31 +372,43 @@ def _plan_nodes(plan: dict):
 def test_a_fair_claim_reads_each_tenants_due_rows_by_index_and_counts_them_once():
     """Measured in a drain: the count of a tenant's due rows was planned as a scan of the
     whole table (its LIMIT made the planner expect to stop early, but the claimed rows at the
-    table's start come first) and evaluated twice, once per reference to it."""
+    table's start come first) and evaluated twice, once per reference to it. The plans are
+    read with auto_explain, which sees inside the pick function too."""
     limits = FlowLimits(fair=True)
     flow.ensure({NAME: limits})
     for _ in range(6):
         queue.enqueue_many([NewJob(NAME, {}, tenant=t) for t in ("a", "b") for _ in range(2500)])
+    plans: list[dict] = []
+
+    def noticed(diagnostic) -> None:
+        text = diagnostic.message_primary or ""
+        if "plan:" in text:
+            plans.append(json.loads(text.split("plan:", 1)[1])["Plan"])
+
     with connection.cursor() as cur:
         cur.execute("ANALYZE jobs_job")
-    parts = claim_parts(
-        [ClaimRequest(NAME, 100)],
-        scope=AllTenants(),
-        limit=None,
-        lease=None,
-        worker="w",
-        using="default",
-        limits={NAME: limits},
-    )
-    assert parts is not None
-    ctes, update, params, post = parts
-    sql = f"WITH {ctes}, claimed AS ({update}){post}\nSELECT * FROM claimed"
-    with transaction.atomic(), bound_cursor("default") as cur:
-        cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
-        [[document]] = cur.fetchall()
-        transaction.set_rollback(True)
-    nodes = list(_plan_nodes(document[0]["Plan"]))
+    connection.ensure_connection()
+    raw = connection.connection
+    raw.add_notice_handler(noticed)
+    try:
+        with transaction.atomic(), connection.cursor() as cur:
+            for setting in (
+                "LOAD 'auto_explain'",
+                "SET LOCAL auto_explain.log_min_duration = 0",
+                "SET LOCAL auto_explain.log_analyze = on",
+                "SET LOCAL auto_explain.log_nested_statements = on",
+                "SET LOCAL auto_explain.log_format = 'json'",
+                "SET LOCAL client_min_messages = 'log'",
+            ):
+                cur.execute(setting)
+            claimed = take(limits, asked=100)
+            transaction.set_rollback(True)
+    finally:
+        raw.remove_notice_handler(noticed)
+    assert len(claimed) == 100
+    nodes = [node for plan in plans for node in _plan_nodes(plan)]
     scans = [n for n in nodes if n.get("Relation Name") == "jobs_job"]
+    assert scans, "auto_explain reported no plan"
     assert not [n for n in scans if n["Node Type"] == "Seq Scan"]
     # Per tenant read: one count of its due rows and one pull of its share.
     per_tenant = [
@@ -408,3 +419,21 @@ def test_a_fair_claim_reads_each_tenants_due_rows_by_index_and_counts_them_once(
         and n.get("Actual Loops", 0) > 0
     ]
     assert len(per_tenant) == 2, [n.get("Index Cond") for n in per_tenant]
+
+
+def test_the_latest_migration_holds_the_fair_pick_function_the_claim_builds():
+    """The function's SQL is built from the claim's pieces; a change to them needs a
+    migration that replaces the function, or databases would keep running the old one."""
+    import importlib
+    from pathlib import Path
+
+    import jobs.migrations
+    from jobs.queue.claim import fair_pick_function
+
+    folder = Path(jobs.migrations.__file__).parent
+    holders = sorted(
+        path.stem for path in folder.glob("0*.py") if "FUNCTION jobs_fair_pick(" in path.read_text()
+    )
+    assert holders, "no migration creates jobs_fair_pick"
+    latest = importlib.import_module(f"jobs.migrations.{holders[-1]}")
+    assert latest.SQL.strip() == fair_pick_function().strip()
