@@ -81,28 +81,30 @@ BEGIN
     budget AS MATERIALIZED (SELECT p_lim - (SELECT count(*) FROM low)::int AS n),
     ahead(tenant) AS (
         (SELECT j.tenant FROM jobs_job j
-         WHERE j.state = 'queued' AND j.fair AND j.name = p_name AND j.tenant > p_after
-         ORDER BY j.tenant LIMIT 1)
+         WHERE j.state = 'queued' AND j.fair AND j.name = p_name AND j.tenant < p_after
+         ORDER BY j.tenant DESC LIMIT 1)
         UNION ALL
         SELECT (SELECT j.tenant FROM jobs_job j
-                WHERE j.state = 'queued' AND j.fair AND j.name = p_name AND j.tenant > a.tenant
-                ORDER BY j.tenant LIMIT 1)
+                WHERE j.state = 'queued' AND j.fair AND j.name = p_name AND j.tenant < a.tenant
+                ORDER BY j.tenant DESC LIMIT 1)
         FROM ahead a WHERE a.tenant IS NOT NULL
     ),
     behind(tenant) AS (
         (SELECT j.tenant FROM jobs_job j
-         WHERE j.state = 'queued' AND j.fair AND j.name = p_name AND j.tenant <= p_after
-         ORDER BY j.tenant LIMIT 1)
+         WHERE j.state = 'queued' AND j.fair AND j.name = p_name AND j.tenant >= p_after
+         ORDER BY j.tenant DESC LIMIT 1)
         UNION ALL
         SELECT (SELECT j.tenant FROM jobs_job j
-                WHERE j.state = 'queued' AND j.fair AND j.name = p_name AND j.tenant > b.tenant
-                  AND j.tenant <= p_after
-                ORDER BY j.tenant LIMIT 1)
+                WHERE j.state = 'queued' AND j.fair AND j.name = p_name AND j.tenant < b.tenant
+                  AND j.tenant >= p_after
+                ORDER BY j.tenant DESC LIMIT 1)
         FROM behind b WHERE b.tenant IS NOT NULL
     ),
     tenants AS MATERIALIZED (
         SELECT * FROM (
-        SELECT t.tenant, t.pass, t.weight, LEAST(t.room, (
+        SELECT t.tenant, t.pass, t.weight,
+            -- One tenant read: its share is its room, and the pull stops at its due rows.
+            CASE WHEN t.listed > 1 THEN LEAST(t.room, (
             SELECT count(*) FROM (
                 SELECT 1 FROM jobs_job j
                 WHERE j.state = 'queued' AND j.fair AND j.name = p_name AND j.tenant = t.tenant
@@ -113,9 +115,9 @@ BEGIN
                 -- In the per-tenant index's order, so the planner reads the index, not the heap
                 -- (whose claimed rows a scan in table order would step over first).
                 ORDER BY j.priority DESC, j.run_after, j.id
-                LIMIT LEAST(t.room, p_lim)) due)::int) AS avail
+                LIMIT LEAST(t.room, p_lim)) due)::int) ELSE t.room END AS avail
         FROM (
-            SELECT c.tenant, c.pass,
+            SELECT c.tenant, c.pass, count(*) OVER () AS listed,
                 COALESCE((SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = c.tenant), 1)
                     AS weight,
                 (SELECT n FROM budget) AS room
@@ -140,7 +142,7 @@ BEGIN
             sum(avail) OVER fill - avail AS used_before,
             sum(weight) OVER (ORDER BY avail::float8 / weight, pos
                               ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS weight_from
-        FROM (SELECT tenant, weight, avail, row_number() OVER (ORDER BY pass, tenant) AS pos
+        FROM (SELECT tenant, weight, avail, row_number() OVER (ORDER BY pass, tenant DESC) AS pos
               FROM tenants) t
         WINDOW fill AS (ORDER BY avail::float8 / weight, pos ROWS UNBOUNDED PRECEDING)
     ),

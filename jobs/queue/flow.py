@@ -18,11 +18,13 @@ just ended is only cautious: the next claim sees it.
 row, one per (type, tenant) in ``jobs_flowtenant``, written by the gated claims only.
 
 **Tenant order.** For a type that is fair or has tenant limits, the claim reads tenant by
-tenant: the tenants with queued jobs of the type (one hop each down the per-tenant claim
-index, starting after the tenant the worker's previous claim ended at, so every tenant comes
-round), each one's free room (tenant limit, tenant bucket) and due jobs (up to the claim's
-limit), and gives each tenant a share of the claim weighted by ``jobs_tenantweight``, handing
-what a tenant cannot use to the others. Enqueue puts such types' rows in the per-tenant index
+tenant: the tenants with queued jobs of the type (one hop each along the per-tenant claim
+index, downwards from the tenant the worker's previous claim ended at, so every tenant comes
+round; downwards, because a hop then lands at the end of a tenant's range, past the entries
+its claimed jobs left at the start), each one's free room (tenant limit, tenant bucket) and,
+when several are read, due jobs (up to the claim's limit), and gives each tenant a share of
+the claim weighted by ``jobs_tenantweight``, handing what a tenant cannot use to the others.
+Enqueue puts such types' rows in the per-tenant index
 (the ``fair`` column), as the gate rows say (:func:`ensure`).
 """
 
@@ -364,7 +366,8 @@ AVAIL = """LEAST(t.room, (
 
 # A tenant-ordered name's due rows (``w`` is its room row): the tenants with queued rows,
 # in the worker's scope (a scope is a condition on the tenant, so it is applied to the list),
-# after the worker's cursor and then from the start, one index hop each and only as many as
+# below the worker's cursor and then from the highest, one index hop each (landing on the
+# end of a tenant's range, where its claimed jobs left no dead entries) and only as many as
 # the claim may use; each one's room and due rows (counted up to the claim's limit, unlocked);
 # weighted max-min fair shares; then each tenant's share of rows in cursor order, locked as
 # pulled.
@@ -373,32 +376,34 @@ TENANT_ROWS = (
 WITH RECURSIVE {top}budget AS MATERIALIZED (SELECT {budget} AS n),
 ahead(tenant) AS (
     (SELECT j.tenant FROM jobs_job j
-     WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant > w.after
-     ORDER BY j.tenant LIMIT 1)
+     WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant < w.after
+     ORDER BY j.tenant DESC LIMIT 1)
     UNION ALL
     SELECT (SELECT j.tenant FROM jobs_job j
-            WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant > a.tenant
-            ORDER BY j.tenant LIMIT 1)
+            WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant < a.tenant
+            ORDER BY j.tenant DESC LIMIT 1)
     FROM ahead a WHERE a.tenant IS NOT NULL
 ),
 behind(tenant) AS (
     (SELECT j.tenant FROM jobs_job j
-     WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant <= w.after
-     ORDER BY j.tenant LIMIT 1)
+     WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant >= w.after
+     ORDER BY j.tenant DESC LIMIT 1)
     UNION ALL
     SELECT (SELECT j.tenant FROM jobs_job j
-            WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant > b.tenant
-              AND j.tenant <= w.after
-            ORDER BY j.tenant LIMIT 1)
+            WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant < b.tenant
+              AND j.tenant >= w.after
+            ORDER BY j.tenant DESC LIMIT 1)
     FROM behind b WHERE b.tenant IS NOT NULL
 ),
 {busy}tenants AS MATERIALIZED (
     SELECT * FROM (
-    SELECT t.tenant, t.pass, t.weight, """
+    SELECT t.tenant, t.pass, t.weight,
+        -- One tenant read: its share is its room, and the pull stops at its due rows.
+        CASE WHEN t.listed > 1 THEN """
     + AVAIL
-    + """ AS avail
+    + """ ELSE t.room END AS avail
     FROM (
-        SELECT c.tenant, c.pass,
+        SELECT c.tenant, c.pass, count(*) OVER () AS listed,
             COALESCE((SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = c.tenant), 1)
                 AS weight,
             {room} AS room
@@ -423,7 +428,7 @@ ranked AS (
         sum(avail) OVER fill - avail AS used_before,
         sum(weight) OVER (ORDER BY avail::float8 / weight, pos
                           ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS weight_from
-    FROM (SELECT tenant, weight, avail, row_number() OVER (ORDER BY pass, tenant) AS pos
+    FROM (SELECT tenant, weight, avail, row_number() OVER (ORDER BY pass, tenant DESC) AS pos
           FROM tenants) t
     WINDOW fill AS (ORDER BY avail::float8 / weight, pos ROWS UNBOUNDED PRECEDING)
 ),
@@ -575,17 +580,17 @@ def after_claim(flows: FlowForm) -> str:
 
 
 def next_cursor(after: str, tenants: Iterable[str]) -> str:
-    """Where a tenant-ordered name's next claim starts: after the last tenant this one reached.
+    """Where a tenant-ordered name's next claim starts: past the last tenant this one reached.
 
-    The claim reads the tenants after ``after`` first, then wraps round to the start, so the
-    last one reached is the highest claimed at or before ``after`` if it wrapped, else the
-    highest claimed.
+    The claim reads the tenants below ``after`` first, highest first, then wraps round to
+    the highest and down to ``after``, so the last one reached is the lowest claimed at or
+    above ``after`` if it wrapped, else the lowest claimed.
     """
     tenants = set(tenants)
     if not tenants:
         return after
-    wrapped = [t for t in tenants if t <= after]
-    return max(wrapped) if wrapped else max(tenants)
+    wrapped = [t for t in tenants if t >= after]
+    return min(wrapped) if wrapped else min(tenants)
 
 
 #: The console's and the gauges' counts of due jobs read at most this many rows per type:

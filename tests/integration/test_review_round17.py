@@ -272,19 +272,19 @@ def test_the_cursor_follows_the_database_order_of_tenants():
     for tenant in ("a", "B", "c", "D"):  # "unicode": a < B < c < D; code points: B < D < a < c
         put(tenant, 5)
 
-    first = take(limits, 2, after={NAME: ""})
-    assert {job.tenant for job in first} == {"a", "B"}
+    first = take(limits, 2, after={NAME: ""})  # highest first
+    assert {job.tenant for job in first} == {"D", "c"}
     cursor = flow.next_cursor("", [job.tenant for job in first])
     second = take(limits, 2, after={NAME: cursor})
-    assert {job.tenant for job in second} == {"c", "D"}
+    assert {job.tenant for job in second} == {"B", "a"}
 
 
 def test_guard_next_cursor_wraps_round():
     assert flow.next_cursor("", []) == ""
     assert flow.next_cursor("m", []) == "m"
-    assert flow.next_cursor("", ["a", "b"]) == "b"
-    assert flow.next_cursor("m", ["n", "x"]) == "x"
-    assert flow.next_cursor("m", ["x", "b"]) == "b"  # wrapped: b was reached last
+    assert flow.next_cursor("", ["a", "b"]) == "a"
+    assert flow.next_cursor("m", ["b", "a"]) == "a"
+    assert flow.next_cursor("m", ["b", "x"]) == "x"  # wrapped: x was reached last
 
 
 # -- the gate: exact limits under concurrent claims ------------------------------------------
