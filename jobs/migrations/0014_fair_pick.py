@@ -104,7 +104,7 @@ BEGIN
         SELECT * FROM (
         SELECT t.tenant, t.pass, t.weight,
             -- One tenant read: its share is its room, and the pull stops at its due rows.
-            CASE WHEN t.listed > 1 THEN LEAST(t.room, (
+            CASE WHEN t.several THEN LEAST(t.room, (
             SELECT count(*) FROM (
                 SELECT 1 FROM jobs_job j
                 WHERE j.state = 'queued' AND j.fair AND j.name = p_name AND j.tenant = t.tenant
@@ -117,7 +117,11 @@ BEGIN
                 ORDER BY j.priority DESC, j.run_after, j.id
                 LIMIT LEAST(t.room, p_lim)) due)::int) ELSE t.room END AS avail
         FROM (
-            SELECT c.tenant, c.pass, count(*) OVER () AS listed,
+            -- Whether another tenant is listed, from its neighbours: a count of the list would
+            -- walk every tenant of the type before the first is served.
+            SELECT c.tenant, c.pass,
+                (lag(c.tenant) OVER () IS NOT NULL OR lead(c.tenant) OVER () IS NOT NULL)
+                    AS several,
                 COALESCE((SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = c.tenant), 1)
                     AS weight,
                 (SELECT n FROM budget) AS room

@@ -399,11 +399,15 @@ behind(tenant) AS (
     SELECT * FROM (
     SELECT t.tenant, t.pass, t.weight,
         -- One tenant read: its share is its room, and the pull stops at its due rows.
-        CASE WHEN t.listed > 1 THEN """
+        CASE WHEN t.several THEN """
     + AVAIL
     + """ ELSE t.room END AS avail
     FROM (
-        SELECT c.tenant, c.pass, count(*) OVER () AS listed,
+        -- Whether another tenant is listed, from its neighbours: a count of the list would
+        -- walk every tenant of the type before the first is served.
+        SELECT c.tenant, c.pass,
+            (lag(c.tenant) OVER () IS NOT NULL OR lead(c.tenant) OVER () IS NOT NULL)
+                AS several,
             COALESCE((SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = c.tenant), 1)
                 AS weight,
             {room} AS room
