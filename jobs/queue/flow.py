@@ -483,9 +483,7 @@ WHERE s.share > 0
 # A fair type without tenant limits is fair within its highest priority that has due jobs:
 # a higher class is served first, and the claim's room its tenants leave is filled in the
 # plain order from the classes below. A type with ``lower_priority_share`` keeps that share
-# of each claim for the due jobs below the top class first (:data:`LOW`). The priorities
-# with queued rows are walked as the claim's walk does, one hop each, down to the first
-# with a due row.
+# of each claim for the due jobs below the top class first (:data:`LOW`).
 #: The priorities a name (``w.name``) has queued rows at, highest first: one hop down the
 #: claim index each, evaluated only as far as what reads it asks. The claim's priority walk
 #: (jobs.queue.claim) is this too.
@@ -498,27 +496,46 @@ LEVELS = """levels(priority) AS (
             ORDER BY j.priority DESC LIMIT 1)
     FROM levels l WHERE l.priority IS NOT NULL
 )"""
-TOP_LEVEL = (
-    LEVELS
-    + """,
+#: The top class (``top``): the highest priority with a due row, found without reading the
+#: start of the claim index where it can be helped, because the entries of the jobs the last
+#: claims took stay there until vacuum and each must be checked in the table. The lowest
+#: queued priority is read from the other end; the classes above it are walked as
+#: :data:`LEVELS` walks, one hop each, down to the first with a due row. With one class
+#: (the common case) the walk stops at its first hop, which bounds the range above it, and
+#: that class is the top whether its rows are due or not (if none is, nothing is).
+TOP_LEVEL = """lowest AS MATERIALIZED (
+    SELECT j.priority FROM jobs_job j WHERE j.state = 'queued' AND j.name = w.name
+    ORDER BY j.priority LIMIT 1
+),
+above(priority) AS (
+    (SELECT j.priority FROM jobs_job j
+     WHERE j.state = 'queued' AND j.name = w.name AND j.priority > (SELECT priority FROM lowest)
+     ORDER BY j.priority DESC LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.priority FROM jobs_job j
+            WHERE j.state = 'queued' AND j.name = w.name AND j.priority < a.priority
+              AND j.priority > (SELECT priority FROM lowest)
+            ORDER BY j.priority DESC LIMIT 1)
+    FROM above a WHERE a.priority IS NOT NULL
+),
 top AS MATERIALIZED (
-    SELECT l.priority FROM levels l
-    -- A scalar subquery with its own LIMIT, which the planner cannot turn into a join over
-    -- the type's whole backlog.
-    WHERE l.priority IS NOT NULL AND (
-        SELECT TRUE FROM jobs_job j
-        WHERE j.state = 'queued' AND j.name = w.name AND j.priority = l.priority
-          AND j.run_after <= statement_timestamp()
-          AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
-          AND {scope}
-          AND {paused}
-        -- In the claim index's order, so the planner reads the index, not the heap.
-        ORDER BY j.priority DESC, j.run_after, j.id
-        LIMIT 1)
-    LIMIT 1
+    SELECT COALESCE((
+        SELECT a.priority FROM above a
+        -- A scalar subquery with its own LIMIT, which the planner cannot turn into a join
+        -- over the type's whole backlog.
+        WHERE a.priority IS NOT NULL AND (
+            SELECT TRUE FROM jobs_job j
+            WHERE j.state = 'queued' AND j.name = w.name AND j.priority = a.priority
+              AND j.run_after <= statement_timestamp()
+              AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
+              AND {scope}
+              AND {paused}
+            -- In the claim index's order, so the planner reads the index, not the heap.
+            ORDER BY j.priority DESC, j.run_after, j.id
+            LIMIT 1)
+        LIMIT 1), (SELECT priority FROM lowest)) AS priority
 ),
 """
-)
 
 #: Of a claim (``w.lim``) with a share for lower classes, the places kept for them: whole
 #: places and, for the fraction, one more that often, so small claims keep the share too.

@@ -11,6 +11,7 @@ from datetime import timedelta
 import pytest
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -363,10 +364,84 @@ def test_a_fair_type_keeps_the_lower_share_too(claim_form):
     assert got == {("c", 0): 4, ("a", 5): 2, ("b", 5): 2}
 
 
+# (tenant, priority, due now) → how many queued jobs
+class_backlogs = st.dictionaries(
+    st.tuples(st.sampled_from(["a", "b", "c"]), st.sampled_from([-3, 0, 2, 5]), st.booleans()),
+    st.integers(1, 6),
+    min_size=1,
+)
+
+
+@example(backlog={("a", 5, False): 3, ("a", 0, True): 2}, asked=3, running=0)
+@example(backlog={("a", 0, True): 4, ("b", 2, False): 1, ("b", -3, True): 2}, asked=9, running=3)
+@given(backlog=class_backlogs, asked=st.integers(1, 12), running=st.integers(0, 4))
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_any_mix_of_classes_is_claimed_highest_due_class_first(claim_form, backlog, asked, running):
+    """Whatever the classes, their due and not yet due rows and the jobs already claimed from
+    them, a fair claim takes the highest due class first and fills from the classes below:
+    the priorities it takes are the first ones of all due rows in priority order."""
+    limits = FlowLimits(fair=True)
+    later = timezone.now() + timedelta(hours=1)
+    with transaction.atomic():
+        flow.ensure({NAME: limits})
+        for (tenant, priority, due), count in backlog.items():
+            queue.enqueue_many(
+                [
+                    NewJob(
+                        NAME, {}, tenant=tenant, priority=priority, run_after=None if due else later
+                    )
+                    for _ in range(count)
+                ]
+            )
+        taken = take(limits, asked=running) if running else []  # the last claim's jobs
+        due_priorities = sorted(
+            (p for (_, p, due), count in backlog.items() if due for _ in range(count)), reverse=True
+        )[len(taken) :]
+
+        claimed = take(limits, asked=asked)
+
+        assert sorted((job.priority for job in claimed), reverse=True) == due_priorities[:asked]
+        transaction.set_rollback(True)
+
+
 def _plan_nodes(plan: dict):
     yield plan
     for child in plan.get("Plans", ()):
         yield from _plan_nodes(child)
+
+
+def _explained(claim) -> tuple[list, list[dict]]:
+    """What ``claim()`` returns and the plans auto_explain reports for it, nested ones (the
+    pick function's) included, with actual rows and buffers; the transaction is rolled back."""
+    plans: list[dict] = []
+
+    def noticed(diagnostic) -> None:
+        text = diagnostic.message_primary or ""
+        if "plan:" in text:
+            plans.append(json.loads(text.split("plan:", 1)[1])["Plan"])
+
+    connection.ensure_connection()
+    raw = connection.connection
+    raw.add_notice_handler(noticed)
+    try:
+        with transaction.atomic(), connection.cursor() as cur:
+            for setting in (
+                "LOAD 'auto_explain'",
+                "SET LOCAL auto_explain.log_min_duration = 0",
+                "SET LOCAL auto_explain.log_analyze = on",
+                "SET LOCAL auto_explain.log_buffers = on",
+                "SET LOCAL auto_explain.log_nested_statements = on",
+                "SET LOCAL auto_explain.log_format = 'json'",
+                "SET LOCAL client_min_messages = 'log'",
+            ):
+                cur.execute(setting)
+            claimed = claim()
+            transaction.set_rollback(True)
+    finally:
+        raw.remove_notice_handler(noticed)
+    return claimed, [node for plan in plans for node in _plan_nodes(plan)]
 
 
 def test_a_fair_claim_reads_each_tenants_due_rows_by_index_and_counts_them_once():
@@ -378,35 +453,10 @@ def test_a_fair_claim_reads_each_tenants_due_rows_by_index_and_counts_them_once(
     flow.ensure({NAME: limits})
     for _ in range(6):
         queue.enqueue_many([NewJob(NAME, {}, tenant=t) for t in ("a", "b") for _ in range(2500)])
-    plans: list[dict] = []
-
-    def noticed(diagnostic) -> None:
-        text = diagnostic.message_primary or ""
-        if "plan:" in text:
-            plans.append(json.loads(text.split("plan:", 1)[1])["Plan"])
-
     with connection.cursor() as cur:
         cur.execute("ANALYZE jobs_job")
-    connection.ensure_connection()
-    raw = connection.connection
-    raw.add_notice_handler(noticed)
-    try:
-        with transaction.atomic(), connection.cursor() as cur:
-            for setting in (
-                "LOAD 'auto_explain'",
-                "SET LOCAL auto_explain.log_min_duration = 0",
-                "SET LOCAL auto_explain.log_analyze = on",
-                "SET LOCAL auto_explain.log_nested_statements = on",
-                "SET LOCAL auto_explain.log_format = 'json'",
-                "SET LOCAL client_min_messages = 'log'",
-            ):
-                cur.execute(setting)
-            claimed = take(limits, asked=100)
-            transaction.set_rollback(True)
-    finally:
-        raw.remove_notice_handler(noticed)
+    claimed, nodes = _explained(lambda: take(limits, asked=100))
     assert len(claimed) == 100
-    nodes = [node for plan in plans for node in _plan_nodes(plan)]
     scans = [n for n in nodes if n.get("Relation Name") == "jobs_job"]
     assert scans, "auto_explain reported no plan"
     assert not [n for n in scans if n["Node Type"] == "Seq Scan"]
@@ -419,6 +469,32 @@ def test_a_fair_claim_reads_each_tenants_due_rows_by_index_and_counts_them_once(
         and n.get("Actual Loops", 0) > 0
     ]
     assert len(per_tenant) == 2, [n.get("Index Cond") for n in per_tenant]
+
+
+def test_a_fair_claim_of_one_priority_class_does_not_cross_the_claimed_jobs_to_find_it():
+    """Measured in a drain: finding the highest class with due jobs read the claim index
+    from its start twice a claim, stepping over the entries the last claims left there (not
+    yet removed, so each is checked in the table) before the pull crossed them a third time.
+    With one class there is nothing to find: its lowest queued priority, read from the live
+    end of the index, has no class above it."""
+    limits = FlowLimits(fair=True)
+    flow.ensure({NAME: limits})
+    enqueue("a", 3000)
+    with connection.cursor() as cur:
+        cur.execute("ANALYZE jobs_job")
+    with transaction.atomic():
+        assert len(take(limits, asked=1000) + take(limits, asked=1000)) == 2000
+        claimed, nodes = _explained(lambda: take(limits, asked=10))
+    assert len(claimed) == 10
+    reads = [
+        (n.get("Index Cond"), n["Shared Hit Blocks"] + n["Shared Read Blocks"])
+        for n in nodes
+        if n.get("Relation Name") == "jobs_job" and n["Node Type"] != "ModifyTable"
+    ]
+    assert reads, "auto_explain reported no plan"
+    # The 2,000 claimed entries span hundreds of pages: only the pull of the ten may cross them.
+    crossings = [read for read in reads if read[1] > 200]
+    assert len(crossings) == 1, crossings
 
 
 def test_the_latest_migration_holds_the_fair_pick_function_the_claim_builds():
