@@ -108,16 +108,31 @@ def bound_elsewhere(registry: Registry, alias: str) -> tuple[str, ...]:
     return tuple(t.name for t in registry if t.policy.database not in (None, alias))
 
 
-def has_jobs_tables(alias: str) -> bool:
-    """Whether ``alias``'s database has the jobs table (``migrate --database alias`` ran).
+def unapplied_migrations(alias: str) -> list[str] | None:
+    """The jobs migrations ``alias``'s database has not recorded, in order (``None``: it has
+    no jobs tables at all). A worker on an older schema would fail on every claim that uses
+    what a newer migration made (the fair pick function, for one), not once at start.
 
     Asked on a connection with the worker's bounds (:mod:`jobs.dbbounds`): a server that
     accepts connections but never answers makes this raise, not hang.
     """
+    from django.db.migrations.loader import MigrationLoader
+
+    on_disk = sorted(
+        name
+        for app, name in MigrationLoader(None, ignore_no_migrations=True).disk_migrations
+        if app == "jobs"
+    )
     with dbbounds.bounded(connections[alias]) as db, db.cursor() as cur:
-        cur.execute("SELECT to_regclass('jobs_job') IS NOT NULL")
+        cur.execute("SELECT to_regclass('jobs_job'), to_regclass('django_migrations')")
         row = cur.fetchone()
-    return bool(row and row[0])
+        if not (row and row[0]):
+            return None
+        if not row[1]:
+            return on_disk
+        cur.execute("SELECT name FROM django_migrations WHERE app = 'jobs'")
+        recorded = {name for (name,) in cur.fetchall()}
+    return [name for name in on_disk if name not in recorded]
 
 
 def problems(alias: str) -> list[str]:
@@ -134,11 +149,16 @@ def problems(alias: str) -> list[str]:
             "scheduler maintains it and the admin shows it"
         ]
     try:
-        present = has_jobs_tables(alias)
+        missing = unapplied_migrations(alias)
     except DatabaseError:
         return []  # unreachable now: a worker starts anyway and retries until it is back
-    if not present:
+    if missing is None:
         return [f"database {alias!r} has no jobs tables: run manage.py migrate --database {alias}"]
+    if missing:
+        return [
+            f"database {alias!r} lacks jobs migrations {', '.join(missing)}: "
+            f"run manage.py migrate --database {alias}"
+        ]
     return []
 
 

@@ -163,6 +163,29 @@ def test_runworker_refuses_an_alias_without_jobs_tables_or_not_configured(two_da
             cur.execute("ALTER TABLE jobs_job_away RENAME TO jobs_job")
 
 
+def test_runworker_refuses_an_alias_whose_jobs_migrations_are_not_all_applied(two_databases):
+    """A worker on a schema one migration behind started and then failed every claim that
+    needed what the migration made (a fair type's claim calls a function it creates)."""
+    from django.db.migrations.loader import MigrationLoader
+
+    latest = max(name for app, name in MigrationLoader(None).disk_migrations if app == "jobs")
+    with connections[OTHER].cursor() as cur:
+        cur.execute("DELETE FROM django_migrations WHERE app = 'jobs' AND name = %s", [latest])
+    try:
+        assert databases.problems(OTHER) == [
+            f"database 'other' lacks jobs migrations {latest}: "
+            "run manage.py migrate --database other"
+        ]
+        with pytest.raises(CommandError, match=rf"'other' lacks jobs migrations {latest}: run"):
+            call_command("runworker", "--database", OTHER)
+    finally:
+        with connections[OTHER].cursor() as cur:
+            cur.execute(
+                "INSERT INTO django_migrations (app, name, applied) VALUES ('jobs', %s, now())",
+                [latest],
+            )
+
+
 # The scheduler covers every database -------------------------------------------------------
 
 
