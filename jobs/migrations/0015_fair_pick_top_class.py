@@ -60,7 +60,7 @@ BEGIN
     -- The priorities this name has queued rows at, highest first: one hop down the claim index
     -- each, evaluated only as far as the claim below asks.
     WITH RECURSIVE levels(priority) AS (
-        (SELECT j.priority FROM jobs_job j WHERE j.state = 'queued' AND j.name = p_name
+        (SELECT j.priority FROM jobs_job j WHERE j.state = 'queued' AND j.name = p_name AND j.priority < (SELECT priority FROM top)
          ORDER BY j.priority DESC LIMIT 1)
         UNION ALL
         SELECT (SELECT j.priority FROM jobs_job j
@@ -208,7 +208,7 @@ BEGIN
     -- The priorities this name has queued rows at, highest first: one hop down the claim index
     -- each, evaluated only as far as the claim below asks.
     WITH RECURSIVE levels(priority) AS (
-        (SELECT j.priority FROM jobs_job j WHERE j.state = 'queued' AND j.name = p_name
+        (SELECT j.priority FROM jobs_job j WHERE j.state = 'queued' AND j.name = p_name AND j.priority < (SELECT priority FROM top)
          ORDER BY j.priority DESC LIMIT 1)
         UNION ALL
         SELECT (SELECT j.priority FROM jobs_job j

@@ -153,8 +153,8 @@ def _tiered_rows(due: str, tenant_rows: str, scope_sql: str) -> str:
         return due.replace("\n  AND j.name = w.name", "\n  AND j.name = w.name" + extra)
 
     top_level = flow.TOP_LEVEL.replace("{scope}", scope_sql).replace("{paused}", pauses.PAUSED_ROWS)
-    low = flow.LOW.replace("{due}", narrowed(flow.BELOW_TOP))
-    fill = flow.FILL.replace("{due}", narrowed(flow.BELOW_TOP + flow.NOT_LOW))
+    low = flow.LOW.replace("{due}", flow.below_top(due))
+    fill = flow.FILL.replace("{due}", flow.below_top(narrowed(flow.NOT_LOW)))
     return (
         tenant_rows.replace("{top}", top_level + low)
         .replace("{budget}", flow.LOW_BUDGET)
@@ -230,7 +230,7 @@ def _flow_ctes(due: str, flows: flow.FlowForm, scope: Scope) -> str:
         top_level = flow.TOP_LEVEL.replace("{scope}", scope_sql).replace(
             "{paused}", pauses.PAUSED_ROWS
         )
-        low = flow.LOW.replace("{due}", narrowed(flow.BELOW_TOP))
+        low = flow.LOW.replace("{due}", flow.below_top(due))
         reserved = (
             "\nWITH RECURSIVE "
             + top_level

@@ -563,6 +563,21 @@ UNION ALL
 SELECT f.id FROM ({due}
 ) f"""
 BELOW_TOP = "\n  AND j.priority < (SELECT priority FROM top)"
+# The first hop of the priority walk (:data:`LEVELS`), as the claim's due rows hold it.
+_FIRST_HOP = "AND j.name = w.name\n     ORDER BY j.priority DESC LIMIT 1)"
+
+
+def below_top(due: str) -> str:
+    """The claim's due rows (``due``) below the top class. In the priority walk's form its
+    first hop starts below the top class too: from the start of the claim index it would
+    cross the entries the top class's claimed jobs left there, every claim that reads them."""
+    if "levels(priority)" in due and _FIRST_HOP not in due:
+        raise AssertionError("the priority walk's first hop is not where below_top looks")
+    return due.replace("\n  AND j.name = w.name", "\n  AND j.name = w.name" + BELOW_TOP).replace(
+        _FIRST_HOP,
+        _FIRST_HOP.replace("w.name", "w.name AND j.priority < (SELECT priority FROM top)"),
+    )
+
 
 # After the claim (``claimed``, its RETURNING rows): a gated name that started jobs bumps its
 # gate's version and takes the tokens from its bucket; each tenant bucket likewise.
