@@ -144,19 +144,19 @@ _RESERVED_BRANCH = """
         LIMIT w.lim)"""
 
 
+def _top_and_kept(due: str, scope_sql: str) -> str:
+    """The CTEs of the top class (``top``) and of the places kept below it (``low``)."""
+    top_level = flow.TOP_LEVEL.replace("{scope}", scope_sql).replace("{paused}", pauses.PAUSED_ROWS)
+    return top_level + flow.LOW.replace("{due}", flow.below_top(due))
+
+
 def _tiered_rows(due: str, tenant_rows: str, scope_sql: str) -> str:
     """A fair name's rows within its highest class with due jobs, the places it keeps for
     the classes below first and the room its tenants leave filled from them (``w`` is its
     room row); :func:`fair_pick_function` makes it a function."""
-
-    def narrowed(extra: str) -> str:  # the due rows, with one more condition
-        return due.replace("\n  AND j.name = w.name", "\n  AND j.name = w.name" + extra)
-
-    top_level = flow.TOP_LEVEL.replace("{scope}", scope_sql).replace("{paused}", pauses.PAUSED_ROWS)
-    low = flow.LOW.replace("{due}", flow.below_top(due))
-    fill = flow.FILL.replace("{due}", flow.below_top(narrowed(flow.NOT_LOW)))
+    fill = flow.FILL.replace("{due}", flow.below_top(flow.narrowed(due, flow.NOT_LOW)))
     return (
-        tenant_rows.replace("{top}", top_level + low)
+        tenant_rows.replace("{top}", _top_and_kept(due, scope_sql))
         .replace("{budget}", flow.LOW_BUDGET)
         .replace("{level}", flow.TOP_LEVEL_ROWS)
         .replace("{low_rows}", flow.LOW_ROWS)
@@ -220,25 +220,17 @@ def fair_pick_function() -> str:
 
 
 def _flow_ctes(due: str, flows: flow.FlowForm, scope: Scope) -> str:
-    def narrowed(extra: str) -> str:  # the due rows, with one more condition
-        return due.replace("\n  AND j.name = w.name", "\n  AND j.name = w.name" + extra)
-
     scope_sql, _ = scope.sql("j")
     branches = []
     if flows.plain and flows.reserved:
         # The kept places first, then the plain order past them.
-        top_level = flow.TOP_LEVEL.replace("{scope}", scope_sql).replace(
-            "{paused}", pauses.PAUSED_ROWS
-        )
-        low = flow.LOW.replace("{due}", flow.below_top(due))
         reserved = (
             "\nWITH RECURSIVE "
-            + top_level
-            + low.rstrip().rstrip(",")
+            + _top_and_kept(due, scope_sql).rstrip().rstrip(",")
             + "\n"
             + flow.LOW_ROWS
             + "SELECT p.id FROM ("
-            + narrowed(flow.NOT_LOW)
+            + flow.narrowed(due, flow.NOT_LOW)
             + "\n) p"
         )
         branches.append(_RESERVED_BRANCH.replace("{reserved}", reserved))

@@ -563,6 +563,13 @@ UNION ALL
 SELECT f.id FROM ({due}
 ) f"""
 BELOW_TOP = "\n  AND j.priority < (SELECT priority FROM top)"
+
+
+def narrowed(due: str, condition: str) -> str:
+    """The claim's due rows (``due``) with one more ``condition`` on them."""
+    return due.replace("\n  AND j.name = w.name", "\n  AND j.name = w.name" + condition)
+
+
 # The first hop of the priority walk (:data:`LEVELS`), as the claim's due rows hold it.
 _FIRST_HOP = "AND j.name = w.name\n     ORDER BY j.priority DESC LIMIT 1)"
 
@@ -573,7 +580,7 @@ def below_top(due: str) -> str:
     cross the entries the top class's claimed jobs left there, every claim that reads them."""
     if "levels(priority)" in due and _FIRST_HOP not in due:
         raise AssertionError("the priority walk's first hop is not where below_top looks")
-    return due.replace("\n  AND j.name = w.name", "\n  AND j.name = w.name" + BELOW_TOP).replace(
+    return narrowed(due, BELOW_TOP).replace(
         _FIRST_HOP,
         _FIRST_HOP.replace("w.name", "w.name AND j.priority < (SELECT priority FROM top)"),
     )
