@@ -261,6 +261,18 @@ def _flow_ctes(due: str, flows: flow.FlowForm, scope: Scope) -> str:
     )
 
 
+def plain_claim_ctes(*, walk: bool, scope_sql: str) -> str:
+    """The claim's CTEs for names without flow controls, the rows read within ``scope_sql``
+    (for SQL that takes the scope as arguments: :func:`~jobs.queue.types.pick_scope_sql`)."""
+    due = (_DUE_WALK if walk else _DUE_SCAN).format(scope=scope_sql, paused=pauses.PAUSED_ROWS)
+    return _CLAIM_CTES.replace("{due}", due)
+
+
+def claim_update() -> str:
+    """The claim's UPDATE of the rows ``picked``, RETURNING what :func:`claimed_jobs` reads."""
+    return _CLAIM_UPDATE
+
+
 def claim_sql(
     scope: Scope, *, walk: bool | None = None, using: str = DEFAULT_DB_ALIAS
 ) -> tuple[str, dict[str, Any]]:
