@@ -138,9 +138,8 @@ def _encode(value: Any, path: str) -> Any:
         return value.isoformat()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {
-            f.name: _encode(getattr(value, f.name), _join(path, f.name))
-            for f in dataclasses.fields(value)
-            if f.init
+            name: _encode(getattr(value, name), _join(path, name))
+            for name in _init_fields(type(value))
         }
     if isinstance(value, list | tuple):
         return [_encode(item, f"{path}[{i}]") for i, item in enumerate(value)]
@@ -180,20 +179,32 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+# A dataclass's fields are fixed once the class exists; reading them anew for every payload
+# cost a tenth of a bulk enqueue's client time.
+@cache
+def _init_fields(cls: type) -> dict[str, dataclasses.Field[Any]]:
+    """The fields ``__init__`` takes, by name, in declaration order."""
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+@cache
+def _required_fields(cls: type) -> tuple[str, ...]:
+    """The fields ``__init__`` takes that have no default."""
+    return tuple(
+        name
+        for name, f in _init_fields(cls).items()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    )
+
+
 def _decode_dataclass[T: DataclassInstance](cls: type[T], data: object, path: str) -> T:
     if not isinstance(data, dict):
         raise InvalidPayload(f"expected a JSON object, got {_kind(data)}", path)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = _init_fields(cls)
     unknown = sorted(str(key) for key in data if key not in fields)
     if unknown:
         raise InvalidPayload(f"unknown field{'s' * (len(unknown) > 1)} {_names(unknown)}", path)
-    missing = [
-        name
-        for name, f in fields.items()
-        if name not in data
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    ]
+    missing = [name for name in _required_fields(cls) if name not in data]
     if missing:
         raise InvalidPayload(
             f"missing required field{'s' * (len(missing) > 1)} {_names(missing)}", path

@@ -132,7 +132,8 @@ def new_jobs(
     """
     shared = {key: shared.get(key) for key in _SHARED}
     items = list(jobs)
-    built = [_new_job(item, index, shared) for index, item in enumerate(items)]
+    policies: dict[type[Payload], Policy | None] = {}  # one registry lookup a type, not a job
+    built = [_new_job(item, index, shared, policies) for index, item in enumerate(items)]
     _waits_in_one_database(items, built, shared["after"], using)
     return built
 
@@ -176,7 +177,9 @@ _SHARED = (
 )
 
 
-def _new_job(item: object, index: int, shared: dict[str, Any]) -> NewJob:
+def _new_job(
+    item: object, index: int, shared: dict[str, Any], policies: dict[type[Payload], Policy | None]
+) -> NewJob:
     from jobs.queue import InvalidJob, NewJob
 
     spec = JobSpec(payload=item) if isinstance(item, Payload) else item
@@ -194,7 +197,10 @@ def _new_job(item: object, index: int, shared: dict[str, Any]) -> NewJob:
         payload_type.from_json(data)  # the worker's decode: types, then validate()
     except InvalidPayload as exc:
         raise InvalidJob(f"{name}: invalid payload: {exc}", index=index) from None
-    policy = _policy(payload_type, index)
+    if payload_type in policies:
+        policy = policies[payload_type]
+    else:
+        policy = policies[payload_type] = _policy(payload_type, index)
     if spec.run_after is not None or spec.delay is not None:
         run_after, delay = spec.run_after, spec.delay
     else:
