@@ -132,6 +132,10 @@ def spawn(tmp_path):
     yield start
     for process in started:
         process.stop()
+        # Shown by pytest only when the test failed: what each process said, last lines first
+        # to be read (a worker that wedged says why here).
+        tail = "\n".join(process.output().splitlines()[-60:])
+        print(f"--- {' '.join(process.proc.args[2:4])} ({process.log.name}), last lines:\n{tail}")
 
 
 def read_trace(path: Path) -> list[list[str]]:

@@ -1,11 +1,11 @@
 """Real ``runworker`` processes whose DATABASE_URL points at PgBouncer in transaction mode.
 
-Two workers drain a few thousand jobs through the pooler (tests/pgbouncer.py: five server
-connections for everything, lent round robin), one is killed with SIGKILL halfway, and the
-other takes its jobs back once their leases expire. Neither is told ``--no-listen``: each
-finds that LISTEN delivers nothing there, says so once, and polls. A trigger on the jobs table
-records every transition out of ``running``, so the database itself says how many outcomes
-each job got.
+Two workers drain a few thousand jobs, enqueued once both poll, through the pooler
+(tests/pgbouncer.py: five server connections for everything, lent round robin); one is killed
+with SIGKILL halfway, and the other takes its jobs back once their leases expire. Neither is
+told ``--no-listen``: each finds that LISTEN delivers nothing there, says so once, and polls.
+A trigger on the jobs table records every transition out of ``running``, so the database
+itself says how many outcomes each job got.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import urllib.request
 
 import pytest
 from django.db import connection
+from django.db.models import Count
 
 from jobs import enqueue_many
 from jobs.models import Job
@@ -33,6 +34,7 @@ pytestmark = [
 
 LOAD = 3000
 LEASE = 2.0
+HANDLER_SECONDS = 0.005  # 3,000 jobs on 2 x 4 slots: at least 1.9 s of draining
 WORKER = [
     *("runworker", "--concurrency", "8", "--poll-interval", "0.2"),
     *("--maintenance-interval", "0.5", "--shutdown-timeout", "5", "--http-port", "0"),
@@ -54,9 +56,6 @@ def test_workers_through_pgbouncer_lose_no_job_and_double_none(
 ):
     trace = tmp_path / "trace"
     env = {"DATABASE_URL": pgbouncer.database_url()}
-    with pgbouncer.routing():  # enqueue through the pooler too: one statement for them all
-        load = enqueue_many([Trace(path=str(trace)) for _ in range(LOAD)])
-    started = time.monotonic()
     a = spawn(*WORKER, lease=LEASE, **env)
     b = spawn(*WORKER, lease=LEASE, **env)
     ports = {}
@@ -67,12 +66,26 @@ def test_workers_through_pgbouncer_lose_no_job_and_double_none(
         identity = worker.wait_for_output(r"worker (\S+) started").group(1)
         worker.identity = identity
     assert metric(ports[a], "jobs_worker_listening") == 0
+    # The load comes once both workers poll: enqueued before, it was drained while they were
+    # still finding out that LISTEN is deaf here. Each handler takes a few milliseconds, so the
+    # drain lasts seconds however fast the machine is, and b is caught holding jobs.
+    with pgbouncer.routing():  # enqueue through the pooler too: one statement for them all
+        load = enqueue_many([Trace(path=str(trace), seconds=HANDLER_SECONDS) for _ in range(LOAD)])
+    started = time.monotonic()
 
     wait_for(lambda: succeeded() >= LOAD // 3, timeout=60, what="a third of the load done")
-    wait_for(
-        lambda: Job.objects.filter(state="running", claimed_by=b.identity).exists(),
-        what="worker b holds jobs",
-    )
+    assert b.proc.poll() is None, "worker b exited before it was to be killed"
+    try:
+        wait_for(
+            lambda: Job.objects.filter(state="running", claimed_by=b.identity).exists(),
+            what="worker b holds jobs",
+        )
+    except AssertionError as missed:
+        states = dict(Job.objects.order_by().values_list("state").annotate(Count("id")))
+        exit_code = b.proc.poll()
+        raise AssertionError(
+            f"{missed}; jobs by state {states}, b's exit code {exit_code}"
+        ) from None
     b.proc.kill()
     b.wait()
     held = set(
