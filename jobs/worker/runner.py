@@ -110,6 +110,9 @@ class Worker(Draining):
         self._stopping = threading.Event()
         self._force = threading.Event()
         self._exhausted: set[str] = set()
+        # Names a NOTIFY announced since the last claim was sent (None: any name): such a
+        # claim may have read before that commit, so its coming up short proves nothing.
+        self._noticed: set[str | None] = set()
         self._shared: set[str] = set()  # names the last claim held below their own room
         self._rotation = 0
         self._next_poll = 0.0
@@ -456,6 +459,8 @@ class Worker(Draining):
         # gets the remainder. Slots a name leaves unused go round again at once (see _claim).
         share = -(-free // len(rooms)) if rooms else 0
         self._shared = {name for name, room, _ in rooms if room > share}
+        with self._lock:
+            self._noticed.clear()  # the claim these requests are for reads after this
         return [ClaimRequest(name, min(room, share), cap) for name, room, cap in rooms]
 
     def _claim(self, requests: list[ClaimRequest]) -> list[ClaimedJob]:
@@ -483,8 +488,14 @@ class Worker(Draining):
             requests = [r for r in requests if r.name not in self._limits]
         if len(claimed) < free:
             # A name that gave fewer jobs than asked has nothing more due right now; skip it
-            # until a NOTIFY for it or the next poll.
-            self._exhausted.update(r.name for r in requests if got[r.name] < r.limit)
+            # until a NOTIFY for it or the next poll. Not if a NOTIFY for it came while the
+            # claim ran: the claim may have read before that job's commit.
+            with self._lock:
+                noticed = set(self._noticed)
+            if None not in noticed:
+                self._exhausted.update(
+                    r.name for r in requests if got[r.name] < r.limit and r.name not in noticed
+                )
             if any(got[r.name] >= r.limit for r in requests if r.name in self._shared):
                 self._wake.set()  # a name held to its share may take the slots left over
 
@@ -727,6 +738,8 @@ class Worker(Draining):
 
     def _work_arrived(self, name: str | None = None) -> None:
         """NOTIFY listener callback (another thread)."""
+        with self._lock:
+            self._noticed.add(name)
         if name is None:
             self._exhausted.clear()
         else:

@@ -369,6 +369,43 @@ class TestLeasesAndDrain:
             thread.join(10)
         assert row(job).attempts == 2
 
+    def test_a_notice_that_comes_during_an_empty_claim_is_not_lost(self, recorder, monkeypatch):
+        # The claim's snapshot can predate a commit whose NOTIFY the listener handles before
+        # the claim returns empty: the type must not be marked exhausted until the next poll
+        # (60 s here), or the job waits for it.
+        config = WorkerConfig(poll_interval=60, install_signal_handlers=False)
+        worker = Worker(registry(recorder), config)
+        real = queue.record_and_claim
+        armed = threading.Event()
+        raced: list[Job] = []
+
+        def claim_then_commit(outcomes, requests, **kwargs):
+            report, claimed = real(outcomes, requests, **kwargs)
+            if armed.is_set() and not claimed:
+                armed.clear()
+                worker._wake.clear()
+                # Another session commits a job now, after this claim's snapshot.
+                producer = threading.Thread(target=lambda: raced.append(enqueue(Echo(text="x"))))
+                producer.start()
+                producer.join(10)
+                wait_for(worker._wake.is_set, timeout=5)  # its NOTIFY reached the listener
+            return report, claimed
+
+        monkeypatch.setattr(queue, "record_and_claim", claim_then_commit)
+        thread = threading.Thread(target=worker.run)
+        thread.start()
+        try:
+            wait_for(lambda: worker.listening)
+            wait_for(lambda: worker.idle)
+            armed.set()
+            worker._work_arrived("test.echo.v1")  # a pass whose claim finds nothing
+            wait_for(lambda: not armed.is_set(), timeout=5)
+            wait_for(lambda: len(recorder.calls) == 1, timeout=5)
+        finally:
+            worker.request_stop()
+            thread.join(10)
+        assert row(raced[0]).state == "succeeded"
+
     def test_notify_wakes_an_idle_worker_at_once(self, recorder):
         config = WorkerConfig(poll_interval=60, install_signal_handlers=False)
         worker = Worker(registry(recorder), config)
