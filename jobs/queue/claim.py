@@ -401,8 +401,11 @@ def claim(
         limits=limits,
         after=after,
     )
-    if parts is None:
-        return []
+    return run_claim(parts, using) if parts is not None else []
+
+
+def run_claim(parts: tuple[str, str, dict[str, Any], str], using: str) -> list[ClaimedJob]:
+    """Run the claim statement :func:`claim_parts` built."""
     ctes, update, params, post = parts
     sql = (
         f"WITH {ctes}, claimed AS ({update}){post}\nSELECT * FROM claimed"

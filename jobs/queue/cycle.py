@@ -25,7 +25,7 @@ from datetime import timedelta
 from django.db import DEFAULT_DB_ALIAS
 
 from jobs.queue import _db, rollup
-from jobs.queue.claim import claim, claim_parts, claim_update, claimed_jobs, plain_claim_ctes
+from jobs.queue.claim import claim_parts, claim_update, claimed_jobs, plain_claim_ctes, run_claim
 from jobs.queue.flow import FlowLimits
 from jobs.queue.outcomes import (
     OUTCOME_CTES,
@@ -186,20 +186,6 @@ def record_and_claim(
     report and the claimed jobs are what :func:`~jobs.queue.record` and
     :func:`~jobs.queue.claim` would return; ``count`` is :func:`~jobs.queue.record`'s.
     """
-    if not outcomes:
-        # A claim-only pass (an idle worker's pickup): no outcome CTEs to plan. It stays
-        # inline: through the function, one test's sequence saw a NOTIFY reach an idle
-        # worker's listener late, for reasons not yet understood.
-        return OutcomeReport((), ()), claim(
-            requests,
-            scope=scope,
-            limit=limit,
-            lease=lease,
-            worker=worker,
-            using=using,
-            limits=limits,
-            after=after,
-        )
     parts = claim_parts(
         requests,
         scope=scope,
@@ -209,11 +195,13 @@ def record_and_claim(
         using=using,
         limits=limits,
         after=after,
-        releasing=True,
+        releasing=bool(outcomes),
     )
     if parts is None:
         return record(outcomes, count=count, using=using), []
     ctes, update, params, post = parts
+    if not outcomes and (post or count):  # a claim alone needs none of the report's CTEs
+        return OutcomeReport((), ()), run_claim(parts, using)
     params = {**outcome_params(outcomes, using), **params}
     if not post and not count:  # no flow controls, the worker's pass: the kept plan
         sql = _PASS_CALL
