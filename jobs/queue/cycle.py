@@ -24,7 +24,7 @@ from datetime import timedelta
 
 from django.db import DEFAULT_DB_ALIAS
 
-from jobs.queue import _db, rollup
+from jobs.queue import _db, flow, rollup
 from jobs.queue.claim import claim_parts, claim_update, claimed_jobs, plain_claim_ctes, run_claim
 from jobs.queue.flow import FlowLimits
 from jobs.queue.outcomes import (
@@ -200,10 +200,13 @@ def record_and_claim(
     if parts is None:
         return record(outcomes, count=count, using=using), []
     ctes, update, params, post = parts
-    if not outcomes and (post or count):  # a claim alone needs none of the report's CTEs
+    # The function holds the plain claim only. A name with flow controls needs the flow
+    # claim, even one (fair order alone) with nothing to add after the UPDATE.
+    kept_plan = not count and flow.form(requests, limits) is None
+    if not outcomes and not kept_plan:  # a claim alone needs none of the report's CTEs
         return OutcomeReport((), ()), run_claim(parts, using)
     params = {**outcome_params(outcomes, using), **params}
-    if not post and not count:  # no flow controls, the worker's pass: the kept plan
+    if kept_plan:  # the worker's pass for names without flow controls
         sql = _PASS_CALL
         params.update(scope.pick_params(), walk=_db.server_version(using) < 180000)
     else:

@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 import jobs.migrations
 from jobs import queue
 from jobs.models import Job, TenantOverride
-from jobs.queue import AllTenants, AllTenantsExcept, ClaimRequest, NewJob, OnlyTenant, Outcome
+from jobs.queue import AllTenants, AllTenantsExcept, ClaimRequest, NewJob, OnlyTenant, Outcome, flow
 from jobs.queue.cycle import pass_function
+from jobs.queue.flow import FlowLimits
 
 pytestmark = pytest.mark.django_db
 
@@ -151,3 +152,30 @@ def test_the_latest_migration_holds_the_pass_function_the_worker_calls():
     assert holders, "no migration creates jobs_worker_pass"
     latest = importlib.import_module(f"jobs.migrations.{holders[-1]}")
     assert latest.SQL.strip() == pass_function().strip()
+
+
+@pytest.mark.parametrize("with_outcome", [False, True])
+def test_a_fair_type_claims_in_tenant_order_with_or_without_outcomes(with_outcome):
+    # A fair type has flow controls but nothing to add after the claim: the pass must take
+    # the flow claim all the same, not the function's plain order (oldest first: all "a").
+    limits = {NAMES[0]: FlowLimits(fair=True)}
+    flow.ensure(limits)
+    for tenant, count in (("a", 30), ("b", 3)):
+        for _ in range(count):
+            queue.enqueue(NewJob(NAMES[0], {}, tenant=tenant))
+    queue.enqueue(NewJob(NAMES[1], {}))  # the outcome is another type's
+    held = queue.claim([ClaimRequest(NAMES[1], 1)], scope=AllTenants())
+    outcomes = [Outcome.succeeded(held[0])] if with_outcome else []
+
+    report, claimed = queue.record_and_claim(
+        outcomes,
+        [ClaimRequest(NAMES[0], 6)],
+        scope=AllTenants(),
+        limit=6,
+        worker="w",
+        count=False,
+        limits=limits,
+    )
+
+    assert [job.tenant for job in claimed].count("b") == 3
+    assert report.applied == ((held[0].id,) if with_outcome else ())
