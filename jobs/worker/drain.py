@@ -63,6 +63,9 @@ class Draining:
         """
         self.ready = False
         metrics.ready.set(0)
+        # Prefetched jobs no thread has taken go back now, for other workers to start, not
+        # after the wait: this worker would only start them to drain them.
+        self._release(self._take_unstarted())
         busy = self._busy()
         if busy:
             logger.info(
@@ -108,24 +111,34 @@ class Draining:
                 return
             self._wake.wait(min(remaining, max(self.config.ack_interval, 0.05)))
 
+    def _take_unstarted(self) -> list[Running]:
+        with self._lock:
+            return self._unhold_unstarted()
+
+    def _unhold_unstarted(self) -> list[Running]:
+        """Held jobs no handler has taken, no longer held (under ``self._lock``): a thread that
+        takes one later finds it handed back and leaves it."""
+        unstarted = [
+            r
+            for r in self._held.values()
+            if not (r.finished or r.lost or r.started or r.handed_back)
+        ]
+        for running in unstarted:
+            running.handed_back = True
+            self._held.pop((running.job.id, running.job.claim_token), None)
+            self._in_flight -= 1
+            self._in_flight_by_name[running.job.name] -= 1
+            metrics.running.dec()
+        return unstarted
+
     def _cancel_leftovers(self) -> None:
         """Ask running handlers to stop; release jobs no handler thread has taken."""
         with self._lock:
-            unstarted = []
             for running in self._held.values():
-                if running.finished or running.lost:
-                    continue
-                if running.started:
+                if running.started and not (running.finished or running.lost):
                     running.shutdown = True
                     running.ctx.cancelled.set()
-                else:
-                    running.handed_back = True
-                    unstarted.append(running)
-            for running in unstarted:
-                self._held.pop((running.job.id, running.job.claim_token), None)
-                self._in_flight -= 1
-                self._in_flight_by_name[running.job.name] -= 1
-                metrics.running.dec()
+            unstarted = self._unhold_unstarted()
         cancelled = self._busy()
         if cancelled:
             logger.warning(
@@ -134,10 +147,11 @@ class Draining:
                 self._cancel_grace,
                 extra={"action": "cancel"},
             )
-        if unstarted:
-            self._release(unstarted)
+        self._release(unstarted)
 
     def _release(self, handed: list[Running]) -> None:
+        if not handed:
+            return
         try:
             using = self.config.database
             with transaction.atomic(using=using):

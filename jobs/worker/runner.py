@@ -68,6 +68,14 @@ TerminalHook = Callable[[str, str, str, str], None]
 #: A NOTIFY brings a held-back limited type's next try forward to this long after its last.
 NOTICE_RETRY = 0.1
 
+#: Prefetched jobs wait for a handler thread about this long at most: beyond its threads the
+#: worker holds only as many jobs as they finish in this time, by the mean run time of its
+#: recent thread-run handlers (seconds). Long handlers get no prefetch, so a worker busy with
+#: them does not sit on jobs another worker could start.
+PREFETCH_HORIZON = 0.02
+# Weight of the latest run time in that mean.
+_RUN_TIME_WEIGHT = 0.2
+
 
 class Worker(Draining):
     def __init__(
@@ -110,6 +118,7 @@ class Worker(Draining):
         self._stopping = threading.Event()
         self._force = threading.Event()
         self._exhausted: set[str] = set()
+        self._mean_run: float | None = None  # seconds, thread-run handlers; None: none yet
         # Names a NOTIFY announced since the last claim was sent (None: any name): such a
         # claim may have read before that commit, so its coming up short proves nothing.
         self._noticed: set[str | None] = set()
@@ -360,7 +369,7 @@ class Worker(Draining):
             self._history.count(outcomes, report)  # committed
             return report, claimed
         with self._lock:
-            free = self.config.concurrency - self._in_flight
+            free = self._capacity() - self._in_flight
         report, claimed = queue.record_and_claim(
             [o for _, o in outcomes],
             requests,
@@ -407,11 +416,12 @@ class Worker(Draining):
                 self._first_ack_at = self._first_ack_at or now
             if not self._acks:
                 return []
-            free = self.config.concurrency - self._in_flight
+            capacity = self._capacity()
+            free = capacity - self._in_flight
             due = (
                 self._stopping.is_set()
                 or self._in_flight == 0
-                or free >= max(1, self.config.concurrency // 2)
+                or free >= max(1, capacity // 2)
                 or now - (self._first_ack_at or now) >= self.config.ack_interval
             )
             if not due:
@@ -431,7 +441,8 @@ class Worker(Draining):
             self._exhausted.clear()
             self._next_poll = now + self.config.poll_interval
         with self._lock:
-            free = self.config.concurrency - self._in_flight
+            free = self._capacity() - self._in_flight
+            idle = self.config.concurrency - self._in_flight  # async jobs start at once
             running = dict(self._in_flight_by_name)
         if free <= 0:
             return []
@@ -448,8 +459,12 @@ class Worker(Draining):
                 self._held_back[name] = (math.inf, held[1], held[2])
             if name in self._exhausted:
                 continue
-            policy = self.registry[name].policy
-            room = free
+            job_type = self.registry[name]
+            policy = job_type.policy
+            # Prefetch is for thread-run jobs: an async one starts at once, and a flow-
+            # controlled one counts against fleet-wide limits and tenant order from its claim.
+            prefetched = not job_type.is_async and name not in self._limits
+            room = free if prefetched else min(free, idle)
             if policy.concurrency is not None:
                 room = min(free, policy.concurrency - running.get(name, 0))
             if room > 0:
@@ -465,7 +480,7 @@ class Worker(Draining):
 
     def _claim(self, requests: list[ClaimRequest]) -> list[ClaimedJob]:
         with self._lock:
-            free = self.config.concurrency - self._in_flight
+            free = self._capacity() - self._in_flight
         claimed = queue.claim(
             requests,
             scope=self.config.scope,
@@ -622,6 +637,7 @@ class Worker(Draining):
                 return  # a drain released the job before this thread took it
             running.started = True
         outcome: Outcome | None = None
+        began = time.monotonic()
         try:
             outcome = execute(
                 running, shutting_down=self._stopping.is_set, lease=self.config.lease_duration
@@ -630,12 +646,18 @@ class Worker(Draining):
             logger.exception("worker error running job %s", running.job.job_id)
             outcome = self._worker_failure(running, exc)
         finally:
-            self._finished(running, outcome)
+            self._finished(running, outcome, ran=time.monotonic() - began)
 
-    def _finished(self, running: Running, outcome: Outcome | None) -> None:
+    def _finished(
+        self, running: Running, outcome: Outcome | None, *, ran: float | None = None
+    ) -> None:
+        """Free the job's slot and queue its outcome; ``ran``: a thread-run handler's time."""
         if outcome is not None:  # the last progress report goes with the outcome
             outcome = with_last_report(running, outcome)
         with self._lock:
+            if ran is not None:
+                mean = self._mean_run
+                self._mean_run = ran if mean is None else mean + _RUN_TIME_WEIGHT * (ran - mean)
             running.finished = True
             self._in_flight -= 1
             self._in_flight_by_name[running.job.name] -= 1
@@ -727,7 +749,7 @@ class Worker(Draining):
             return self._retry_at - now
         waits = [self._next_poll - now, self._next_maintenance - now, self._next_recovery - now]
         with self._lock:
-            if self.config.concurrency > self._in_flight:
+            if self._capacity() > self._in_flight:
                 # A held-back type whose wait ran out during the pass is due now.
                 waits.extend(max(0.0, at - now) for at, _, _ in self._held_back.values())
             if self._deferred:
@@ -776,6 +798,16 @@ class Worker(Draining):
     @property
     def _lease_seconds(self) -> float:
         return self.config.lease_duration.total_seconds()
+
+    def _capacity(self) -> int:
+        """How many jobs the worker may hold now (called under ``self._lock``): one a handler
+        thread, plus what the threads finish within :data:`PREFETCH_HORIZON`, up to the
+        prefetch limit, once its handlers have been measured."""
+        limit = self.config.prefetch_limit
+        if not limit or self._mean_run is None:
+            return self.config.concurrency
+        finishing = self.config.concurrency * PREFETCH_HORIZON / max(self._mean_run, 1e-6)
+        return self.config.concurrency + min(limit, int(finishing))
 
     def _held_snapshot(self) -> list[Running]:
         # A job its handler's transaction completed is no longer held, though the handler

@@ -59,6 +59,14 @@ class Command(BaseCommand):
             help="Handler threads, i.e. jobs run at once (env WORKER_CONCURRENCY; default 10).",
         )
         parser.add_argument(
+            "--prefetch",
+            type=int,
+            default=_env_number("WORKER_PREFETCH", int, None),
+            help="Jobs held beyond the handler threads while handlers run short, so a thread "
+            "that finishes starts the next at once (env WORKER_PREFETCH; default twice "
+            "--concurrency; 0: none).",
+        )
+        parser.add_argument(
             "--shutdown-timeout",
             type=float,
             default=_env_number("WORKER_SHUTDOWN_TIMEOUT", float, 30.0),
@@ -110,6 +118,7 @@ class Command(BaseCommand):
                 scope=scope_from(options["tenant"], options["component"]),
                 database=options["database"],
                 concurrency=options["concurrency"],
+                prefetch=options["prefetch"],
                 shutdown_timeout=options["shutdown_timeout"],
                 cancel_timeout=options["cancel_timeout"],
                 poll_interval=options["poll_interval"],

@@ -1,0 +1,156 @@
+"""Prefetch: a worker holds jobs beyond its handler threads only while its handlers run short.
+
+A held job is a ``running`` row claimed by the worker; a started one is a handler entry the
+recorder saw. The worker runs in a thread of this process against the test database; the
+tests read what it holds from the database, polling with a deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+
+from jobs import enqueue
+from jobs.models import Job
+from jobs.worker.config import WorkerConfig
+from jobs.worker.runner import PREFETCH_HORIZON, Worker
+from tests.worker_support import Recorder, Step, registry
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+STEP = "test.step.v1"
+
+
+def wait_for(predicate, timeout=10.0, interval=0.005, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"{what} not met within {timeout}s")
+
+
+def held_by(worker: Worker) -> int:
+    return Job.objects.filter(state="running", claimed_by=worker.config.identity).count()
+
+
+def succeeded(jobs) -> bool:
+    return Job.objects.filter(pk__in=[j.id for j in jobs], state="succeeded").count() == len(jobs)
+
+
+def start(recorder: Recorder, **config) -> tuple[Worker, threading.Thread]:
+    worker = Worker(
+        registry(recorder, concurrency=None),
+        WorkerConfig(install_signal_handlers=False, poll_interval=0.05, **config),
+    )
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    return worker, thread
+
+
+def stop(worker: Worker, thread: threading.Thread) -> None:
+    worker.request_stop()
+    thread.join(20)
+    assert not thread.is_alive()
+
+
+def measured_short(worker: Worker) -> None:
+    """Run one no-op job, so the worker knows its handlers are short."""
+    first = enqueue(Step(plan=("ok",)))
+    wait_for(lambda: succeeded([first]), what="the first job ran")
+
+
+def test_short_handlers_are_prefetched_but_never_run_beyond_the_threads():
+    recorder = Recorder()
+    worker, thread = start(recorder, concurrency=2, prefetch=6)
+    try:
+        measured_short(worker)
+        # Each takes 0.3 s: a claim takes 2 for the threads and 6 to wait for them.
+        load = [enqueue(Step(plan=("sleep",), seconds=0.3)) for _ in range(10)]
+        wait_for(lambda: held_by(worker) == 8, what="8 jobs held by a 2-thread worker")
+        wait_for(lambda: succeeded(load), timeout=20, what="every job succeeded")
+    finally:
+        stop(worker, thread)
+    assert recorder.peak[STEP] == 2  # handlers at once: never more than the threads
+    assert set(Job.objects.values_list("attempts", flat=True)) == {1}
+
+
+def test_long_handlers_get_no_prefetch():
+    # A 0.2 s handler on 2 threads finishes 2 jobs in 0.2 s: far fewer than one in the
+    # prefetch horizon, so the worker holds no job beyond its threads.
+    assert 2 * PREFETCH_HORIZON / 0.2 < 1
+    recorder = Recorder()
+    worker, thread = start(recorder, concurrency=2, prefetch=6)
+    most = 0
+    try:
+        load = [enqueue(Step(plan=("sleep",), seconds=0.2)) for _ in range(8)]
+        deadline = time.monotonic() + 20
+        while not succeeded(load):
+            assert time.monotonic() < deadline, "the load did not drain within 20 s"
+            most = max(most, held_by(worker))
+            time.sleep(0.005)
+    finally:
+        stop(worker, thread)
+    assert most == 2
+
+
+def test_a_type_with_flow_controls_is_not_prefetched():
+    # Its claim is where fleet-wide limits and tenant order are decided: jobs held in a
+    # buffer would count against them without running.
+    recorder = Recorder()
+    worker = Worker(
+        registry(recorder, concurrency=None, fair=True),
+        WorkerConfig(install_signal_handlers=False, poll_interval=0.05, concurrency=2, prefetch=6),
+    )
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    most = 0
+    try:
+        measured_short(worker)
+        load = [enqueue(Step(plan=("sleep",), seconds=0.1)) for _ in range(8)]
+        deadline = time.monotonic() + 20
+        while not succeeded(load):
+            assert time.monotonic() < deadline, "the load did not drain within 20 s"
+            most = max(most, held_by(worker))
+            time.sleep(0.005)
+    finally:
+        stop(worker, thread)
+    assert most == 2
+
+
+def test_a_drain_hands_prefetched_jobs_back_at_once():
+    recorder = Recorder()
+    worker, thread = start(recorder, concurrency=1, prefetch=5)
+    try:
+        measured_short(worker)
+        long = enqueue(Step(plan=("sleep",), seconds=1.5))  # claimed first: the older job
+        waiting = [enqueue(Step(plan=("ok",))) for _ in range(4)]
+        wait_for(lambda: held_by(worker) == 5, what="the long job and 4 prefetched held")
+        wait_for(lambda: len(recorder.calls) == 2, what="the long job started")
+        worker.request_stop()
+        # Back in the queue, unrun, while the long job still runs: not after the drain.
+        wait_for(
+            lambda: (
+                Job.objects.filter(
+                    pk__in=[j.id for j in waiting], state="queued", attempts=0, claim_token=None
+                ).count()
+                == 4
+            ),
+            what="the prefetched jobs handed back",
+        )
+        assert Job.objects.get(pk=long.id).state == "running"
+    finally:
+        thread.join(20)
+    assert not thread.is_alive()
+    assert Job.objects.get(pk=long.id).state == "succeeded"
+    assert len(recorder.calls) == 2  # the handed-back jobs never ran here
+
+
+def test_prefetch_is_checked_and_defaults_to_twice_the_threads():
+    assert WorkerConfig(concurrency=7).prefetch_limit == 14
+    assert WorkerConfig(concurrency=7, prefetch=0).prefetch_limit == 0
+    with pytest.raises(ImproperlyConfigured, match="prefetch must be from 0 to 10000, got -1"):
+        WorkerConfig(prefetch=-1)
