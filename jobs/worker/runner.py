@@ -461,12 +461,14 @@ class Worker(Draining):
                 continue
             job_type = self.registry[name]
             policy = job_type.policy
-            # Prefetch is for thread-run jobs: an async one starts at once, and a flow-
-            # controlled one counts against fleet-wide limits and tenant order from its claim.
-            prefetched = not job_type.is_async and name not in self._limits
+            # Prefetch is for thread-run jobs: an async one starts at once, and one under a
+            # fleet-wide limit or rate counts against it from its claim. (Fair order alone
+            # is decided at the claim too; holding a job a few ms more does not change it.)
+            limits = self._limits.get(name)
+            prefetched = not job_type.is_async and (limits is None or not limits.gated)
             room = free if prefetched else min(free, idle)
             if policy.concurrency is not None:
-                room = min(free, policy.concurrency - running.get(name, 0))
+                room = min(room, policy.concurrency - running.get(name, 0))
             if room > 0:
                 rooms.append((name, room, policy.max_attempts))
         # The free slots are shared among the names that want them, so one type with a large

@@ -7,6 +7,7 @@ tests read what it holds from the database, polling with a deadline.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -15,9 +16,10 @@ from django.core.exceptions import ImproperlyConfigured
 
 from jobs import enqueue
 from jobs.models import Job
+from jobs.registry import JobType, Policy, Registry
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import PREFETCH_HORIZON, Worker
-from tests.worker_support import Recorder, Step, registry
+from tests.worker_support import Echo, Recorder, Step, registry, scripted
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -97,12 +99,13 @@ def test_long_handlers_get_no_prefetch():
     assert most == 2
 
 
-def test_a_type_with_flow_controls_is_not_prefetched():
-    # Its claim is where fleet-wide limits and tenant order are decided: jobs held in a
-    # buffer would count against them without running.
+@pytest.mark.parametrize("own_limit", [None, 4])  # a type's own limit above the threads too
+def test_a_type_under_a_fleet_wide_limit_is_not_prefetched(own_limit):
+    # A held job counts against the limit from its claim: held in front of the threads it
+    # would take a place in the fleet without running.
     recorder = Recorder()
     worker = Worker(
-        registry(recorder, concurrency=None, fair=True),
+        registry(recorder, concurrency=own_limit, global_concurrency=50),
         WorkerConfig(install_signal_handlers=False, poll_interval=0.05, concurrency=2, prefetch=6),
     )
     thread = threading.Thread(target=worker.run)
@@ -111,6 +114,35 @@ def test_a_type_with_flow_controls_is_not_prefetched():
     try:
         measured_short(worker)
         load = [enqueue(Step(plan=("sleep",), seconds=0.1)) for _ in range(8)]
+        deadline = time.monotonic() + 20
+        while not succeeded(load):
+            assert time.monotonic() < deadline, "the load did not drain within 20 s"
+            most = max(most, held_by(worker))
+            time.sleep(0.005)
+    finally:
+        stop(worker, thread)
+    assert most == 2
+
+
+def test_async_handlers_are_not_prefetched():
+    # They start on the event loop as soon as they are dispatched: held beyond the threads,
+    # they would run beyond them.
+    recorder = Recorder()
+
+    async def wait(payload: Echo, ctx) -> None:
+        await asyncio.sleep(0.1)
+
+    types = Registry([JobType(Step, scripted(recorder), Policy()), JobType(Echo, wait, Policy())])
+    worker = Worker(
+        types,
+        WorkerConfig(install_signal_handlers=False, poll_interval=0.05, concurrency=2, prefetch=6),
+    )
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    most = 0
+    try:
+        measured_short(worker)  # a thread-run job: the worker has short handlers
+        load = [enqueue(Echo(text=str(n))) for n in range(8)]
         deadline = time.monotonic() + 20
         while not succeeded(load):
             assert time.monotonic() < deadline, "the load did not drain within 20 s"
