@@ -128,7 +128,6 @@ class Draining:
             self._held.pop((running.job.id, running.job.claim_token), None)
             self._in_flight -= 1
             self._in_flight_by_name[running.job.name] -= 1
-            metrics.running.dec()
         return unstarted
 
     def _cancel_leftovers(self) -> None:

@@ -575,7 +575,6 @@ class Worker(Draining):
             type_metrics = metrics.for_type(job.name)
             type_metrics.claimed.inc()
             type_metrics.queue_latency.observe(job.latency)
-            metrics.running.inc()
             if job_type.is_async:
                 on_loop.append(running)
             else:
@@ -599,6 +598,7 @@ class Worker(Draining):
                 if running.handed_back:
                     continue
                 running.started = True
+            metrics.running.inc()
             try:
                 self._pool.event_loop.loop.create_task(
                     self._execute_on_loop(running), name=f"worker of job {running.job.job_id}"
@@ -638,6 +638,7 @@ class Worker(Draining):
             if running.handed_back:
                 return  # a drain released the job before this thread took it
             running.started = True
+        metrics.running.inc()  # a handler's start: a prefetched job is held, not running
         outcome: Outcome | None = None
         began = time.monotonic()
         try:
@@ -666,7 +667,8 @@ class Worker(Draining):
             self._acks.append((running, outcome))
             if self._first_ack_at is None:
                 self._first_ack_at = time.monotonic()
-        metrics.running.dec()
+        if running.started:  # counted in at its handler's start
+            metrics.running.dec()
         self._wake.set()
 
     def _settle(

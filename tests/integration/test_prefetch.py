@@ -17,6 +17,7 @@ from django.core.exceptions import ImproperlyConfigured
 from jobs import enqueue
 from jobs.models import Job
 from jobs.registry import JobType, Policy, Registry
+from jobs.worker import metrics
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import PREFETCH_HORIZON, Worker
 from tests.worker_support import Echo, Recorder, Step, registry, scripted
@@ -59,6 +60,10 @@ def stop(worker: Worker, thread: threading.Thread) -> None:
     assert not thread.is_alive()
 
 
+def running_gauge() -> float:
+    return metrics.running._value.get()
+
+
 def measured_short(worker: Worker) -> None:
     """Run one no-op job, so the worker knows its handlers are short."""
     first = enqueue(Step(plan=("ok",)))
@@ -70,12 +75,15 @@ def test_short_handlers_are_prefetched_but_never_run_beyond_the_threads():
     worker, thread = start(recorder, concurrency=2, prefetch=6)
     try:
         measured_short(worker)
+        before = running_gauge()
         # Each takes 0.3 s: a claim takes 2 for the threads and 6 to wait for them.
         load = [enqueue(Step(plan=("sleep",), seconds=0.3)) for _ in range(10)]
         wait_for(lambda: held_by(worker) == 8, what="8 jobs held by a 2-thread worker")
+        assert running_gauge() - before <= 2  # jobs_worker_running counts handlers, not held
         wait_for(lambda: succeeded(load), timeout=20, what="every job succeeded")
     finally:
         stop(worker, thread)
+    assert running_gauge() == before
     assert recorder.peak[STEP] == 2  # handlers at once: never more than the threads
     assert set(Job.objects.values_list("attempts", flat=True)) == {1}
 
