@@ -32,7 +32,15 @@ from jobs.conf import jobs_settings
 from jobs.progress import Progress
 from jobs.queue import _db, attempts, flow, pauses, processes, rollup, text
 from jobs.queue.outcomes import report_json
-from jobs.queue.types import ClaimedJob, ClaimRequest, ProcessBeat, Renewal, Scope, pick_scope_sql
+from jobs.queue.types import (
+    AllTenants,
+    ClaimedJob,
+    ClaimRequest,
+    ProcessBeat,
+    Renewal,
+    Scope,
+    pick_scope_sql,
+)
 
 # The claim's CTEs: what is paused, what each name asks for (paused names left out), and the
 # rows picked for it (locked as the outer LIMIT pulls them). ``{due}`` is one of the two
@@ -259,6 +267,18 @@ def _flow_ctes(due: str, flows: flow.FlowForm, scope: Scope) -> str:
         + flow.gate(flows)
         + _FLOW_PICKED.replace("{branches}", "\n        UNION ALL".join(branches))
     )
+
+
+#: The flow claim's form when every name asked for is fair with no fleet-wide or tenant limit:
+#: their tenant part is :sql:`jobs_fair_pick`, which takes the scope as arguments.
+TIERED_FORM = flow.FlowForm(
+    gated=False, plain=False, tiered=True, capped=False, tenant_rated=False, reserved=False
+)
+
+
+def tiered_claim_ctes() -> str:
+    """The claim's CTEs for :data:`TIERED_FORM` (no scope of the rows themselves is read)."""
+    return _flow_ctes("", TIERED_FORM, AllTenants())
 
 
 def plain_claim_ctes(*, walk: bool, scope_sql: str) -> str:

@@ -25,7 +25,15 @@ from datetime import timedelta
 from django.db import DEFAULT_DB_ALIAS
 
 from jobs.queue import _db, flow, rollup
-from jobs.queue.claim import claim_parts, claim_update, claimed_jobs, plain_claim_ctes, run_claim
+from jobs.queue.claim import (
+    TIERED_FORM,
+    claim_parts,
+    claim_update,
+    claimed_jobs,
+    plain_claim_ctes,
+    run_claim,
+    tiered_claim_ctes,
+)
 from jobs.queue.flow import FlowLimits
 from jobs.queue.outcomes import (
     OUTCOME_CTES,
@@ -60,7 +68,7 @@ _REPORT_ROW = (
 # a drain), and the control loop waits for it; in a function each connection keeps a generic
 # plan, behind a transaction pooler too (nothing is prepared by the protocol). Its arguments
 # are the statement's parameters, in this order and of these types.
-_PASS_ARGUMENTS = {
+_OUTCOME_ARGUMENTS = {
     "ids": "bigint[]",
     "tokens": "uuid[]",
     "states": "text[]",
@@ -71,14 +79,41 @@ _PASS_ARGUMENTS = {
     "deltas": "integer[]",
     "results": "jsonb[]",
     "reports": "jsonb[]",
-    "names": "text[]",
-    "limits": "integer[]",
-    "caps": "integer[]",
+}
+_CLAIM_ARGUMENTS = {
     "total": "integer",
     "lease": "float8",
     "worker": "text",
     "pick_tenant": "text",
     "pick_component": "text",
+}
+_PASS_ARGUMENTS = {
+    **_OUTCOME_ARGUMENTS,
+    "names": "text[]",
+    "limits": "integer[]",
+    "caps": "integer[]",
+    **_CLAIM_ARGUMENTS,
+}
+# The pass for names that are all fair with no limit (jobs.queue.claim.TIERED_FORM), as
+# jobs_worker_fair_pass: the same outcome write, the fair claim; its arguments are the flow
+# claim's (jobs.queue.flow.WANTED), most of them unused by this form but kept so the claim's
+# text is the flow claim's own.
+_FAIR_PASS_ARGUMENTS = {
+    **_OUTCOME_ARGUMENTS,
+    "names": "text[]",
+    "limits": "integer[]",
+    "caps": "integer[]",
+    "gcaps": "integer[]",
+    "tcaps": "integer[]",
+    "rates": "float8[]",
+    "bursts": "float8[]",
+    "trates": "float8[]",
+    "tbursts": "float8[]",
+    "gated": "boolean[]",
+    "ordered": "boolean[]",
+    "afters": "text[]",
+    "lshares": "float8[]",
+    **_CLAIM_ARGUMENTS,
 }
 # What it returns: the claimed rows (the claim's RETURNING list), then the report row.
 _PASS_COLUMNS = (
@@ -100,14 +135,22 @@ _PASS_COLUMNS = (
     ("stopped", "uuid[]"),
     ("details", "text[]"),
 )
-_PASS_CALL = (
-    "SELECT * FROM jobs_worker_pass(%(walk)s, "
-    + ", ".join(
-        f"%({name})b::{kind}" if kind.endswith("[]") else f"%({name})s::{kind}"
-        for name, kind in _PASS_ARGUMENTS.items()
+
+
+def _call(function: str, arguments: dict[str, str], first: str = "") -> str:
+    """The statement that calls ``function`` with the parameters named as its arguments."""
+    return (
+        f"SELECT * FROM {function}({first}"
+        + ", ".join(
+            f"%({name})b::{kind}" if kind.endswith("[]") else f"%({name})s::{kind}"
+            for name, kind in arguments.items()
+        )
+        + ")"
     )
-    + ")"
-)
+
+
+_PASS_CALL = _call("jobs_worker_pass", _PASS_ARGUMENTS, "%(walk)s, ")
+_FAIR_PASS_CALL = _call("jobs_worker_fair_pass", _FAIR_PASS_ARGUMENTS)
 
 
 def _argument(parameter: str) -> str:
@@ -116,12 +159,13 @@ def _argument(parameter: str) -> str:
     return "p_" + parameter.removeprefix("pick_")
 
 
-def _pass_query(walk: bool) -> str:
+def _pass_query(claim_ctes: str) -> str:
+    """The pass's statement with these claim CTEs, its parameters as the function's arguments."""
     claimed = ", ".join(f"c_{name}" for name, _ in _PASS_COLUMNS[:_CLAIMED_COLUMNS])
     casts = ", ".join(f"c_{name}::{kind}" for name, kind in _PASS_COLUMNS[:_CLAIMED_COLUMNS])
     sql = (
         f"WITH{OUTCOME_CTES[False]},"
-        f"{plain_claim_ctes(walk=walk, scope_sql=pick_scope_sql('j'))}, "
+        f"{claim_ctes}, "
         f"claimed({claimed}) AS ({claim_update()})\n"
         f"SELECT {casts}, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[] FROM claimed\n"
         f"UNION ALL\n{_REPORT_ROW}"
@@ -142,26 +186,45 @@ def pass_function() -> str:
     only where it runs. The function reads in a snapshot of its own, as the statement in
     autocommit did (the worker's passes are not inside a transaction).
     """
-    arguments = ",\n".join(
-        f"    {_argument(name)} {kind}"
-        for name, kind in {"walk": "boolean", **_PASS_ARGUMENTS}.items()
+    scope = pick_scope_sql("j")
+    return _function(
+        "jobs_worker_pass",
+        {"walk": "boolean", **_PASS_ARGUMENTS},
+        "    IF p_walk THEN\n"
+        "        RETURN QUERY\n"
+        f"{_pass_query(plain_claim_ctes(walk=True, scope_sql=scope))};\n"
+        "    ELSE\n"
+        "        RETURN QUERY\n"
+        f"{_pass_query(plain_claim_ctes(walk=False, scope_sql=scope))};\n"
+        "    END IF;\n",
     )
-    columns = ", ".join(f"r_{name} {kind}" for name, kind in _PASS_COLUMNS)
+
+
+def fair_pass_function() -> str:
+    """``CREATE OR REPLACE FUNCTION jobs_worker_fair_pass``: the pass for names that are all
+    fair with no limit (:data:`~jobs.queue.claim.TIERED_FORM`), with a kept plan as
+    :func:`pass_function`'s. Planned inline every pass, it cost the fair drain about 26 µs of
+    PostgreSQL CPU a job more than the plain one (bench/fairness.py). A migration holds it too.
+    """
+    return _function(
+        "jobs_worker_fair_pass",
+        _FAIR_PASS_ARGUMENTS,
+        f"    RETURN QUERY\n{_pass_query(tiered_claim_ctes())};\n",
+    )
+
+
+def _function(name: str, arguments: dict[str, str], body: str) -> str:
+    listed = ",\n".join(f"    {_argument(a)} {kind}" for a, kind in arguments.items())
+    columns = ", ".join(f"r_{column} {kind}" for column, kind in _PASS_COLUMNS)
     return (
-        f"CREATE OR REPLACE FUNCTION jobs_worker_pass(\n{arguments}\n"
+        f"CREATE OR REPLACE FUNCTION {name}(\n{listed}\n"
         f") RETURNS TABLE ({columns})\n"
         "LANGUAGE plpgsql VOLATILE\n"
         # A custom plan's cost always reads below the generic one's, so left to itself
         # PostgreSQL would plan every call anew.
         "SET plan_cache_mode = force_generic_plan AS $$\n"
         "BEGIN\n"
-        "    IF p_walk THEN\n"
-        "        RETURN QUERY\n"
-        f"{_pass_query(True)};\n"
-        "    ELSE\n"
-        "        RETURN QUERY\n"
-        f"{_pass_query(False)};\n"
-        "    END IF;\n"
+        f"{body}"
         "END\n"
         "$$;\n"
     )
@@ -202,13 +265,16 @@ def record_and_claim(
     ctes, update, params, post = parts
     # The function holds the plain claim only. A name with flow controls needs the flow
     # claim, even one (fair order alone) with nothing to add after the UPDATE.
-    kept_plan = not count and flow.form(requests, limits) is None
+    form = flow.form([r for r in requests if r.limit > 0], limits)
+    kept_plan = not count and (form is None or form == TIERED_FORM)
     if not outcomes and not kept_plan:  # a claim alone needs none of the report's CTEs
         return OutcomeReport((), ()), run_claim(parts, using)
     params = {**outcome_params(outcomes, using), **params}
-    if kept_plan:  # the worker's pass for names without flow controls
+    if kept_plan and form is None:  # the worker's pass for names without flow controls
         sql = _PASS_CALL
         params.update(scope.pick_params(), walk=_db.server_version(using) < 180000)
+    elif kept_plan:  # every name fair with no limit: the fair pass
+        sql = _FAIR_PASS_CALL
     else:
         counted = (f", {ROLLUP_CTE}", f" WHERE {rollup.reads()}") if count else ("", "")
         sql = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from datetime import timedelta
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from django.db import connection, transaction
@@ -21,8 +22,17 @@ from hypothesis import strategies as st
 import jobs.migrations
 from jobs import queue
 from jobs.models import Job, TenantOverride
-from jobs.queue import AllTenants, AllTenantsExcept, ClaimRequest, NewJob, OnlyTenant, Outcome, flow
-from jobs.queue.cycle import pass_function
+from jobs.queue import (
+    AllTenants,
+    AllTenantsExcept,
+    ClaimRequest,
+    NewJob,
+    OnlyTenant,
+    Outcome,
+    cycle,
+    flow,
+)
+from jobs.queue.cycle import fair_pass_function, pass_function
 from jobs.queue.flow import FlowLimits
 
 pytestmark = pytest.mark.django_db
@@ -140,18 +150,85 @@ def test_the_pass_leaves_paused_names_queues_and_tenants_alone():
     assert [(j.name, j.tenant, j.queue) for j in claimed] == [(NAMES[0], "a", "default")]
 
 
-def test_the_latest_migration_holds_the_pass_function_the_worker_calls():
+@pytest.mark.parametrize(
+    ("function", "built"),
+    [("jobs_worker_pass", pass_function), ("jobs_worker_fair_pass", fair_pass_function)],
+)
+def test_the_latest_migration_holds_the_pass_function_the_worker_calls(function, built):
     """The function's SQL is built from the outcome write's and the claim's pieces; a change
     to them needs a migration that replaces it, or databases would keep running the old."""
     folder = Path(jobs.migrations.__file__).parent
     holders = sorted(
-        path.stem
-        for path in folder.glob("0*.py")
-        if "FUNCTION jobs_worker_pass(" in path.read_text()
+        path.stem for path in folder.glob("0*.py") if f"FUNCTION {function}(" in path.read_text()
     )
-    assert holders, "no migration creates jobs_worker_pass"
+    assert holders, f"no migration creates {function}"
     latest = importlib.import_module(f"jobs.migrations.{holders[-1]}")
-    assert latest.SQL.strip() == pass_function().strip()
+    assert latest.SQL.strip() == built().strip()
+
+
+FAIR = {NAMES[0]: FlowLimits(fair=True), NAMES[1]: FlowLimits(fair=True, lower_share=0.25)}
+
+
+@example(
+    backlog=[(NAMES[0], "a", 0)] * 5 + [(NAMES[0], "b", 0)],
+    kinds=[],
+    scope="all",
+    asked=(3, 0),
+    cursor="",
+)
+@given(
+    backlog=backlogs,
+    kinds=outcome_kinds,
+    scope=st.sampled_from(sorted(SCOPES)),
+    asked=st.tuples(st.integers(0, 6), st.integers(0, 6)),
+    cursor=st.sampled_from(["", "a", "b", "c"]),
+)
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_the_fair_pass_writes_and_claims_what_record_then_claim_would(
+    backlog, kinds, scope, asked, cursor
+):
+    # Both names fair (one keeping a share for lower classes): the pass is one call of
+    # jobs_worker_fair_pass, and must do what the inline statement it replaces does (outcomes
+    # and the fair claim in one snapshot, where the jobs it ends still count as running).
+    with transaction.atomic():
+        flow.ensure(FAIR)
+        TenantOverride.objects.create(tenant="c", component="web")
+        for name, tenant, priority in backlog:
+            queue.enqueue(NewJob(name, {}, tenant=tenant, priority=priority))
+        held = queue.claim(
+            [ClaimRequest(NAMES[0], len(kinds))], scope=AllTenants(), worker="w", limits=FAIR
+        )
+        outcomes = [
+            _outcome(kind, job, fenced) for (kind, fenced), job in zip(kinds, held, strict=False)
+        ]
+        requests = [ClaimRequest(name, n) for name, n in zip(NAMES, asked, strict=True)]
+        after = {NAMES[0]: cursor, NAMES[1]: cursor}
+        options = {"scope": SCOPES[scope], "limit": 7, "worker": "w2", "limits": FAIR}
+
+        with transaction.atomic(), mock.patch.object(cycle, "TIERED_FORM", None):
+            expected_report, expected = queue.record_and_claim(
+                outcomes, requests, count=False, after=after, **options
+            )
+            expected_state = _state()
+            transaction.set_rollback(True)
+
+        with CaptureQueriesContext(connection) as statements:
+            report, claimed = queue.record_and_claim(
+                outcomes, requests, count=False, after=after, **options
+            )
+
+        if sum(asked):
+            assert [s["sql"].split("(", 1)[0] for s in statements] == [
+                "SELECT * FROM jobs_worker_fair_pass"
+            ]
+        assert report == expected_report
+        assert [(j.id, j.tenant, j.attempts, j.max_attempts) for j in claimed] == [
+            (j.id, j.tenant, j.attempts, j.max_attempts) for j in expected
+        ]
+        assert _state() == expected_state
+        transaction.set_rollback(True)
 
 
 @pytest.mark.parametrize("with_outcome", [False, True])
