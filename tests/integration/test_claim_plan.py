@@ -113,12 +113,14 @@ def test_delayed_jobs_of_a_higher_priority_cost_the_claim_nothing(claim_form):
         assert "Index Searches" in text and "levels" not in text, text
     assert plan[0]["Plan"]["Actual Rows"] == 50
     # Choosing 50 rows reads their pages and a few hops between priorities; nothing in
-    # proportion to the 30,000 delayed rows (about 100 index pages, 600 heap pages).
+    # proportion to the 30,000 delayed rows (about 100 index pages, 600 heap pages). The walk
+    # reads 96 blocks here and read 100 once in CI (a page more of its index descents), so
+    # the bound leaves room for that and stays far below a read of the delayed rows.
     (picked,) = [
         node for node in _nodes(plan[0]["Plan"]) if node.get("Subplan Name") == "CTE picked"
     ]
     touched = picked["Shared Hit Blocks"] + picked["Shared Read Blocks"]
-    assert touched < 100, (touched, text)
+    assert touched < 150, (touched, text)
 
 
 def _nodes(node: dict) -> list[dict]:
