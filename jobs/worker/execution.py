@@ -90,6 +90,9 @@ class Running:
     throttle: tuple[float, str] | None = None
     # The handler's own transaction marked the job succeeded (jobs.complete): no outcome.
     completed: bool = False
+    # Passes whose outcome write found the row locked by another session (a renewal of this
+    # worker's, usually for a moment; a long transaction on jobs_job, if it goes on).
+    busy_passes: int = 0
 
 
 @cache

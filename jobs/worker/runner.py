@@ -68,6 +68,10 @@ TerminalHook = Callable[[str, str, str, str], None]
 #: A NOTIFY brings a held-back limited type's next try forward to this long after its last.
 NOTICE_RETRY = 0.1
 
+#: An outcome whose row another session holds locked waits and is retried; this many tries
+#: in a row, and the worker warns (one try is usually its own lease renewal, a moment's lock).
+BUSY_WARN_AFTER = 3
+
 #: Prefetched jobs wait for a handler thread about this long at most: beyond its threads the
 #: worker holds only as many jobs as they finish in this time, by the mean run time of its
 #: recent thread-run handlers (seconds). Long handlers get no prefetch, so a worker busy with
@@ -336,10 +340,13 @@ class Worker(Draining):
         """Outcomes whose row another session holds locked wait a poll interval, then retry."""
         waiting = [(r, o) for r, o in acks if o is not None and o.token in busy]
         for running, _ in waiting:
-            logger.warning(
-                "outcome of job %s (%s) waits: another session holds its row locked",
+            running.busy_passes += 1
+            logger.log(
+                logging.WARNING if running.busy_passes == BUSY_WARN_AFTER else logging.DEBUG,
+                "outcome of job %s (%s) waits (try %d): another session holds its row locked",
                 running.job.job_id,
                 running.job.name,
+                running.busy_passes,
                 extra={"job_id": running.job.job_id, "action": "outcome_busy"},
             )
         with self._lock:

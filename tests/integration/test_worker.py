@@ -9,7 +9,7 @@ import time
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -368,6 +368,52 @@ class TestLeasesAndDrain:
             worker.request_stop()
             thread.join(10)
         assert row(job).attempts == 2
+
+    def test_an_outcome_whose_row_stays_locked_waits_and_warns_once(self, recorder, caplog):
+        # A moment's lock (the worker's own lease renewal, usually) is no news: DEBUG. Held
+        # for three tries in a row it is: one WARNING. The outcome is written once it is free.
+        caplog.set_level(logging.DEBUG, logger="jobs.worker")
+        job = enqueue(Step(plan=("sleep",), seconds=0.3))
+        worker = Worker(
+            registry(recorder), WorkerConfig(poll_interval=0.05, install_signal_handlers=False)
+        )
+        thread = threading.Thread(target=worker.run)
+        thread.start()
+        locked, release = threading.Event(), threading.Event()
+
+        def hold_row_lock() -> None:
+            with transaction.atomic():
+                Job.objects.select_for_update().get(pk=job.id)
+                locked.set()
+                release.wait(30)
+            connection.close()
+
+        def waits(level: int) -> list[str]:
+            return [
+                r.getMessage()
+                for r in caplog.records
+                if r.levelno == level and "holds its row locked" in r.getMessage()
+            ]
+
+        try:
+            wait_for(lambda: len(recorder.calls) == 1)  # the handler is in its sleep
+            holder = threading.Thread(target=hold_row_lock)
+            holder.start()
+            assert locked.wait(10)
+            wait_for(lambda: waits(logging.WARNING))
+            assert row(job).state == "running"
+            release.set()
+            holder.join(10)
+            wait_for(lambda: row(job).state == "succeeded")
+        finally:
+            release.set()
+            worker.request_stop()
+            thread.join(10)
+        assert waits(logging.WARNING) == [
+            f"outcome of job {job.job_id} (test.step.v1) waits (try 3): another session holds "
+            "its row locked"
+        ]
+        assert len(waits(logging.DEBUG)) >= 2  # tries 1 and 2, and any after the third
 
     def test_a_notice_that_comes_during_an_empty_claim_is_not_lost(self, recorder, monkeypatch):
         # The claim's snapshot can predate a commit whose NOTIFY the listener handles before
