@@ -33,9 +33,9 @@ class WorkerConfig:
     database: str = field(default_factory=lambda: str(jobs_settings.DATABASE))
     concurrency: int = 10
     # Jobs held beyond the handler threads, waiting for the next free one, so a thread that
-    # finishes starts another without waiting for a claim. None: twice the concurrency. The
-    # worker holds that many only while its handlers run short (see runner.PREFETCH_HORIZON).
-    prefetch: int | None = None
+    # finishes starts another without waiting for a claim; only while handlers run short (see
+    # runner.PREFETCH_HORIZON). Off by default: a worker claims at most its free slots.
+    prefetch: int = 0
     shutdown_timeout: float = 30.0
     # After the shutdown timeout: how long cancelled handlers get to return before exit.
     cancel_timeout: float = 5.0
@@ -59,7 +59,7 @@ class WorkerConfig:
         problems = []
         if not 1 <= self.concurrency <= 1000:
             problems.append(f"concurrency must be from 1 to 1000, got {self.concurrency}")
-        if self.prefetch is not None and not 0 <= self.prefetch <= 10000:
+        if not 0 <= self.prefetch <= 10000:
             problems.append(f"prefetch must be from 0 to 10000, got {self.prefetch}")
         if self.shutdown_timeout <= 0:
             problems.append(f"shutdown timeout must be positive, got {self.shutdown_timeout}")
@@ -88,11 +88,6 @@ class WorkerConfig:
             problems.append(f"scope must be a jobs.queue Scope, got {self.scope!r}")
         if problems:
             raise ImproperlyConfigured("invalid worker configuration: " + "; ".join(problems))
-
-    @property
-    def prefetch_limit(self) -> int:
-        """The most jobs held beyond the handler threads."""
-        return 2 * self.concurrency if self.prefetch is None else self.prefetch
 
     @property
     def lease_duration(self) -> timedelta:

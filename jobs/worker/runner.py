@@ -814,7 +814,7 @@ class Worker(Draining):
         """How many jobs the worker may hold now (called under ``self._lock``): one a handler
         thread, plus what the threads finish within :data:`PREFETCH_HORIZON`, up to the
         prefetch limit, once its handlers have been measured."""
-        limit = self.config.prefetch_limit
+        limit = self.config.prefetch
         if not limit or self._mean_run is None:
             return self.config.concurrency
         finishing = self.config.concurrency * PREFETCH_HORIZON / max(self._mean_run, 1e-6)

@@ -189,8 +189,21 @@ def test_a_drain_hands_prefetched_jobs_back_at_once():
     assert len(recorder.calls) == 2  # the handed-back jobs never ran here
 
 
-def test_prefetch_is_checked_and_defaults_to_twice_the_threads():
-    assert WorkerConfig(concurrency=7).prefetch_limit == 14
-    assert WorkerConfig(concurrency=7, prefetch=0).prefetch_limit == 0
+def test_prefetch_is_off_by_default_and_checked():
+    # Off, a worker claims at most its free threads however short its handlers run.
+    recorder = Recorder()
+    worker, thread = start(recorder, concurrency=2)
+    most = 0
+    try:
+        measured_short(worker)
+        load = [enqueue(Step(plan=("sleep",), seconds=0.05)) for _ in range(8)]
+        deadline = time.monotonic() + 20
+        while not succeeded(load):
+            assert time.monotonic() < deadline, "the load did not drain within 20 s"
+            most = max(most, held_by(worker))
+            time.sleep(0.005)
+    finally:
+        stop(worker, thread)
+    assert most == 2
     with pytest.raises(ImproperlyConfigured, match="prefetch must be from 0 to 10000, got -1"):
         WorkerConfig(prefetch=-1)

@@ -37,11 +37,7 @@ _OPTION = re.compile(r"`(--[\w-]+)`(?:\s+\[`(\w+)`\])?")
 _PROSE_OPTION = re.compile(_OPTION.pattern + r"\s+\(([^)]*)\)")
 _ENV_NAME = re.compile(r"\b(?:WORKER|SCHEDULER)_[A-Z_]+\b")
 #: Options whose parser default None stands for a default applied later (worker/config.py).
-_EFFECTIVE_DEFAULT = {
-    "--component": lambda value: value or DEFAULT_COMPONENT,
-    # WorkerConfig.prefetch_limit (tests/integration/test_prefetch.py checks the doubling).
-    "--prefetch": lambda value: "twice the concurrency" if value is None else value,
-}
+_EFFECTIVE_DEFAULT = {"--component": lambda value: value or DEFAULT_COMPONENT}
 
 
 def section(text: str, heading: str) -> str:

@@ -61,10 +61,10 @@ class Command(BaseCommand):
         parser.add_argument(
             "--prefetch",
             type=int,
-            default=_env_number("WORKER_PREFETCH", int, None),
+            default=_env_number("WORKER_PREFETCH", int, 0),
             help="Jobs held beyond the handler threads while handlers run short, so a thread "
-            "that finishes starts the next at once (env WORKER_PREFETCH; default twice "
-            "--concurrency; 0: none).",
+            "that finishes starts the next at once; for many very short jobs (env "
+            "WORKER_PREFETCH; default 0: the worker claims at most its free threads).",
         )
         parser.add_argument(
             "--shutdown-timeout",
