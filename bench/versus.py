@@ -4,6 +4,7 @@
                                      [--jobs 10000] [--single 2000] [--latency-jobs 200]
     .venv/bin/python bench/versus.py --pgq-sweep      # pgqueuer's 2-process configurations
     .venv/bin/python bench/versus.py --statements     # statements per job (pg_stat_statements)
+    .venv/bin/python bench/versus.py --only drain1 drain2   # some of the measurements
 
 pgqueuer is a bench-only dependency: its pinned set (``requirements/bench-versus.txt``) is
 installed on first use into a venv of its own, ``.venv-versus`` (git-ignored), so the project's
@@ -105,6 +106,7 @@ PGQ_SUFFIX = "_versus_pgq"
 PGQ_UNFINISHED = "SELECT EXISTS (SELECT 1 FROM pgqueuer)"
 WARM_UP = 20  # untimed enqueues before each enqueue measurement
 
+MEASUREMENTS = ("single", "bulk", "drain1", "drain2", "latency")
 JOBS_DEFAULT: list[str] = []  # runworker at its defaults: 10 handler threads
 JOBS_BEST = ["--concurrency", "100"]
 
@@ -590,6 +592,11 @@ class Measurement:
 
 
 def measurements(args: argparse.Namespace) -> list[Measurement]:
+    """The measurements to make: all of them, or those ``--only`` names."""
+    return [m for m in _measurements(args) if not args.only or m.key in args.only]
+
+
+def _measurements(args: argparse.Namespace) -> list[Measurement]:
     n, single, pause = args.jobs, args.single, 0.02
     return [
         Measurement(
@@ -753,8 +760,9 @@ def print_table(results: dict, args: argparse.Namespace, transports: list[str], 
     for transport in transports:
         print(f"\n{transport}, median of {args.runs} run{'s' * (args.runs > 1)}:")
         print(system_table(results, transport, plan))
-        print(latency_details(results, transport))
-    if len(transports) == 2:
+        if results[transport, "latency", "jobs"]:
+            print(latency_details(results, transport))
+    if len(transports) == 2 and not args.only:
         print("\nwhat the transport explains (tcp against unix, medians; pgq = pgqueuer):")
         print(transport_table(results, plan))
 
@@ -877,6 +885,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="500 jobs, 1 run: a smoke run")
     parser.add_argument("--pgq-sweep", action="store_true", help="pgqueuer's configurations")
     parser.add_argument("--statements", action="store_true", help="pg_stat_statements per job")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=MEASUREMENTS,
+        help="make only these measurements (while working on one of them)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.jobs, args.single, args.latency_jobs, args.runs = 500, 200, 50, 1

@@ -80,6 +80,19 @@ PREFETCH_HORIZON = 0.02
 # Weight of the latest run time in that mean.
 _RUN_TIME_WEIGHT = 0.2
 
+#: A pass's thread-run jobs are handed to as many sleeping threads as start them all within
+#: about this long, by that mean run time (seconds): a thread woken costs more than a short
+#: job, and the threads woken take the other jobs in turn (more are woken one at a time while
+#: jobs wait; :mod:`jobs.worker.pool`). Before any job has run, one thread a job.
+HANDOFF_HORIZON = 0.002
+
+
+def _threads_to_wake(jobs: int, mean_run: float | None) -> int:
+    """How many sleeping handler threads to wake for ``jobs`` thread-run jobs."""
+    if mean_run is None:
+        return jobs
+    return max(1, min(jobs, math.ceil(jobs * mean_run / HANDOFF_HORIZON)))
+
 
 class Worker(Draining):
     def __init__(
@@ -241,7 +254,7 @@ class Worker(Draining):
         except Exception as exc:
             self._loop_error(exc)
             return
-        acks = self._take_acks(now)
+        acks, waiting = self._take_acks(now)
         try:
             if not self._gates_made:
                 flow.ensure(self._limits, using=self.config.database)
@@ -251,7 +264,9 @@ class Worker(Draining):
             self._put_back(acks)
             self._loop_error(exc)
             return
-        requests = self._claim_requests(now)
+        # Slots freed by outcomes that wait for others are claimed in the pass that writes
+        # those outcomes: a claim for each slot as it frees costs a pass a job.
+        requests = [] if waiting else self._claim_requests(now)
         if not acks and not requests:
             self._errors = 0
             self._flush_history(now)  # an idle worker still writes what it counted
@@ -415,26 +430,31 @@ class Worker(Draining):
         with contextlib.suppress(Exception):
             self._connection.close()
 
-    def _take_acks(self, now: float) -> list[tuple[Running, Outcome | None]]:
+    def _take_acks(self, now: float) -> tuple[list[tuple[Running, Outcome | None]], bool]:
+        """The outcomes to write now, if they are due, and whether others wait to be."""
         with self._lock:
             if self._deferred and now >= self._deferred_at:
                 self._acks.extend(self._deferred)
                 self._deferred = []
                 self._first_ack_at = self._first_ack_at or now
             if not self._acks:
-                return []
-            capacity = self._capacity()
-            free = capacity - self._in_flight
-            due = (
-                self._stopping.is_set()
-                or self._in_flight == 0
-                or free >= max(1, capacity // 2)
-                or now - (self._first_ack_at or now) >= self.config.ack_interval
-            )
-            if not due:
-                return []
+                return [], False
+            if not self._acks_due(now):
+                return [], True
             acks, self._acks, self._first_ack_at = self._acks, [], None
-            return acks
+            return acks, False
+
+    def _acks_due(self, now: float) -> bool:
+        """Whether the outcomes waiting are to be written now (called under ``self._lock``):
+        when the worker stops or is idle, when half its slots are free, or once the first has
+        waited ``ack_interval``."""
+        capacity = self._capacity()
+        return (
+            self._stopping.is_set()
+            or self._in_flight == 0
+            or capacity - self._in_flight >= max(1, capacity // 2)
+            or now - (self._first_ack_at or now) >= self.config.ack_interval
+        )
 
     def _put_back(self, acks: list[tuple[Running, Outcome | None]]) -> None:
         with self._lock:
@@ -570,22 +590,31 @@ class Worker(Draining):
                     )
 
     def _dispatch(self, claimed: list[ClaimedJob], *, leased_at: float) -> None:
+        if not claimed:
+            return
         on_loop: list[Running] = []
+        on_threads: list[Callable[[], None]] = []
+        held = []
         for job in claimed:
             job_type = self.registry[job.name]
             ctx = make_context(job, job_type, using=self.config.database)
             running = Running(job, job_type, ctx, leased_at=leased_at)
-            with self._lock:
-                self._held[job.id, job.claim_token] = running
-                self._in_flight += 1
-                self._in_flight_by_name[job.name] += 1
-            type_metrics = metrics.for_type(job.name)
-            type_metrics.claimed.inc()
-            type_metrics.queue_latency.observe(job.latency)
+            held.append(running)
+            metrics.for_type(job.name).queue_latency.observe(job.latency)
             if job_type.is_async:
                 on_loop.append(running)
             else:
-                self._pool.submit(partial(self._execute, running))
+                on_threads.append(partial(self._execute, running))
+        with self._lock:
+            for running in held:
+                self._held[running.job.id, running.job.claim_token] = running
+                self._in_flight_by_name[running.job.name] += 1
+            self._in_flight += len(held)
+            mean_run = self._mean_run
+        for name, count in Counter(job.name for job in claimed).items():
+            metrics.for_type(name).claimed.inc(count)
+        if on_threads:
+            self._pool.submit_many(on_threads, wake=_threads_to_wake(len(on_threads), mean_run))
         if on_loop:
             self._to_loop(on_loop)
 
@@ -672,11 +701,17 @@ class Worker(Draining):
             self._in_flight -= 1
             self._in_flight_by_name[running.job.name] -= 1
             self._acks.append((running, outcome))
+            now = time.monotonic()
+            # The loop is woken for the first outcome waiting (its wait is then at most
+            # ack_interval) and when they are due, not for each: a wake-up costs the handler
+            # threads a turn at the GIL.
+            wake = self._first_ack_at is None or self._acks_due(now)
             if self._first_ack_at is None:
-                self._first_ack_at = time.monotonic()
+                self._first_ack_at = now
         if running.started:  # counted in at its handler's start
             metrics.running.dec()
-        self._wake.set()
+        if wake:
+            self._wake.set()
 
     def _settle(
         self,

@@ -1,0 +1,154 @@
+"""Handing jobs to handler threads: few wake-ups, and never a job waiting behind a busy thread.
+
+The pool wakes only as many sleeping threads as it is asked to for a batch; a thread that
+takes a task and sees more waiting wakes one more. These tests hold the guarantee that makes
+waking few threads safe: while a task waits and a thread sleeps, some thread is on its way, so
+a task never waits for a thread that is busy with a long one. The worker side: a finished
+handler does not make the loop claim its slot alone while outcomes wait to be written; the
+slot is claimed in the pass that writes them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jobs import enqueue
+from jobs.worker import runner as runner_module
+from jobs.worker.config import WorkerConfig
+from jobs.worker.pool import HandlerPool
+from jobs.worker.runner import Worker
+from tests.worker_support import Recorder, Step, registry
+
+
+def wait_for(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"{what} not met within {timeout}s")
+
+
+def run_batches(pool: HandlerPool, batches: list[tuple[list[bool], int]]) -> None:
+    """Submit each batch (True: a task that blocks until released) waking ``wake`` threads;
+    every quick task must finish while the blocking ones still hold their threads."""
+    release = threading.Event()
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def task(number: int, blocks: bool):
+        def run() -> None:
+            if blocks:
+                release.wait(30)
+            with lock:
+                done.append(number)
+
+        return run
+
+    quick = 0
+    number = 0
+    for kinds, wake in batches:
+        tasks = []
+        for blocks in kinds:
+            tasks.append(task(number, blocks))
+            quick += not blocks
+            number += 1
+        pool.submit_many(tasks, wake=wake)
+    try:
+        wait_for(lambda: len(done) == quick, what=f"{quick} quick tasks done")
+        assert not release.is_set()
+    finally:
+        release.set()
+    wait_for(lambda: len(done) == number, what="every task done")
+
+
+def test_tasks_behind_a_blocked_thread_start_on_the_idle_ones():
+    pool = HandlerPool(4)
+    try:
+        run_batches(pool, [([True, False, False, False], 1)])
+    finally:
+        assert pool.shutdown(timeout=5)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    size=st.integers(2, 6),
+    data=st.data(),
+)
+def test_no_task_waits_for_a_busy_thread_while_one_sleeps(size, data):
+    """Any mix of blocking and quick tasks, in any batches, waking any number of threads:
+    with fewer blocking tasks than threads, every quick task finishes while they block."""
+    blocking_left = size - 1
+    batches = []
+    for _ in range(data.draw(st.integers(1, 3), label="batches")):
+        kinds = data.draw(st.lists(st.booleans(), min_size=1, max_size=8), label="tasks")
+        kept = []
+        for blocks in kinds:
+            blocks = blocks and blocking_left > 0
+            blocking_left -= blocks
+            kept.append(blocks)
+        wake = data.draw(st.integers(1, len(kept)), label="wake")
+        batches.append((kept, wake))
+    pool = HandlerPool(size)
+    try:
+        run_batches(pool, batches)
+        assert pool.alive == size
+    finally:
+        assert pool.shutdown(timeout=5)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_freed_slot_is_claimed_with_the_outcomes_waiting_not_before(monkeypatch):
+    """Six slow jobs hold six of eight slots while quick ones cycle through the other two: no
+    pass claims alone while an outcome that was waiting before the pass is left unwritten."""
+    recorder = Recorder()
+    for _ in range(6):
+        enqueue(Step(plan=("slow",), seconds=1.5), priority=10)
+    quick = [enqueue(Step(plan=("ok",))) for _ in range(12)]
+    worker = Worker(
+        registry(recorder, concurrency=None),
+        WorkerConfig(
+            install_signal_handlers=False, concurrency=8, poll_interval=0.05, ack_interval=0.1
+        ),
+    )
+    took_at = [0.0]
+    take_acks = worker._take_acks
+
+    def timed_take(now):
+        took_at[0] = time.monotonic()
+        return take_acks(now)
+
+    monkeypatch.setattr(worker, "_take_acks", timed_take)
+    alone: list[int] = []
+    passes: list[tuple[int, int]] = []
+    record_and_claim = runner_module.queue.record_and_claim
+
+    def watched(outcomes, requests, **kwargs):
+        asked = sum(r.limit for r in requests)
+        with worker._lock:
+            waited = worker._first_ack_at is not None and worker._first_ack_at < took_at[0]
+        if asked and not outcomes and waited:
+            alone.append(asked)
+        passes.append((len(outcomes), asked))
+        return record_and_claim(outcomes, requests, **kwargs)
+
+    monkeypatch.setattr(runner_module.queue, "record_and_claim", watched)
+    ids = {job.id for job in quick}
+    done = lambda w: (
+        sum(  # noqa: E731
+            1 for _, ctx in recorder.calls if ctx.id in ids
+        )
+        == len(ids)
+        and w.idle
+    )
+    deadline = time.monotonic() + 20
+    worker.run(until=lambda w: done(w) or time.monotonic() > deadline)
+
+    assert done(worker), f"quick jobs ran: {len(recorder.calls)}"
+    assert not alone, f"passes that claimed a freed slot alone while outcomes waited: {alone}"
+    assert any(written and asked for written, asked in passes), passes
