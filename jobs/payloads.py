@@ -127,7 +127,13 @@ def payload_problems(cls: type) -> list[str]:
 # -- encoding -------------------------------------------------------------------------------
 
 
+# Values JSON holds as they are: checked by type alone first, the commonest case.
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
 def _encode(value: Any, path: str) -> Any:
+    if type(value) in _PLAIN:
+        return value
     if isinstance(value, enum.Enum):  # before int and str: IntEnum and StrEnum are both
         return _encode(value.value, path)
     if value is None or isinstance(value, str | bool | int | float):
@@ -201,8 +207,8 @@ def _decode_dataclass[T: DataclassInstance](cls: type[T], data: object, path: st
     if not isinstance(data, dict):
         raise InvalidPayload(f"expected a JSON object, got {_kind(data)}", path)
     fields = _init_fields(cls)
-    unknown = sorted(str(key) for key in data if key not in fields)
-    if unknown:
+    if not fields.keys() >= data.keys():
+        unknown = sorted(str(key) for key in data if key not in fields)
         raise InvalidPayload(f"unknown field{'s' * (len(unknown) > 1)} {_names(unknown)}", path)
     missing = [name for name in _required_fields(cls) if name not in data]
     if missing:
@@ -210,13 +216,13 @@ def _decode_dataclass[T: DataclassInstance](cls: type[T], data: object, path: st
             f"missing required field{'s' * (len(missing) > 1)} {_names(missing)}", path
         )
     try:
-        hints = _hints(cls)
+        decoders = _field_decoders(cls)
     except NameError as exc:
         raise TypeError(f"{cls.__qualname__}: cannot resolve field types: {exc}") from exc
-    values = {name: _decode(hints[name], data[name], _join(path, name)) for name in data}
+    values = {name: decoders[name](value, _join(path, name)) for name, value in data.items()}
     try:
         instance = cls(**values)
-        if callable(validate := getattr(instance, "validate", None)):
+        if _validates(cls) and callable(validate := getattr(instance, "validate", None)):
             validate()
     except InvalidPayload as exc:
         raise InvalidPayload(exc.reason, _join(path, exc.path)) from None
@@ -225,6 +231,41 @@ def _decode_dataclass[T: DataclassInstance](cls: type[T], data: object, path: st
     except ValueError as exc:
         raise InvalidPayload(str(exc) or type(exc).__name__, path) from None
     return instance
+
+
+@cache
+def _field_decoders(cls: type) -> dict[str, Callable[[object, str], Any]]:
+    """Each field's decoder, by name: the field types are read once a class, not once a
+    payload (a worker decodes every job it runs, a producer every job it enqueues)."""
+    hints = _hints(cls)
+    return {name: _decoder(hints[name]) for name in _init_fields(cls)}
+
+
+@cache
+def _validates(cls: type) -> bool:
+    """Whether the class may define ``validate`` (anything but Payload's own, which does
+    nothing): the call is skipped when it cannot."""
+    return getattr(cls, "validate", None) is not Payload.validate
+
+
+def _decoder(tp: Any) -> Callable[[object, str], Any]:
+    """A decoder for values of ``tp``: what :func:`_decode` does, with a shortcut for the
+    scalars JSON gives as they are (a value of another type takes the checked path)."""
+    if tp in (str, int, bool):
+
+        def exact(value: object, path: str) -> Any:
+            return value if type(value) is tp else _decode_scalar(tp, value, path)
+
+        return exact
+    if tp is float:
+
+        def finite(value: object, path: str) -> Any:
+            if type(value) is float and math.isfinite(value):
+                return value
+            return _decode_scalar(float, value, path)
+
+        return finite
+    return lambda value, path: _decode(tp, value, path)
 
 
 def _decode(tp: Any, value: object, path: str) -> Any:

@@ -43,10 +43,14 @@ def clean(value: str) -> str:
     return value
 
 
+# One encoder for every call: json.dumps builds a new one whenever an option is given.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
 def dumps(value: Any) -> str:
     """Encode ``value`` as JSON that ``jsonb`` accepts, or raise ValueError saying why."""
     try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        text = _ENCODER.encode(value)
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(str(exc) or type(exc).__name__) from None
     bad = check_json_text(text)

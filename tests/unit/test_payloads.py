@@ -12,9 +12,11 @@ from uuid import UUID
 
 import pytest
 from django.core.exceptions import ValidationError
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jobs import InvalidPayload, Payload
-from jobs.payloads import payload_problems
+from jobs.payloads import _decode, _decoder, payload_problems
 
 EMAIL_ID = UUID("6f1c1f0e-8a6e-4c55-9a39-0d2d7f0b5c11")
 
@@ -292,3 +294,37 @@ class TestEncoding:
             order(extra=[1, {2}]).to_json()
         with pytest.raises(InvalidPayload, match=r"^extra: object keys must be str, got int$"):
             order(extra={1: "a"}).to_json()
+
+
+# -- the per-class decoders agree with the generic decoding ---------------------------------
+
+_JSONISH = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()  # NaN and infinities too: they must be refused the same way
+    | st.text(max_size=5)
+    | st.sampled_from([Size.SMALL, Colour.RED, 1.0, True, 0]),  # not exact JSON types
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=5,
+)
+
+
+def _outcome(decode, value):
+    try:
+        result = decode(value, "field")
+    except InvalidPayload as exc:
+        return ("refused", str(exc))
+    return ("decoded", type(result), result)
+
+
+@given(
+    tp=st.sampled_from([str, int, float, bool, Any, tuple[int, ...], int | None]), value=_JSONISH
+)
+def test_a_fields_decoder_decodes_and_refuses_as_the_generic_decoding(tp, value):
+    fast = _outcome(_decoder(tp), value)
+    generic = _outcome(lambda v, p: _decode(tp, v, p), value)
+    if fast[0] == "decoded" and isinstance(fast[2], float) and fast[2] != fast[2]:
+        assert generic[0] == "decoded" and generic[2] != generic[2]  # NaN is not NaN
+    else:
+        assert fast == generic
