@@ -24,6 +24,7 @@ from typing import Any, Unpack
 
 from django.core.exceptions import AppRegistryNotReady, ImproperlyConfigured
 
+from jobs.conf import as_timedelta
 from jobs.context import JobContext
 from jobs.payloads import Payload, payload_problems
 
@@ -60,6 +61,11 @@ class JobType:
         """True for ``async def`` handlers, which the worker runs on an event loop."""
         call = getattr(self.handler, "__call__", None)  # noqa: B004 - async callable objects
         return inspect.iscoroutinefunction(self.handler) or inspect.iscoroutinefunction(call)
+
+    @cached_property
+    def timeout_seconds(self) -> float:
+        """The policy's timeout in seconds (every claimed job's context carries it)."""
+        return as_timedelta(self.policy.timeout).total_seconds()
 
     def decode(self, raw: object) -> Payload:
         """The stored payload as a typed value; raises InvalidPayload if it does not fit."""

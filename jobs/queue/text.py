@@ -16,6 +16,7 @@ everything a caller or a handler hands to the queue passes through here first:
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -49,7 +50,10 @@ _ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(","
 
 def dumps(value: Any) -> str:
     """Encode ``value`` as JSON that ``jsonb`` accepts, or raise ValueError saying why."""
+    kind = type(value)
     try:
+        if kind is int or (kind is float and math.isfinite(value)):  # a common result
+            return kind.__repr__(value)  # as the encoder writes them
         text = _ENCODER.encode(value)
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(str(exc) or type(exc).__name__) from None

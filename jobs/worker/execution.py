@@ -46,7 +46,6 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from psycopg.pq import TransactionStatus
 
 from jobs import dbbounds, queue, runs
-from jobs.conf import as_timedelta
 from jobs.context import JobContext
 from jobs.effects import completed_by_handler
 from jobs.errors import RetryAfter
@@ -115,7 +114,7 @@ def make_context(
         tenant=job.tenant,
         attempt=job.attempts,
         max_attempts=job.max_attempts,
-        timeout=as_timedelta(job_type.policy.timeout).total_seconds(),
+        timeout=job_type.timeout_seconds,
         logger=adapter,
         # For a coroutine, "told to stop" is also a cancelled task (jobs.worker.event_loop).
         cancelled=CancelEvent() if job_type.is_async else threading.Event(),

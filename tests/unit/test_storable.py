@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from datetime import timedelta
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jobs.queue import RETRY_DELAY_MAX, ClaimedJob, InvalidResult, Outcome, text
 
@@ -72,3 +75,23 @@ def test_long_details_keep_their_last_line():
     assert len(bounded) == MAX_DETAIL
     assert bounded.startswith("Traceback") and bounded.endswith("ValueError: the cause")
     assert "characters cut" in bounded
+
+
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+        max_leaves=6,
+    )
+)
+def test_results_encode_as_the_strict_encoder_writes_them(result):
+    """Whatever shortcut the encoding takes, a result is stored as strict JSON writes it, or
+    refused (NaN, infinities) as strict JSON refuses it."""
+    try:
+        expected = json.dumps(result, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        with pytest.raises(ValueError):
+            text.dumps(result)
+        return
+    if text.check_json_text(expected) is None:
+        assert text.dumps(result) == expected
