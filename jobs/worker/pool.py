@@ -37,6 +37,9 @@ logger = logging.getLogger("jobs.worker")
 #: At shutdown, tasks left on the event loop get at least this long to end once cancelled.
 LOOP_CLOSE_GRACE = 0.5
 
+#: Tasks that no thread has taken for this long get another thread, if one sleeps (seconds).
+STALL_AFTER = 0.002
+
 
 class HandlerPool:
     """``size`` threads taking tasks in order. A thread that dies is replaced at once."""
@@ -47,10 +50,16 @@ class HandlerPool:
         self._max_age = jobs_settings.HANDLER_CONN_MAX_AGE.total_seconds()
         self._name = name
         self._lock = threading.Lock()
-        # Guards the task queue and the two counts below; threads sleep on it.
-        self._ready = threading.Condition(threading.Lock())
+        # Guards the task queue and the counts below; threads sleep on _ready, the stall
+        # watch on _stalls (one lock for both).
+        queue_lock = threading.Lock()
+        self._ready = threading.Condition(queue_lock)
+        self._stalls = threading.Condition(queue_lock)
         self._sleeping = 0  # threads waiting on _ready, woken or not
         self._waking = 0  # of those, threads notified and not yet back for a task
+        self._taken_at = 0.0  # when a thread last took a task (monotonic)
+        self._watch_idle = False  # the stall watch waits for tasks to arrive
+        self._closing = False
         self._stopping = False
         self._started = 0
         self._busy = 0  # threads running a task now
@@ -59,6 +68,10 @@ class HandlerPool:
         self.event_loop.start()
         for _ in range(size):
             self._start_thread()
+        self._watch = threading.Thread(
+            target=self._watch_stalls, name=f"{name}-stall-watch", daemon=True
+        )
+        self._watch.start()
 
     def _start_thread(self) -> None:
         with self._lock:
@@ -80,7 +93,11 @@ class HandlerPool:
             before = len(self._tasks)
             self._tasks.extend(tasks)
             added = len(self._tasks) - before
+            if not before:
+                self._taken_at = time.monotonic()  # the stall clock starts with the batch
             self._wake_locked(added if wake is None else max(1, min(wake, added)))
+            if self._watch_idle:
+                self._stalls.notify()
 
     def _wake_locked(self, count: int) -> None:
         """Wake up to ``count`` threads that sleep and were not woken yet (under _ready)."""
@@ -90,12 +107,7 @@ class HandlerPool:
             self._ready.notify(count)
 
     def _take(self) -> Callable[[], None] | None:
-        """The next task, sleeping until there is one (None: exit).
-
-        Under _ready: after taking a task, a thread that sees more waiting and no thread on
-        its way wakes one. So while tasks wait and threads sleep, one is always on its way,
-        and a task never waits behind a long one that holds a thread.
-        """
+        """The next task, sleeping until there is one (None: exit)."""
         with self._ready:
             while not self._tasks:
                 self._sleeping += 1
@@ -104,10 +116,36 @@ class HandlerPool:
                 finally:
                     self._sleeping -= 1
                     self._waking = max(0, self._waking - 1)
-            task = self._tasks.popleft()
-            if self._tasks and not self._waking:
-                self._wake_locked(1)
-            return task
+            self._taken_at = time.monotonic()
+            return self._tasks.popleft()
+
+    def _watch_stalls(self) -> None:
+        """Wake a sleeping thread for tasks that nobody has taken for :data:`STALL_AFTER`.
+
+        The threads woken for a batch take its tasks in turn; when all of them are held by
+        long tasks (a handler waiting on I/O), the rest would wait for one to end. While tasks
+        wait and threads sleep, this looks every :data:`STALL_AFTER` and wakes more threads
+        each time no task was taken since, one, then twice as many at each stall in a row: a
+        batch of long tasks has every thread it needs within a few of those intervals, not
+        after the longest task in front of it. It sleeps while no task waits.
+        """
+        ramp = 1
+        with self._ready:
+            while not self._closing:
+                if not self._tasks or self._sleeping == self._waking:
+                    # No task, or no thread left to wake: only a new batch changes that (a
+                    # thread that finishes takes a waiting task rather than sleep).
+                    ramp = 1
+                    self._watch_idle = True
+                    self._stalls.wait()
+                    self._watch_idle = False
+                    continue
+                now = time.monotonic()
+                if now - self._taken_at >= STALL_AFTER and not self._waking:
+                    self._wake_locked(ramp)
+                    ramp *= 2  # each stall in a row wakes twice as many
+                    self._taken_at = now  # the woken threads' time to get here
+                self._stalls.wait(STALL_AFTER)
 
     def shutdown(self, timeout: float) -> bool:
         """Ask threads to exit after their current task, then close the event loop.
@@ -120,6 +158,8 @@ class HandlerPool:
             self._stopping = True
             threads = list(self._threads)
         with self._ready:
+            self._closing = True
+            self._stalls.notify()
             self._tasks.extend([None] * len(threads))
             self._wake_locked(len(threads))
         deadline = time.monotonic() + timeout

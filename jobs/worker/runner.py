@@ -81,17 +81,30 @@ PREFETCH_HORIZON = 0.02
 _RUN_TIME_WEIGHT = 0.2
 
 #: A pass's thread-run jobs are handed to as many sleeping threads as start them all within
-#: about this long, by that mean run time (seconds): a thread woken costs more than a short
-#: job, and the threads woken take the other jobs in turn (more are woken one at a time while
-#: jobs wait; :mod:`jobs.worker.pool`). Before any job has run, one thread a job.
+#: about this long (seconds), by how long recent handlers held their thread: a thread woken
+#: costs more than a short job, and the threads woken take the other jobs in turn (jobs that
+#: nobody takes get more threads within the pool's STALL_AFTER). Before any job has run,
+#: one thread a job.
 HANDOFF_HORIZON = 0.002
+#: A handler whose run took less than this longer than its thread's CPU time counts by its
+#: CPU time: the difference is mostly waiting for the interpreter's lock while other
+#: threads ran (seconds). Counted in full, such waits would wake more threads for the next
+#: pass, which wait for each other more: short handlers in a busy worker would keep it busy
+#: switching threads. A longer difference is a handler waiting on I/O, counted in full.
+BLOCKED = 0.005
 
 
-def _threads_to_wake(jobs: int, mean_run: float | None) -> int:
+def thread_held(ran: float, cpu: float) -> float:
+    """How long a handler that ran ``ran`` seconds, ``cpu`` of them on the CPU, counts as
+    holding its thread for the hand-off (see :data:`BLOCKED`)."""
+    return cpu if ran - cpu < BLOCKED else ran
+
+
+def _threads_to_wake(jobs: int, run_time: float | None) -> int:
     """How many sleeping handler threads to wake for ``jobs`` thread-run jobs."""
-    if mean_run is None:
+    if run_time is None:
         return jobs
-    return max(1, min(jobs, math.ceil(jobs * mean_run / HANDOFF_HORIZON)))
+    return max(1, min(jobs, math.ceil(jobs * run_time / HANDOFF_HORIZON)))
 
 
 class Worker(Draining):
@@ -136,6 +149,7 @@ class Worker(Draining):
         self._force = threading.Event()
         self._exhausted: set[str] = set()
         self._mean_run: float | None = None  # seconds, thread-run handlers; None: none yet
+        self._held_run: float | None = None  # how long they hold a thread (hand-off)
         # Names a NOTIFY announced since the last claim was sent (None: any name): such a
         # claim may have read before that commit, so its coming up short proves nothing.
         self._noticed: set[str | None] = set()
@@ -610,11 +624,11 @@ class Worker(Draining):
                 self._held[running.job.id, running.job.claim_token] = running
                 self._in_flight_by_name[running.job.name] += 1
             self._in_flight += len(held)
-            mean_run = self._mean_run
+            held_run = self._held_run
         for name, count in Counter(job.name for job in claimed).items():
             metrics.for_type(name).claimed.inc(count)
         if on_threads:
-            self._pool.submit_many(on_threads, wake=_threads_to_wake(len(on_threads), mean_run))
+            self._pool.submit_many(on_threads, wake=_threads_to_wake(len(on_threads), held_run))
         if on_loop:
             self._to_loop(on_loop)
 
@@ -676,7 +690,7 @@ class Worker(Draining):
             running.started = True
         metrics.running.inc()  # a handler's start: a prefetched job is held, not running
         outcome: Outcome | None = None
-        began = time.monotonic()
+        began, cpu_began = time.monotonic(), time.thread_time()
         try:
             outcome = execute(
                 running, shutting_down=self._stopping.is_set, lease=self.config.lease_duration
@@ -685,18 +699,29 @@ class Worker(Draining):
             logger.exception("worker error running job %s", running.job.job_id)
             outcome = self._worker_failure(running, exc)
         finally:
-            self._finished(running, outcome, ran=time.monotonic() - began)
+            ran = time.monotonic() - began
+            held = thread_held(ran, time.thread_time() - cpu_began)
+            self._finished(running, outcome, ran=ran, busy=held)
 
     def _finished(
-        self, running: Running, outcome: Outcome | None, *, ran: float | None = None
+        self,
+        running: Running,
+        outcome: Outcome | None,
+        *,
+        ran: float | None = None,
+        busy: float | None = None,
     ) -> None:
-        """Free the job's slot and queue its outcome; ``ran``: a thread-run handler's time."""
+        """Free the job's slot and queue its outcome; ``ran``: a thread-run handler's time,
+        ``busy``: the part of it that held the thread (see :data:`BLOCKED`)."""
         if outcome is not None:  # the last progress report goes with the outcome
             outcome = with_last_report(running, outcome)
         with self._lock:
             if ran is not None:
                 mean = self._mean_run
                 self._mean_run = ran if mean is None else mean + _RUN_TIME_WEIGHT * (ran - mean)
+            if busy is not None:
+                held = self._held_run
+                self._held_run = busy if held is None else held + _RUN_TIME_WEIGHT * (busy - held)
             running.finished = True
             self._in_flight -= 1
             self._in_flight_by_name[running.job.name] -= 1

@@ -1,9 +1,9 @@
 """Handing jobs to handler threads: few wake-ups, and never a job waiting behind a busy thread.
 
-The pool wakes only as many sleeping threads as it is asked to for a batch; a thread that
-takes a task and sees more waiting wakes one more. These tests hold the guarantee that makes
-waking few threads safe: while a task waits and a thread sleeps, some thread is on its way, so
-a task never waits for a thread that is busy with a long one. The worker side: a finished
+The pool wakes only as many sleeping threads as it is asked to for a batch; tasks that nobody
+takes for a moment get more threads (the stall watch). These tests hold the guarantee that
+makes waking few threads safe: while threads sleep, a task does not wait for a thread that
+is busy with a long one. The worker side: a finished
 handler does not make the loop claim its slot alone while outcomes wait to be written; the
 slot is claimed in the pass that writes them.
 """
@@ -21,7 +21,7 @@ from jobs import enqueue
 from jobs.worker import runner as runner_module
 from jobs.worker.config import WorkerConfig
 from jobs.worker.pool import HandlerPool
-from jobs.worker.runner import Worker
+from jobs.worker.runner import BLOCKED, Worker, thread_held
 from tests.worker_support import Recorder, Step, registry
 
 
@@ -139,16 +139,44 @@ def test_a_freed_slot_is_claimed_with_the_outcomes_waiting_not_before(monkeypatc
 
     monkeypatch.setattr(runner_module.queue, "record_and_claim", watched)
     ids = {job.id for job in quick}
-    done = lambda w: (
-        sum(  # noqa: E731
-            1 for _, ctx in recorder.calls if ctx.id in ids
-        )
-        == len(ids)
-        and w.idle
-    )
+
+    def done(w: Worker) -> bool:
+        ran = sum(1 for _, ctx in recorder.calls if ctx.id in ids)
+        return ran == len(ids) and w.idle
+
     deadline = time.monotonic() + 20
     worker.run(until=lambda w: done(w) or time.monotonic() > deadline)
 
     assert done(worker), f"quick jobs ran: {len(recorder.calls)}"
     assert not alone, f"passes that claimed a freed slot alone while outcomes waited: {alone}"
     assert any(written and asked for written, asked in passes), passes
+
+
+def test_a_handler_counts_by_its_cpu_time_unless_it_waited_on_io():
+    # Waiting a millisecond or two is mostly other threads holding the interpreter's lock:
+    # counted in full it would wake more threads for the next pass, which wait longer.
+    assert thread_held(ran=0.002, cpu=0.00002) == 0.00002
+    # A handler that waited on I/O for longer holds its thread that long.
+    assert thread_held(ran=0.050, cpu=0.0001) == 0.050
+    assert thread_held(ran=BLOCKED + 0.001, cpu=0.0005) == BLOCKED + 0.001
+
+
+def test_a_batch_of_blocking_tasks_gets_a_thread_each_within_a_few_stall_intervals():
+    """Woken for one task, a pool gives each of eight tasks that block a thread of its own
+    (the stall watch wakes one, then two, then four)."""
+    pool = HandlerPool(8)
+    started: list[float] = []
+    release = threading.Event()
+
+    def block() -> None:
+        started.append(time.monotonic())
+        release.wait(30)
+
+    try:
+        submitted = time.monotonic()
+        pool.submit_many([block] * 8, wake=1)
+        wait_for(lambda: len(started) == 8, what="every blocking task started")
+        assert max(started) - submitted < 1.0
+    finally:
+        release.set()
+        assert pool.shutdown(timeout=5)
