@@ -182,18 +182,22 @@ def _new_job(
 ) -> NewJob:
     from jobs.queue import InvalidJob, NewJob
 
-    spec = JobSpec(payload=item) if isinstance(item, Payload) else item
-    if not isinstance(spec, JobSpec) or not isinstance(spec.payload, Payload):
+    # A plain payload takes every option from the batch: no JobSpec is made for it.
+    spec = None if isinstance(item, Payload) else item
+    if spec is not None and (
+        not isinstance(spec, JobSpec) or not isinstance(spec.payload, Payload)
+    ):
         found = spec.payload if isinstance(spec, JobSpec) else spec
         raise InvalidJob(
             f"expected a Payload or JobSpec, got {type(found).__name__}; "
             f"define the job's payload as a jobs.Payload subclass",
             index=index,
         )
-    payload_type = type(spec.payload)
+    payload: Payload = item if spec is None else spec.payload  # type: ignore[assignment]
+    payload_type = type(payload)
     name = payload_type.job_name
     try:
-        data = spec.payload.to_json()
+        data = payload.to_json()
         payload_type.from_json(data)  # the worker's decode: types, then validate()
     except InvalidPayload as exc:
         raise InvalidJob(f"{name}: invalid payload: {exc}", index=index) from None
@@ -201,7 +205,7 @@ def _new_job(
         policy = policies[payload_type]
     else:
         policy = policies[payload_type] = _policy(payload_type, index)
-    if spec.run_after is not None or spec.delay is not None:
+    if spec is not None and (spec.run_after is not None or spec.delay is not None):
         run_after, delay = spec.run_after, spec.delay
     else:
         run_after, delay = shared["run_after"], shared["delay"]
@@ -210,7 +214,7 @@ def _new_job(
             delay = as_timedelta(delay)
         except (TypeError, ValueError, OverflowError) as exc:
             raise InvalidJob(f"delay: {exc}", index=index) from None
-    after = _first(spec.after, shared["after"])
+    after = _own(spec, "after", shared)
     if after is not None and not isinstance(after, str | bytes):
         try:
             after = tuple(getattr(item, "id", item) for item in after)
@@ -224,25 +228,35 @@ def _new_job(
             f"{name}: a job type bound to a run table (run_model) cannot wait for other jobs",
             index=index,
         )
-    priority = _first(spec.priority, shared["priority"])
+    priority = _own(spec, "priority", shared)
     if priority is None:
         priority = policy.priority if policy else 0
+    queue = _own(spec, "queue", shared)
+    if queue is None and policy is not None:
+        queue = policy.queue
+    max_attempts = _own(spec, "max_attempts", shared)
+    if max_attempts is None and policy is not None:
+        max_attempts = policy.max_attempts
     return NewJob(
         name=name,
         payload=data,
-        job_id=spec.job_id,
-        tenant=_first(spec.tenant, shared["tenant"]),
-        queue=_first(spec.queue, shared["queue"], policy.queue if policy else None),
+        job_id=None if spec is None else spec.job_id,
+        tenant=_own(spec, "tenant", shared),
+        queue=queue,
         priority=priority,
         run_after=run_after,
         delay=delay,
-        max_attempts=_first(
-            spec.max_attempts, shared["max_attempts"], policy.max_attempts if policy else None
-        ),
+        max_attempts=max_attempts,
         after=() if after is None else after,  # type: ignore[arg-type]  # validated by the queue
-        on_dependency_failure=_first(spec.on_dependency_failure, shared["on_dependency_failure"])
-        or "cancel",
+        on_dependency_failure=_own(spec, "on_dependency_failure", shared) or "cancel",
     )
+
+
+def _own(spec: JobSpec | None, option: str, shared: dict[str, Any]) -> Any:
+    """A job's own value of ``option``, else the batch's (None: neither is set)."""
+    if spec is not None and (value := getattr(spec, option)) is not None:
+        return value
+    return shared[option]
 
 
 def _policy(payload_type: type[Payload], index: int) -> Policy | None:

@@ -9,6 +9,7 @@ whose window has passed still holds its key until someone needs it: enqueue then
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -377,42 +378,94 @@ _COLUMNS = (
 )
 
 
+# The arguments of the one-row insert, in order, with their types.
+_ONE_ARGUMENTS = {
+    "job_id": "text",
+    "name": "text",
+    "payload": "jsonb",
+    "tenant": "text",
+    "queue": "text",
+    "priority": "integer",
+    "max_attempts": "integer",
+    "run_after": "timestamptz",
+    "delay": "float8",
+    "keyed": "boolean",
+    "batch_id": "bigint",
+    "waiting_on": "integer",
+    "base": "timestamptz",
+    "channel": "text",
+}
+
+
+def _with_arguments(sql: str, arguments: dict[str, str]) -> str:
+    """``sql`` with each ``{name}`` of ``arguments`` replaced by its value."""
+    return re.sub(r"\{(\w+)\}", lambda m: arguments.get(m[1], m[0]), sql)
+
+
+# The one-row insert, its arguments as {name}: an insert-or-skip, and a NOTIFY of the job's
+# name on {channel} (none when NULL) once it is due.
+_INSERT_ONE = (
+    """
+WITH inserted AS (
+    INSERT INTO jobs_job (
+        job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
+        state, attempts, last_error, error_detail, claimed_by, key_held, keyed,
+        replayed_by, created_at, fair, batch_id, waiting_on
+    )
+    SELECT {job_id}, {name}, {payload}, {tenant}, {queue}, {priority}, {max_attempts},
+           COALESCE({run_after}, b.at + make_interval(secs => {delay})),
+           'queued', 0, '', '', '', TRUE, {keyed}, '', b.at, """
+    + _FAIR.format(name="{name}")
+    + """, {batch_id}, {waiting_on}
+    FROM (SELECT COALESCE({base}, statement_timestamp()) AS at) b
+    ON CONFLICT (tenant, job_id) WHERE key_held DO NOTHING
+    RETURNING jobs_job.id, jobs_job.name, jobs_job.run_after, jobs_job.created_at
+),
+notified AS (
+    SELECT count(pg_notify({channel}, i.name)) AS sent
+    FROM inserted i WHERE {channel} IS NOT NULL AND i.run_after <= statement_timestamp()
+)
+SELECT i.id, TRUE, i.created_at FROM inserted i, notified"""
+)
+# A call of jobs_enqueue_one, whose plan each connection keeps (behind a transaction pooler
+# too): parsing and planning the statement cost PostgreSQL more than running it.
+_INSERT_ONE_CALL = (
+    "SELECT * FROM jobs_enqueue_one("
+    + ", ".join(f"%({name})s::{kind}" for name, kind in _ONE_ARGUMENTS.items())
+    + ")"
+)
+
+
+def enqueue_function() -> str:
+    """``CREATE OR REPLACE FUNCTION jobs_enqueue_one``: the one-row insert with a kept plan.
+
+    A migration holds the text this returns (a test compares them): a change to the insert
+    needs a migration that replaces the function.
+    """
+    listed = ",\n".join(f"    p_{name} {kind}" for name, kind in _ONE_ARGUMENTS.items())
+    body = _with_arguments(_INSERT_ONE, {name: f"p_{name}" for name in _ONE_ARGUMENTS})
+    body = "\n".join("    " + line if line else "" for line in body.strip().splitlines())
+    return (
+        f"CREATE OR REPLACE FUNCTION jobs_enqueue_one(\n{listed}\n"
+        ") RETURNS TABLE (r_id bigint, r_inserted boolean, r_created_at timestamptz)\n"
+        # No SET clause: a function's settings are set and reset on every call, which cost
+        # more than a plan; this plan is the same for any arguments, so it is kept anyway.
+        "LANGUAGE plpgsql VOLATILE AS $$\n"
+        "BEGIN\n"
+        f"    RETURN QUERY\n{body};\n"
+        "END\n"
+        "$$;\n"
+    )
+
+
 def _insert_one(cur: CursorWrapper, row: dict[str, Any], base: datetime | None) -> list[Inserted]:
     """One row (every ``enqueue()``): no order to keep, so the plainest statement is enough.
 
     A skipped row comes back with no id; a later round draws a new one.
     """
-    notify = (
-        f""",
-        notified AS (
-            SELECT count(pg_notify('{NOTIFY_CHANNEL}', name)) AS sent
-            FROM inserted WHERE run_after <= statement_timestamp()
-        )
-        SELECT inserted.id, TRUE, inserted.created_at FROM inserted, notified"""
-        if jobs_settings.NOTIFY
-        else """
-        SELECT id, TRUE, created_at FROM inserted"""
-    )
-    cur.execute(
-        """
-        WITH inserted AS (
-            INSERT INTO jobs_job (
-                job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
-                state, attempts, last_error, error_detail, claimed_by, key_held, keyed,
-                replayed_by, created_at, fair, batch_id, waiting_on
-            )
-            SELECT %(job_id)s, %(name)s, %(payload)s::jsonb, %(tenant)s, %(queue)s,
-                   %(priority)s, %(max_attempts)s,
-                   COALESCE(%(run_after)s::timestamptz, b.at + make_interval(secs => %(delay)s)),
-                   'queued', 0, '', '', '', TRUE, %(keyed)s, '', b.at, """
-        + _FAIR.format(name="%(name)s::varchar")
-        + """, %(batch_id)s::bigint, %(waiting_on)s
-            FROM (SELECT COALESCE(%(base)s::timestamptz, statement_timestamp()) AS at) b
-            ON CONFLICT (tenant, job_id) WHERE key_held DO NOTHING
-            RETURNING id, name, run_after, created_at
-        )"""
-        + notify,
-        {**{key: row.get(key) for key in _COLUMNS}, "base": base},
-    )
+    params = {key: row.get(key) for key in _ONE_ARGUMENTS}
+    params["base"] = base
+    params["channel"] = NOTIFY_CHANNEL if jobs_settings.NOTIFY else None
+    cur.execute(_INSERT_ONE_CALL, params)
     inserted: list[Inserted] = cur.fetchall()
     return inserted or [(None, False, base)]

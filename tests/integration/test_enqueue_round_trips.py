@@ -6,6 +6,8 @@ the caller's transaction it adds one statement and no transaction control of its
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
@@ -63,3 +65,42 @@ def test_inside_the_callers_transaction_one_job_adds_one_statement(monkeypatch):
             queue.enqueue(NewJob(name=NAME, payload={}))
         assert len(statements) == 1, [q["sql"] for q in statements]
         assert control.begun == 0
+
+
+def prepared_statements() -> list[str]:
+    with connection.cursor() as cur:
+        cur.execute("SELECT statement FROM pg_prepared_statements")
+        return [statement for (statement,) in cur.fetchall()]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_one_job_is_a_call_of_the_insert_function_whose_plan_the_server_keeps():
+    """The insert is a call of jobs_enqueue_one, planned once a connection (parsing and
+    planning the statement cost more than running it), and nothing is prepared by the
+    protocol, which a transaction pooler would not keep."""
+    with CaptureQueriesContext(connection) as statements:
+        for n in range(3):
+            queue.enqueue(NewJob(name=NAME, payload={"n": n}))
+
+    assert all("jobs_enqueue_one(" in q["sql"] for q in statements), statements
+    assert prepared_statements() == []
+    assert Job.objects.filter(name=NAME, state="queued").count() == 3
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("delay", "notify", "heard"),
+    [(None, True, ["test.noop.v1"]), (timedelta(hours=1), True, []), (None, False, [])],
+    ids=["due", "later", "notify-off"],
+)
+def test_one_job_announces_itself_when_due_and_notify_is_on(settings, delay, notify, heard):
+    settings.JOBS = {**getattr(settings, "JOBS", {}), "NOTIFY": notify}
+    with connection.cursor() as cur:
+        cur.execute("LISTEN jobs_enqueued")
+    try:
+        queue.enqueue(NewJob(name=NAME, payload={}, delay=delay))
+        got = [n.payload for n in connection.connection.notifies(timeout=0.3)]
+    finally:
+        with connection.cursor() as cur:
+            cur.execute("UNLISTEN *")
+    assert got == heard

@@ -33,6 +33,7 @@ from jobs.queue import (
     flow,
 )
 from jobs.queue.cycle import fair_pass_function, pass_function
+from jobs.queue.enqueue import enqueue_function
 from jobs.queue.flow import FlowLimits
 
 pytestmark = pytest.mark.django_db
@@ -152,11 +153,15 @@ def test_the_pass_leaves_paused_names_queues_and_tenants_alone():
 
 @pytest.mark.parametrize(
     ("function", "built"),
-    [("jobs_worker_pass", pass_function), ("jobs_worker_fair_pass", fair_pass_function)],
+    [
+        ("jobs_worker_pass", pass_function),
+        ("jobs_worker_fair_pass", fair_pass_function),
+        ("jobs_enqueue_one", enqueue_function),
+    ],
 )
-def test_the_latest_migration_holds_the_pass_function_the_worker_calls(function, built):
-    """The function's SQL is built from the outcome write's and the claim's pieces; a change
-    to them needs a migration that replaces it, or databases would keep running the old."""
+def test_the_latest_migration_holds_the_function_the_code_calls(function, built):
+    """Each function's SQL is built from the statements' pieces in the code; a change to them
+    needs a migration that replaces it, or databases would keep running the old."""
     folder = Path(jobs.migrations.__file__).parent
     holders = sorted(
         path.stem for path in folder.glob("0*.py") if f"FUNCTION {function}(" in path.read_text()
