@@ -104,8 +104,7 @@ class Payload:
 
     def to_json(self) -> dict[str, Any]:
         """The payload as a JSON-compatible dict (what the jobs table stores)."""
-        encoded: dict[str, Any] = _encode(self, "")
-        return encoded
+        return _encode_fields(self, "")
 
     @classmethod
     def from_json(cls, data: object) -> Self:
@@ -131,6 +130,15 @@ def payload_problems(cls: type) -> list[str]:
 _PLAIN = frozenset({str, int, float, bool, type(None)})
 
 
+def _encode_fields(value: Any, path: str) -> dict[str, Any]:
+    """A dataclass instance's fields, encoded (a plain value as it is, without a call)."""
+    out = {}
+    for name in _init_fields(type(value)):
+        item = getattr(value, name)
+        out[name] = item if type(item) in _PLAIN else _encode(item, _join(path, name))
+    return out
+
+
 def _encode(value: Any, path: str) -> Any:
     if type(value) in _PLAIN:
         return value
@@ -143,10 +151,7 @@ def _encode(value: Any, path: str) -> Any:
     if isinstance(value, date):  # datetime too
         return value.isoformat()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
-            name: _encode(getattr(value, name), _join(path, name))
-            for name in _init_fields(type(value))
-        }
+        return _encode_fields(value, path)
     if isinstance(value, list | tuple):
         return [_encode(item, f"{path}[{i}]") for i, item in enumerate(value)]
     if isinstance(value, dict):

@@ -130,11 +130,14 @@ def new_jobs(
     ``using`` is the alias they are enqueued with (None: their types'), against which the
     enqueue results they wait for (``after``) are checked.
     """
+    from jobs.queue import NewJob  # once a batch: an import costs a job's validation
+
     shared = {key: shared.get(key) for key in _SHARED}
     items = list(jobs)
     policies: dict[type[Payload], Policy | None] = {}  # one registry lookup a type, not a job
-    built = [_new_job(item, index, shared, policies) for index, item in enumerate(items)]
-    _waits_in_one_database(items, built, shared["after"], using)
+    built = [_new_job(item, index, shared, policies, NewJob) for index, item in enumerate(items)]
+    if any(job.after for job in built):
+        _waits_in_one_database(items, built, shared["after"], using)
     return built
 
 
@@ -178,20 +181,22 @@ _SHARED = (
 
 
 def _new_job(
-    item: object, index: int, shared: dict[str, Any], policies: dict[type[Payload], Policy | None]
+    item: object,
+    index: int,
+    shared: dict[str, Any],
+    policies: dict[type[Payload], Policy | None],
+    new_job: type[NewJob],
 ) -> NewJob:
-    from jobs.queue import InvalidJob, NewJob
-
     # A plain payload takes every option from the batch: no JobSpec is made for it.
     spec = None if isinstance(item, Payload) else item
     if spec is not None and (
         not isinstance(spec, JobSpec) or not isinstance(spec.payload, Payload)
     ):
         found = spec.payload if isinstance(spec, JobSpec) else spec
-        raise InvalidJob(
+        raise _invalid(
             f"expected a Payload or JobSpec, got {type(found).__name__}; "
             f"define the job's payload as a jobs.Payload subclass",
-            index=index,
+            index,
         )
     payload: Payload = item if spec is None else spec.payload  # type: ignore[assignment]
     payload_type = type(payload)
@@ -200,7 +205,7 @@ def _new_job(
         data = payload.to_json()
         payload_type.from_json(data)  # the worker's decode: types, then validate()
     except InvalidPayload as exc:
-        raise InvalidJob(f"{name}: invalid payload: {exc}", index=index) from None
+        raise _invalid(f"{name}: invalid payload: {exc}", index) from None
     if payload_type in policies:
         policy = policies[payload_type]
     else:
@@ -213,20 +218,20 @@ def _new_job(
         try:
             delay = as_timedelta(delay)
         except (TypeError, ValueError, OverflowError) as exc:
-            raise InvalidJob(f"delay: {exc}", index=index) from None
+            raise _invalid(f"delay: {exc}", index) from None
     after = _own(spec, "after", shared)
     if after is not None and not isinstance(after, str | bytes):
         try:
             after = tuple(getattr(item, "id", item) for item in after)
         except TypeError:
-            raise InvalidJob(
-                f"after must be a list of jobs, got {type(after).__name__}", index=index
+            raise _invalid(
+                f"after must be a list of jobs, got {type(after).__name__}", index
             ) from None
     if after and policy is not None and policy.run_model is not None:
         # A waiting job the trigger ends would leave its bound run row queued for ever.
-        raise InvalidJob(
+        raise _invalid(
             f"{name}: a job type bound to a run table (run_model) cannot wait for other jobs",
-            index=index,
+            index,
         )
     priority = _own(spec, "priority", shared)
     if priority is None:
@@ -237,7 +242,7 @@ def _new_job(
     max_attempts = _own(spec, "max_attempts", shared)
     if max_attempts is None and policy is not None:
         max_attempts = policy.max_attempts
-    return NewJob(
+    return new_job(
         name=name,
         payload=data,
         job_id=None if spec is None else spec.job_id,
@@ -250,6 +255,13 @@ def _new_job(
         after=() if after is None else after,  # type: ignore[arg-type]  # validated by the queue
         on_dependency_failure=_own(spec, "on_dependency_failure", shared) or "cancel",
     )
+
+
+def _invalid(message: str, index: int) -> Exception:
+    """The queue's InvalidJob (imported only on this path: an import costs a job's checks)."""
+    from jobs.queue import InvalidJob
+
+    return InvalidJob(message, index=index)
 
 
 def _own(spec: JobSpec | None, option: str, shared: dict[str, Any]) -> Any:

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Self
 
 import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.postgresql.psycopg_any import register_tzloader
-from django.db.backends.utils import CursorWrapper
+from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from psycopg.pq import Format
+from psycopg.types.json import set_json_dumps
 
 if TYPE_CHECKING:
     from psycopg.abc import Params, QueryNoTemplate
@@ -65,6 +66,34 @@ def bound_cursor(using: str | None) -> Iterator[CursorWrapper]:
     wrapped = make(raw)  # type: ignore[arg-type]  # (the stubs expect a wrapper here)
     with wrapped as cur:
         yield cur
+
+
+def copy_rows(
+    cur: CursorWrapper, sql: str, types: Sequence[str], rows: Iterable[Sequence[Any]]
+) -> None:
+    """Run ``COPY … FROM STDIN (FORMAT BINARY)`` with ``rows`` on the cursor's connection.
+
+    Rows stream to the server while they are written, and each column is sent in binary as
+    ``types`` names it; text given for a ``jsonb`` column is stored as the JSON it holds. The
+    COPY goes through Django's execute wrappers and query log as a statement does.
+    """
+    raw = cur.cursor
+    set_json_dumps(_as_encoded, raw)  # payloads arrive encoded (jobs.queue.text.dumps)
+
+    def run(sql: str, params: Any, many: bool, context: dict[str, Any]) -> None:
+        cur.db.validate_no_broken_transaction()
+        with cur.db.wrap_database_errors, raw.copy(sql) as copy:
+            copy.set_types(list(types))
+            for row in rows:
+                copy.write_row(row)
+
+    logged = cur.debug_sql(sql) if isinstance(cur, CursorDebugWrapper) else nullcontext()
+    with logged:
+        cur._execute_with_wrappers(sql, None, False, run)
+
+
+def _as_encoded(value: str) -> str:
+    return value
 
 
 def server_version(using: str | None) -> int:

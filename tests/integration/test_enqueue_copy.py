@@ -1,0 +1,165 @@
+"""A large batch of keyless jobs goes in by COPY, and lands as the INSERT statement puts it.
+
+Keyless jobs have random keys, so a batch of them skips nothing and needs no ``ON CONFLICT``:
+from ``COPY_AT_LEAST`` jobs on, enqueue writes them with COPY and computes in Python what the
+statement computed per row (the due time from one clock, the tenant-ordered flag). These tests
+hold the two paths to the same rows, the same ids in input order and the same notices.
+"""
+
+from __future__ import annotations
+
+import importlib
+from datetime import timedelta
+
+import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jobs import queue
+from jobs.models import FlowGate, Job
+from jobs.queue import NewJob
+
+enqueue_module = importlib.import_module("jobs.queue.enqueue")
+COPY_AT_LEAST = enqueue_module.COPY_AT_LEAST
+NAMES = ("copy.a.v1", "copy.b.v1")
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+# What must match between the paths; times are compared as offsets from created_at.
+COLUMNS = (
+    "name",
+    "payload",
+    "tenant",
+    "queue",
+    "priority",
+    "max_attempts",
+    "state",
+    "attempts",
+    "last_error",
+    "error_detail",
+    "claimed_by",
+    "key_held",
+    "keyed",
+    "replayed_by",
+    "fair",
+    "batch_id",
+    "waiting_on",
+    "attempt_log",
+    "cancel_requested_by",
+    "depended_on",
+)
+
+
+def stored(results) -> list[tuple]:
+    rows = {job.pk: job for job in Job.objects.filter(pk__in=[r.id for r in results])}
+    out = []
+    for result in results:
+        job = rows[result.id]
+        due_in = (job.run_after - job.created_at).total_seconds()
+        out.append((*(getattr(job, c) for c in COLUMNS), round(due_in, 3)))
+    return out
+
+
+def batch(size: int, draw=None) -> list[NewJob]:
+    jobs = []
+    for n in range(size):
+        if draw is None:
+            name, delay, priority, tenant = NAMES[n % 2], None, 0, None
+        else:
+            name, delay, priority, tenant = draw(n)
+        jobs.append(
+            NewJob(
+                name,
+                {"n": n, "text": "é\u2603"},
+                delay=delay,
+                priority=priority,
+                tenant=tenant,
+            )
+        )
+    return jobs
+
+
+def test_a_large_keyless_batch_is_copied_and_its_ids_follow_the_input_order():
+    with CaptureQueriesContext(connection) as statements:
+        results = queue.enqueue_many(batch(COPY_AT_LEAST))
+
+    assert any(q["sql"].startswith("COPY jobs_job") for q in statements), statements
+    assert all(r.created for r in results)
+    assert [r.id for r in results] == sorted(r.id for r in results)
+    assert Job.objects.filter(state="queued").count() == COPY_AT_LEAST
+
+
+def test_a_smaller_or_keyed_batch_is_inserted_by_the_statement():
+    keyed = [NewJob(NAMES[0], {"n": n}, job_id=f"k{n}") for n in range(COPY_AT_LEAST)]
+    for jobs in (batch(COPY_AT_LEAST - 1), keyed):
+        with CaptureQueriesContext(connection) as statements:
+            queue.enqueue_many(jobs)
+        assert not any(q["sql"].startswith("COPY") for q in statements)
+
+
+def test_a_copied_batch_rolls_back_with_the_callers_transaction():
+    with pytest.raises(RuntimeError), transaction.atomic():
+        queue.enqueue_many(batch(COPY_AT_LEAST))
+        assert Job.objects.count() == COPY_AT_LEAST
+        raise RuntimeError("the business write failed")
+    assert Job.objects.count() == 0
+
+
+def test_a_copied_batch_announces_each_due_name_once_after_commit():
+    jobs = [*batch(COPY_AT_LEAST), NewJob("copy.later.v1", {}, delay=timedelta(hours=1))]
+    with connection.cursor() as cur:
+        cur.execute("LISTEN jobs_enqueued")
+    try:
+        queue.enqueue_many(jobs)
+        heard = [n.payload for n in connection.connection.notifies(timeout=0.3)]
+    finally:
+        with connection.cursor() as cur:
+            cur.execute("UNLISTEN *")
+    assert sorted(heard) == sorted(NAMES)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    data=st.data(),
+    size=st.integers(COPY_AT_LEAST, COPY_AT_LEAST + 40),
+    fair=st.sets(st.sampled_from(NAMES)),
+)
+def test_copied_rows_are_the_rows_the_statement_inserts(monkeypatch, data, size, fair):
+    """Any batch (names, delays past and future, priorities, tenants, tenant-ordered types):
+    copied, it stores what the INSERT statement stores, position by position."""
+    Job.objects.all().delete()
+    FlowGate.objects.all().delete()
+    for name in fair:
+        FlowGate.objects.create(name=name, tenant_ordered=True)
+    delays = st.one_of(st.none(), st.integers(-3600, 3600).map(lambda s: timedelta(seconds=s)))
+    picks = [
+        (
+            data.draw(st.sampled_from(NAMES)),
+            data.draw(delays),
+            data.draw(st.integers(-100, 100)),
+            data.draw(st.sampled_from([None, "acme", "globex"])),
+        )
+        for _ in range(size)
+    ]
+    jobs = batch(size, lambda n: picks[n])
+
+    copied = stored(queue.enqueue_many(jobs))
+    monkeypatch.setattr(enqueue_module, "COPY_AT_LEAST", 10**9)
+    inserted = stored(queue.enqueue_many(jobs))
+    monkeypatch.undo()
+
+    assert copied == inserted
+
+
+def test_jobs_given_a_due_time_keep_it():
+    at = timezone.now() + timedelta(minutes=5)
+    jobs = [NewJob(NAMES[0], {"n": n}, run_after=at) for n in range(COPY_AT_LEAST)]
+    results = queue.enqueue_many(jobs)
+    assert set(
+        Job.objects.filter(pk__in=[r.id for r in results]).values_list("run_after", flat=True)
+    ) == {at}
