@@ -38,7 +38,7 @@ logger = logging.getLogger("jobs.worker")
 LOOP_CLOSE_GRACE = 0.5
 
 #: Tasks that no thread has taken for this long get another thread, if one sleeps (seconds).
-STALL_AFTER = 0.002
+STALL_AFTER = 0.01
 
 
 class HandlerPool:

@@ -71,6 +71,12 @@ NOTICE_RETRY = 0.1
 #: An outcome whose row another session holds locked waits and is retried; this many tries
 #: in a row, and the worker warns (one try is usually its own lease renewal, a moment's lock).
 BUSY_WARN_AFTER = 3
+#: The first retry of such an outcome comes this long after (seconds), each next one twice as
+#: long after, up to the poll interval. The lock is mostly held for a moment: by the worker's
+#: own lease renewal, or by another worker's claim, which locks a row it read as queued and
+#: found claimed meanwhile until its statement ends. Waiting a poll interval each time held
+#: the last jobs of a two-worker drain running for half a second.
+BUSY_RETRY = 0.005
 
 #: Prefetched jobs wait for a handler thread about this long at most: beyond its threads the
 #: worker holds only as many jobs as they finish in this time, by the mean run time of its
@@ -83,8 +89,7 @@ _RUN_TIME_WEIGHT = 0.2
 #: A pass's thread-run jobs are handed to as many sleeping threads as start them all within
 #: about this long (seconds), by how long recent handlers held their thread: a thread woken
 #: costs more than a short job, and the threads woken take the other jobs in turn (jobs that
-#: nobody takes get more threads within the pool's STALL_AFTER). Before any job has run,
-#: one thread a job.
+#: nobody takes get more threads within the pool's STALL_AFTER).
 HANDOFF_HORIZON = 0.002
 #: A handler whose run took less than this longer than its thread's CPU time counts by its
 #: CPU time: the difference is mostly waiting for the interpreter's lock while other
@@ -101,9 +106,12 @@ def thread_held(ran: float, cpu: float) -> float:
 
 
 def _threads_to_wake(jobs: int, run_time: float | None) -> int:
-    """How many sleeping handler threads to wake for ``jobs`` thread-run jobs."""
+    """How many sleeping handler threads to wake for ``jobs`` thread-run jobs: before any
+    has run, one, and the pool's stall watch wakes more while jobs wait (a first batch of
+    short jobs on a thread each would wait for each other's turns at the interpreter's lock,
+    and count those waits as their run time)."""
     if run_time is None:
-        return jobs
+        return 1
     return max(1, min(jobs, math.ceil(jobs * run_time / HANDOFF_HORIZON)))
 
 
@@ -366,7 +374,8 @@ class Worker(Draining):
         outcomes: list[tuple[Running, Outcome]],
         busy: frozenset[UUID],
     ) -> tuple[list[tuple[Running, Outcome | None]], list[tuple[Running, Outcome]]]:
-        """Outcomes whose row another session holds locked wait a poll interval, then retry."""
+        """Outcomes whose row another session holds locked are written again soon: after
+        :data:`BUSY_RETRY`, twice as long at each try in a row, up to the poll interval."""
         waiting = [(r, o) for r, o in acks if o is not None and o.token in busy]
         for running, _ in waiting:
             running.busy_passes += 1
@@ -378,9 +387,11 @@ class Worker(Draining):
                 running.busy_passes,
                 extra={"job_id": running.job.job_id, "action": "outcome_busy"},
             )
+        tries = min((running.busy_passes for running, _ in waiting), default=1)
+        delay = min(self.config.poll_interval, BUSY_RETRY * 2 ** min(tries - 1, 16))
         with self._lock:
             self._deferred.extend(waiting)
-            self._deferred_at = time.monotonic() + self.config.poll_interval
+            self._deferred_at = time.monotonic() + delay
         keep = [(r, o) for r, o in acks if o is None or o.token not in busy]
         return keep, [(r, o) for r, o in outcomes if o.token not in busy]
 

@@ -415,6 +415,50 @@ class TestLeasesAndDrain:
         ]
         assert len(waits(logging.DEBUG)) >= 2  # tries 1 and 2, and any after the third
 
+    def test_an_outcome_whose_row_was_locked_for_a_moment_is_written_soon_after(self, recorder):
+        # Another worker's claim locks a row it read as queued and found claimed meanwhile,
+        # until its statement ends; the outcome then waits for a retry. Retried a poll
+        # interval later, the last jobs of a two-worker drain stayed running for half a second.
+        job = enqueue(Step(plan=("sleep",), seconds=0.3))
+        worker = Worker(
+            registry(recorder), WorkerConfig(poll_interval=5, install_signal_handlers=False)
+        )
+        thread = threading.Thread(target=worker.run)
+        thread.start()
+        locked, release = threading.Event(), threading.Event()
+        tried = threading.Event()
+        original = worker._defer_busy
+
+        def noting(*args, **kwargs):
+            tried.set()
+            return original(*args, **kwargs)
+
+        worker._defer_busy = noting
+
+        def hold_row_lock() -> None:
+            with transaction.atomic():
+                Job.objects.select_for_update().get(pk=job.id)
+                locked.set()
+                release.wait(30)
+            connection.close()
+
+        holder = threading.Thread(target=hold_row_lock)
+        try:
+            wait_for(lambda: len(recorder.calls) == 1)  # the handler is in its sleep
+            holder.start()
+            assert locked.wait(10)
+            assert tried.wait(10), "the outcome never met the lock"
+            release.set()
+            holder.join(10)
+            released = time.monotonic()
+            wait_for(lambda: row(job).state == "succeeded", timeout=10)
+            took = time.monotonic() - released
+        finally:
+            release.set()
+            worker.request_stop()
+            thread.join(10)
+        assert took < 1.0, f"written {took:.1f}s after the lock went (poll interval 5s)"
+
     def test_a_notice_that_comes_during_an_empty_claim_is_not_lost(self, recorder, monkeypatch):
         # The claim's snapshot can predate a commit whose NOTIFY the listener handles before
         # the claim returns empty: the type must not be marked exhausted until the next poll
