@@ -10,6 +10,7 @@ slot is claimed in the pass that writes them.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 
@@ -18,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs import enqueue
+from jobs.registry import JobType, Policy, Registry
 from jobs.worker import runner as runner_module
 from jobs.worker.config import WorkerConfig
 from jobs.worker.pool import HandlerPool
@@ -150,6 +152,62 @@ def test_a_freed_slot_is_claimed_with_the_outcomes_waiting_not_before(monkeypatc
     assert done(worker), f"quick jobs ran: {len(recorder.calls)}"
     assert not alone, f"passes that claimed a freed slot alone while outcomes waited: {alone}"
     assert any(written and asked for written, asked in passes), passes
+
+
+@pytest.mark.django_db(transaction=True)
+def test_handlers_that_wait_a_few_milliseconds_on_io_each_get_a_thread_at_once():
+    """Handlers that block briefly (a 3 ms query, a call to a nearby service) hold their
+    thread without using the CPU: once such jobs have run, a pass's jobs start side by side,
+    not one after another on one thread until the stall watch wakes more."""
+    starts: list[tuple[float, int]] = []  # (when a handler started, the pass it came in)
+    lock = threading.Lock()
+
+    def waits_on_io(payload: Step, ctx) -> None:
+        with lock:
+            starts.append((time.monotonic(), ctx.started))
+        time.sleep(0.003)
+
+    passes = drain_in_passes(waits_on_io, starts, concurrency=10)
+    spreads = [max(s) - min(s) for s in passes if len(s) >= 5]
+    assert spreads, passes
+    # Side by side: started within a couple of ms. One after another: 12 ms and more.
+    assert statistics.median(spreads) < 0.008, spreads
+
+
+def drain_in_passes(handler, starts, *, concurrency: int, jobs: int = 80) -> list[list[float]]:
+    """Run ``jobs`` Step jobs with ``handler`` (which appends to ``starts``) and return the
+    handler start times of each pass's jobs, the first two passes left out (no handler had
+    run before them)."""
+    worker = Worker(
+        Registry([JobType(Step, handler, Policy(concurrency=None))]),
+        WorkerConfig(install_signal_handlers=False, concurrency=concurrency, poll_interval=0.05),
+    )
+    for _ in range(jobs):
+        enqueue(Step(plan=("sleep",), seconds=0.003))
+    worker.run(until=lambda w: len(starts) >= jobs and w.idle)
+    # Jobs dispatched together share their context's start (the dispatch time, to within
+    # a few µs): group by it.
+    passes: dict[float, list[float]] = {}
+    for started, dispatched in starts:
+        passes.setdefault(round(dispatched, 3), []).append(started)
+    return list(passes.values())[2:]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_few_slots_a_pass_waits_for_short_handlers_to_claim_every_slot():
+    """Ten slots, handlers of a few ms that barely use the CPU: when half the slots are free,
+    the other half will be in a moment, so the pass waits for them (up to ack_interval) and
+    claims for all ten; passes of five cost two passes' fixed cost for ten jobs."""
+    starts: list[tuple[float, float]] = []
+    lock = threading.Lock()
+
+    def short(payload: Step, ctx) -> None:
+        with lock:
+            starts.append((time.monotonic(), ctx.started))
+        time.sleep(0.0005)
+
+    passes = drain_in_passes(short, starts, concurrency=10)
+    assert statistics.median(len(p) for p in passes) >= 8, [len(p) for p in passes]
 
 
 def test_a_handler_counts_by_its_cpu_time_unless_it_waited_on_io():
