@@ -174,13 +174,17 @@ def test_handlers_that_wait_a_few_milliseconds_on_io_each_get_a_thread_at_once()
     assert statistics.median(spreads) < 0.008, spreads
 
 
-def drain_in_passes(handler, starts, *, concurrency: int, jobs: int = 80) -> list[list[float]]:
+def drain_in_passes(
+    handler, starts, *, concurrency: int, jobs: int = 80, **config
+) -> list[list[float]]:
     """Run ``jobs`` Step jobs with ``handler`` (which appends to ``starts``) and return the
     handler start times of each pass's jobs, the first two passes left out (no handler had
     run before them)."""
     worker = Worker(
         Registry([JobType(Step, handler, Policy(concurrency=None))]),
-        WorkerConfig(install_signal_handlers=False, concurrency=concurrency, poll_interval=0.05),
+        WorkerConfig(
+            install_signal_handlers=False, concurrency=concurrency, poll_interval=0.05, **config
+        ),
     )
     for _ in range(jobs):
         enqueue(Step(plan=("sleep",), seconds=0.003))
@@ -206,7 +210,8 @@ def test_with_few_slots_a_pass_waits_for_short_handlers_to_claim_every_slot():
             starts.append((time.monotonic(), ctx.started))
         time.sleep(0.0005)
 
-    passes = drain_in_passes(short, starts, concurrency=10)
+    # A wait of up to 50 ms: long enough for ten such handlers on a busy machine.
+    passes = drain_in_passes(short, starts, concurrency=10, ack_interval=0.05)
     assert statistics.median(len(p) for p in passes) >= 8, [len(p) for p in passes]
 
 
