@@ -39,6 +39,10 @@ LOOP_CLOSE_GRACE = 0.5
 
 #: Tasks that no thread has taken for this long get another thread, if one sleeps (seconds).
 STALL_AFTER = 0.01
+#: ... or for this long, when the process was busy running Python meanwhile (at least
+#: BUSY_SHARE of a CPU): the tasks then wait for a turn, not for I/O.
+BUSY_STALL_AFTER = 0.1
+BUSY_SHARE = 0.5
 
 
 class HandlerPool:
@@ -120,16 +124,21 @@ class HandlerPool:
             return self._tasks.popleft()
 
     def _watch_stalls(self) -> None:
-        """Wake a sleeping thread for tasks that nobody has taken for :data:`STALL_AFTER`.
+        """Wake sleeping threads for tasks that nobody has taken for :data:`STALL_AFTER`.
 
         The threads woken for a batch take its tasks in turn; when all of them are held by
         long tasks (a handler waiting on I/O), the rest would wait for one to end. While tasks
-        wait and threads sleep, this looks every :data:`STALL_AFTER` and wakes more threads
-        each time no task was taken since, one, then twice as many at each stall in a row: a
-        batch of long tasks has every thread it needs within a few of those intervals, not
-        after the longest task in front of it. It sleeps while no task waits.
+        wait and threads sleep, this looks every :data:`STALL_AFTER` and, each time no task
+        was taken since, wakes more: one, then twice as many at each stall in a row, so a
+        batch of tasks that wait on I/O has every thread it needs within a few intervals. But
+        only while the process is mostly idle: when it was busy running Python meanwhile (the
+        CPU shared with other processes, or the interpreter's lock with its other threads),
+        the tasks wait for a turn, not for I/O, and more threads would only wait with them;
+        then one more thread at most every :data:`BUSY_STALL_AFTER`. It sleeps while no task
+        waits.
         """
         ramp = 1
+        checked_at, cpu_at = time.monotonic(), time.process_time()
         with self._ready:
             while not self._closing:
                 if not self._tasks or self._sleeping == self._waking:
@@ -139,12 +148,16 @@ class HandlerPool:
                     self._watch_idle = True
                     self._stalls.wait()
                     self._watch_idle = False
+                    checked_at, cpu_at = time.monotonic(), time.process_time()
                     continue
-                now = time.monotonic()
-                if now - self._taken_at >= STALL_AFTER and not self._waking:
-                    self._wake_locked(ramp)
-                    ramp *= 2  # each stall in a row wakes twice as many
+                now, cpu = time.monotonic(), time.process_time()
+                busy = (cpu - cpu_at) / max(now - checked_at, 1e-6) >= BUSY_SHARE
+                stalled = now - self._taken_at
+                if not self._waking and stalled >= (BUSY_STALL_AFTER if busy else STALL_AFTER):
+                    self._wake_locked(1 if busy else ramp)
+                    ramp = 1 if busy else ramp * 2  # each idle stall in a row: twice as many
                     self._taken_at = now  # the woken threads' time to get here
+                checked_at, cpu_at = now, cpu
                 self._stalls.wait(STALL_AFTER)
 
     def shutdown(self, timeout: float) -> bool:

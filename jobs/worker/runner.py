@@ -23,7 +23,7 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from functools import partial
 from uuid import UUID
@@ -104,6 +104,13 @@ HANDOFF_HORIZON = 0.002
 BLOCKED = 0.005
 
 
+#: The hand-off goes by the shortest of this many recent handlers' times: a handler held up
+#: for a moment (a turn at the CPU or at the interpreter's lock it waited for, longer than
+#: BLOCKED on a busy machine) would otherwise wake threads for the next pass that wait for each
+#: other in turn. Handlers that wait on I/O all take long, and so does the shortest of them.
+RECENT_RUNS = 32
+
+
 def thread_held(ran: float, cpu: float) -> float:
     """How long a handler that ran ``ran`` seconds, ``cpu`` of them on the CPU, counts as
     holding its thread for the hand-off (see :data:`BLOCKED`)."""
@@ -162,7 +169,10 @@ class Worker(Draining):
         self._force = threading.Event()
         self._exhausted: set[str] = set()
         self._mean_run: float | None = None  # seconds, thread-run handlers; None: none yet
-        self._held_run: float | None = None  # how long they hold a thread (hand-off)
+        # How long recent handlers held their thread (thread_held), and the shortest of
+        # them, read once a pass (the hand-off and the wait for a pass's stragglers).
+        self._recent_held: deque[float] = deque(maxlen=RECENT_RUNS)
+        self._held_run: float | None = None
         # Names a NOTIFY announced since the last claim was sent (None: any name): such a
         # claim may have read before that commit, so its coming up short proves nothing.
         self._noticed: set[str | None] = set()
@@ -651,6 +661,8 @@ class Worker(Draining):
                 self._held[running.job.id, running.job.claim_token] = running
                 self._in_flight_by_name[running.job.name] += 1
             self._in_flight += len(held)
+            if self._recent_held:
+                self._held_run = min(self._recent_held)
             held_run = self._held_run
         for name, count in Counter(job.name for job in claimed).items():
             metrics.for_type(name).claimed.inc(count)
@@ -747,8 +759,7 @@ class Worker(Draining):
                 mean = self._mean_run
                 self._mean_run = ran if mean is None else mean + _RUN_TIME_WEIGHT * (ran - mean)
             if busy is not None:
-                held = self._held_run
-                self._held_run = busy if held is None else held + _RUN_TIME_WEIGHT * (busy - held)
+                self._recent_held.append(busy)
             running.finished = True
             self._in_flight -= 1
             self._in_flight_by_name[running.job.name] -= 1

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs import enqueue
+from jobs.models import Job
 from jobs.registry import JobType, Policy, Registry
 from jobs.worker import runner as runner_module
 from jobs.worker.config import WorkerConfig
@@ -243,3 +244,64 @@ def test_a_batch_of_blocking_tasks_gets_a_thread_each_within_a_few_stall_interva
     finally:
         release.set()
         assert pool.shutdown(timeout=5)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_one_handler_held_up_does_not_make_the_next_passes_wake_many_threads(monkeypatch):
+    """A handler that took long once (here it waits 30 ms; on a busy machine, a wait for a
+    CPU or the interpreter's lock) must not make the passes after it wake a thread a job for
+    short handlers: those threads would only wait for each other in turn."""
+    woken: list[tuple[float, int | None]] = []
+    submit_many = HandlerPool.submit_many
+
+    def recording(self, tasks, *, wake=None):
+        tasks = list(tasks)
+        woken.append((time.monotonic(), wake))
+        return submit_many(self, tasks, wake=wake)
+
+    monkeypatch.setattr(HandlerPool, "submit_many", recording)
+    slow_done: list[float] = []
+
+    def handler(payload: Step, ctx) -> None:
+        if payload.seconds:
+            time.sleep(payload.seconds)
+            slow_done.append(time.monotonic())
+
+    worker = Worker(
+        Registry([JobType(Step, handler, Policy(concurrency=None))]),
+        WorkerConfig(install_signal_handlers=False, concurrency=10, poll_interval=0.05),
+    )
+    for _ in range(10):
+        enqueue(Step(plan=("ok",)), priority=10)
+    enqueue(Step(plan=("sleep",), seconds=0.03), priority=5)
+    for _ in range(80):
+        enqueue(Step(plan=("ok",)))
+    worker.run(until=lambda w: w.idle and not Job.objects.exclude(state="succeeded").exists())
+
+    assert slow_done
+    after = [wake for at, wake in woken if at > slow_done[0]]
+    assert after, woken
+    assert max(after) <= 2, after
+
+
+def test_tasks_waiting_behind_python_that_runs_get_threads_slowly():
+    """Tasks wait untaken while the one thread woken runs Python (or waits for a CPU): more
+    threads would only take turns with it. The watch wakes one at most every 100 ms then,
+    not twice as many every 10 ms as for tasks waiting behind I/O."""
+    pool = HandlerPool(8)
+    started: list[float] = []
+
+    def compute() -> None:
+        started.append(time.monotonic())
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:  # Python running, not waiting on I/O
+            sum(range(100))
+
+    try:
+        submitted = time.monotonic()
+        pool.submit_many([compute] * 6, wake=1)
+        wait_for(lambda: len(started) == 6, what="every task started")
+        early = [at - submitted for at in started if at - submitted < 0.15]
+    finally:
+        assert pool.shutdown(timeout=10)
+    assert len(early) <= 2, early
