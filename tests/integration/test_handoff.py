@@ -25,16 +25,8 @@ from jobs.worker import runner as runner_module
 from jobs.worker.config import WorkerConfig
 from jobs.worker.pool import HandlerPool
 from jobs.worker.runner import BLOCKED, Worker, thread_held
+from tests.acceptance.conftest import wait_for
 from tests.worker_support import Recorder, Step, registry
-
-
-def wait_for(predicate, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.002)
-    raise AssertionError(f"{what} not met within {timeout}s")
 
 
 def run_batches(pool: HandlerPool, batches: list[tuple[list[bool], int]]) -> None:

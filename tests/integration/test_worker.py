@@ -35,6 +35,15 @@ def recorder():
     return Recorder()
 
 
+def hold_row_lock(pk: int, locked: threading.Event, release: threading.Event) -> None:
+    """Hold job ``pk``'s row locked in a transaction of this thread until ``release``."""
+    with transaction.atomic():
+        Job.objects.select_for_update().get(pk=pk)
+        locked.set()
+        release.wait(30)
+    connection.close()
+
+
 def row(enqueued) -> Job:
     return Job.objects.get(pk=enqueued.id)
 
@@ -381,13 +390,6 @@ class TestLeasesAndDrain:
         thread.start()
         locked, release = threading.Event(), threading.Event()
 
-        def hold_row_lock() -> None:
-            with transaction.atomic():
-                Job.objects.select_for_update().get(pk=job.id)
-                locked.set()
-                release.wait(30)
-            connection.close()
-
         def waits(level: int) -> list[str]:
             return [
                 r.getMessage()
@@ -397,7 +399,7 @@ class TestLeasesAndDrain:
 
         try:
             wait_for(lambda: len(recorder.calls) == 1)  # the handler is in its sleep
-            holder = threading.Thread(target=hold_row_lock)
+            holder = threading.Thread(target=hold_row_lock, args=(job.id, locked, release))
             holder.start()
             assert locked.wait(10)
             wait_for(lambda: waits(logging.WARNING))
@@ -434,15 +436,7 @@ class TestLeasesAndDrain:
             return original(*args, **kwargs)
 
         worker._defer_busy = noting
-
-        def hold_row_lock() -> None:
-            with transaction.atomic():
-                Job.objects.select_for_update().get(pk=job.id)
-                locked.set()
-                release.wait(30)
-            connection.close()
-
-        holder = threading.Thread(target=hold_row_lock)
+        holder = threading.Thread(target=hold_row_lock, args=(job.id, locked, release))
         try:
             wait_for(lambda: len(recorder.calls) == 1)  # the handler is in its sleep
             holder.start()
