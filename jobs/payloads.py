@@ -130,7 +130,7 @@ def payload_problems(cls: type) -> list[str]:
 _PLAIN = frozenset({str, int, float, bool, type(None)})
 
 
-def _encode_fields(value: Any, path: str) -> dict[str, Any]:
+def _encode_fields(value: DataclassInstance, path: str) -> dict[str, Any]:
     """A dataclass instance's fields, encoded (a plain value as it is, without a call)."""
     out = {}
     for name in _init_fields(type(value)):

@@ -252,7 +252,7 @@ def _new_job(
         run_after=run_after,
         delay=delay,
         max_attempts=max_attempts,
-        after=() if after is None else after,  # type: ignore[arg-type]  # validated by the queue
+        after=() if after is None else after,  # validated by the queue
         on_dependency_failure=_own(spec, "on_dependency_failure", shared) or "cancel",
     )
 

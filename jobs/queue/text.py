@@ -53,7 +53,7 @@ def dumps(value: Any) -> str:
     kind = type(value)
     try:
         if kind is int or (kind is float and math.isfinite(value)):  # a common result
-            return kind.__repr__(value)  # as the encoder writes them
+            return repr(value)  # as the encoder writes them (the exact types: no override)
         text = _ENCODER.encode(value)
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(str(exc) or type(exc).__name__) from None

@@ -645,22 +645,22 @@ class Worker(Draining):
             return
         on_loop: list[Running] = []
         on_threads: list[Callable[[], None]] = []
-        held = []
+        dispatched = []
         for job in claimed:
             job_type = self.registry[job.name]
             ctx = make_context(job, job_type, using=self.config.database)
             running = Running(job, job_type, ctx, leased_at=leased_at)
-            held.append(running)
+            dispatched.append(running)
             metrics.for_type(job.name).queue_latency.observe(job.latency)
             if job_type.is_async:
                 on_loop.append(running)
             else:
                 on_threads.append(partial(self._execute, running))
         with self._lock:
-            for running in held:
+            for running in dispatched:
                 self._held[running.job.id, running.job.claim_token] = running
                 self._in_flight_by_name[running.job.name] += 1
-            self._in_flight += len(held)
+            self._in_flight += len(dispatched)
             if self._recent_held:
                 self._held_run = min(self._recent_held)
             held_run = self._held_run
@@ -740,7 +740,7 @@ class Worker(Draining):
         finally:
             ran = time.monotonic() - began
             held = thread_held(ran, time.thread_time() - cpu_began)
-            self._finished(running, outcome, ran=ran, busy=held)
+            self._finished(running, outcome, ran=ran, held=held)
 
     def _finished(
         self,
@@ -748,18 +748,18 @@ class Worker(Draining):
         outcome: Outcome | None,
         *,
         ran: float | None = None,
-        busy: float | None = None,
+        held: float | None = None,
     ) -> None:
         """Free the job's slot and queue its outcome; ``ran``: a thread-run handler's time,
-        ``busy``: the part of it that held the thread (see :data:`BLOCKED`)."""
+        ``held``: how long it counts as holding its thread (:func:`thread_held`)."""
         if outcome is not None:  # the last progress report goes with the outcome
             outcome = with_last_report(running, outcome)
         with self._lock:
             if ran is not None:
                 mean = self._mean_run
                 self._mean_run = ran if mean is None else mean + _RUN_TIME_WEIGHT * (ran - mean)
-            if busy is not None:
-                self._recent_held.append(busy)
+            if held is not None:
+                self._recent_held.append(held)
             running.finished = True
             self._in_flight -= 1
             self._in_flight_by_name[running.job.name] -= 1

@@ -182,12 +182,16 @@ def drain_in_passes(
     for _ in range(jobs):
         enqueue(Step(plan=("sleep",), seconds=0.003))
     worker.run(until=lambda w: len(starts) >= jobs and w.idle)
-    # Jobs dispatched together share their context's start (the dispatch time, to within
-    # a few µs): group by it.
-    passes: dict[float, list[float]] = {}
-    for started, dispatched in starts:
-        passes.setdefault(round(dispatched, 3), []).append(started)
-    return list(passes.values())[2:]
+    # Jobs dispatched together got their contexts within a few µs of each other (a context's
+    # start is its making): a pass is a run of them with no gap of half a millisecond.
+    passes: list[list[float]] = []
+    last = None
+    for dispatched, started in sorted((d, s) for s, d in starts):
+        if last is None or dispatched - last > 0.0005:
+            passes.append([])
+        passes[-1].append(started)
+        last = dispatched
+    return passes[2:]
 
 
 @pytest.mark.django_db(transaction=True)
