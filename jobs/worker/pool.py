@@ -9,10 +9,10 @@ after every job, like Django's request cycle with ``CONN_MAX_AGE = 0``.
 Handing a job to a thread costs a thread wake-up (a futex call, a context switch and a turn
 at the GIL), which for short jobs costs more than running them: a pass of 50 no-op jobs handed
 out one a thread spent about half the worker's CPU on wake-ups. So tasks wait in one queue and
-only as many threads are woken as the caller asks for; a thread that takes a task and sees
-more waiting wakes one more, unless another is already waking. No task waits for a busy
-thread while a thread is idle: whenever tasks wait and a thread sleeps, a thread is on its
-way (see :meth:`HandlerPool._take`).
+only as many threads are woken as the caller asks for; they take the waiting tasks in turn.
+Tasks that nobody takes for a moment, because the threads woken are held by long ones, get
+more threads from a stall watch (:meth:`HandlerPool._watch_stalls`), so a task does not wait
+behind a long one while threads sleep.
 
 The pool also owns the worker's one event loop for ``async def`` handlers
 (:mod:`jobs.worker.event_loop`): started with the threads, each thread bound to it, closed
@@ -92,7 +92,7 @@ class HandlerPool:
     def submit_many(self, tasks: Iterable[Callable[[], None]], *, wake: int | None = None) -> None:
         """Queue ``tasks`` in order and wake ``wake`` sleeping threads for them (default: one
         a task). Fewer suits short tasks: the woken threads take the rest one after another,
-        and more are woken one at a time while tasks still wait."""
+        and the stall watch wakes more if tasks wait untaken."""
         with self._ready:
             before = len(self._tasks)
             self._tasks.extend(tasks)
