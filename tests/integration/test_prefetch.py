@@ -64,6 +64,17 @@ def running_gauge() -> float:
     return metrics.running._value.get()
 
 
+def most_held(worker: Worker, load) -> int:
+    """Wait until ``load`` succeeded (20 s at most); the most jobs the worker held meanwhile."""
+    most = 0
+    deadline = time.monotonic() + 20
+    while not succeeded(load):
+        assert time.monotonic() < deadline, "the load did not drain within 20 s"
+        most = max(most, held_by(worker))
+        time.sleep(0.005)
+    return most
+
+
 def measured_short(worker: Worker) -> None:
     """Run one no-op job, so the worker knows its handlers are short."""
     first = enqueue(Step(plan=("ok",)))
@@ -94,14 +105,9 @@ def test_long_handlers_get_no_prefetch():
     assert 2 * PREFETCH_HORIZON / 0.2 < 1
     recorder = Recorder()
     worker, thread = start(recorder, concurrency=2, prefetch=6)
-    most = 0
     try:
         load = [enqueue(Step(plan=("sleep",), seconds=0.2)) for _ in range(8)]
-        deadline = time.monotonic() + 20
-        while not succeeded(load):
-            assert time.monotonic() < deadline, "the load did not drain within 20 s"
-            most = max(most, held_by(worker))
-            time.sleep(0.005)
+        most = most_held(worker, load)
     finally:
         stop(worker, thread)
     assert most == 2
@@ -118,15 +124,10 @@ def test_a_type_under_a_fleet_wide_limit_is_not_prefetched(own_limit):
     )
     thread = threading.Thread(target=worker.run)
     thread.start()
-    most = 0
     try:
         measured_short(worker)
         load = [enqueue(Step(plan=("sleep",), seconds=0.1)) for _ in range(8)]
-        deadline = time.monotonic() + 20
-        while not succeeded(load):
-            assert time.monotonic() < deadline, "the load did not drain within 20 s"
-            most = max(most, held_by(worker))
-            time.sleep(0.005)
+        most = most_held(worker, load)
     finally:
         stop(worker, thread)
     assert most == 2
@@ -147,15 +148,10 @@ def test_async_handlers_are_not_prefetched():
     )
     thread = threading.Thread(target=worker.run)
     thread.start()
-    most = 0
     try:
         measured_short(worker)  # a thread-run job: the worker has short handlers
         load = [enqueue(Echo(text=str(n))) for n in range(8)]
-        deadline = time.monotonic() + 20
-        while not succeeded(load):
-            assert time.monotonic() < deadline, "the load did not drain within 20 s"
-            most = max(most, held_by(worker))
-            time.sleep(0.005)
+        most = most_held(worker, load)
     finally:
         stop(worker, thread)
     assert most == 2
@@ -193,15 +189,10 @@ def test_prefetch_is_off_by_default_and_checked():
     # Off, a worker claims at most its free threads however short its handlers run.
     recorder = Recorder()
     worker, thread = start(recorder, concurrency=2)
-    most = 0
     try:
         measured_short(worker)
         load = [enqueue(Step(plan=("sleep",), seconds=0.05)) for _ in range(8)]
-        deadline = time.monotonic() + 20
-        while not succeeded(load):
-            assert time.monotonic() < deadline, "the load did not drain within 20 s"
-            most = max(most, held_by(worker))
-            time.sleep(0.005)
+        most = most_held(worker, load)
     finally:
         stop(worker, thread)
     assert most == 2
