@@ -23,7 +23,7 @@ from jobs import databases
 from jobs.conf import NOTIFY_CHANNEL, jobs_settings
 from jobs.models import PRIORITY_MAX, PRIORITY_MIN, new_job_id
 from jobs.policy import MAX_ATTEMPTS_MAX
-from jobs.queue import _db, dependencies, keys, text
+from jobs.queue import _db, dependencies, flow, keys, text
 from jobs.queue.flow import FAIR_AT_ENQUEUE as _FAIR
 from jobs.queue.types import Enqueued, InvalidJob, NewJob, validate_key
 
@@ -265,8 +265,11 @@ def _insert_or_find(
     # Later rounds reuse the first round's clock, so a row inserted late is as due as the rest.
     base: datetime | None = None
     for _round in range(_MAX_ROUNDS):
-        copied = base is None and len(pending) >= COPY_AT_LEAST
-        if copied and not any(row["keyed"] for row in pending):
+        if (
+            base is None
+            and len(pending) >= COPY_AT_LEAST
+            and not any(row["keyed"] for row in pending)
+        ):
             inserts = _copy(cur, pending)
         else:
             inserts = _insert(cur, pending, base)
@@ -325,15 +328,8 @@ def _insert(
         return _insert_one(cur, rows[0], base)  # a row of a batch keeps the id it drew
     fresh = [row for row in rows if row.get("id") is None]
     if fresh or base is None:
-        cur.execute(
-            "SELECT array_agg(nextval(pg_get_serial_sequence('jobs_job', 'id'))), "
-            "statement_timestamp() FROM generate_series(1, %s)",
-            [max(len(fresh), 1)],
-        )
-        drawn, now = cur.fetchone()
+        (now,) = _draw_ids(cur, fresh)
         base = base or now
-        for row, id_ in zip(fresh, sorted(drawn), strict=False):
-            row["id"] = id_
     ordered = sorted(rows, key=lambda row: (row["tenant"], row["job_id"]))
     params: dict[str, Any] = {key: [row[key] for row in ordered] for key in _COLUMNS}
     params["base"] = base
@@ -381,6 +377,20 @@ def _insert(
     return [(row["id"], row["id"] in inserted, base) for row in rows]
 
 
+def _draw_ids(cur: CursorWrapper, rows: list[dict[str, Any]], also: str = "") -> tuple[Any, ...]:
+    """Give each of ``rows`` an id, drawn in one statement and handed out in the order the rows
+    are given; return the statement's clock (and the value of the SQL ``also``)."""
+    cur.execute(
+        "SELECT array_agg(nextval(pg_get_serial_sequence('jobs_job', 'id'))), "
+        f"statement_timestamp(){', ' + also if also else ''} FROM generate_series(1, %s)",
+        [max(len(rows), 1)],
+    )
+    drawn, *values = cur.fetchone()
+    for row, id_ in zip(rows, sorted(drawn), strict=False):
+        row["id"] = id_
+    return tuple(values)
+
+
 def _copy(cur: CursorWrapper, rows: list[dict[str, Any]]) -> list[Inserted]:
     """Insert keyless rows by COPY; ``(id, True, base)`` per row, in order.
 
@@ -391,25 +401,17 @@ def _copy(cur: CursorWrapper, rows: list[dict[str, Any]]) -> list[Inserted]:
     from one read of the clock and of the tenant-ordered types, in the statement that draws
     the ids; the jobs due now are announced with one NOTIFY per name after the COPY.
     """
-    cur.execute(
-        "SELECT array_agg(nextval(pg_get_serial_sequence('jobs_job', 'id'))), "
-        "statement_timestamp(), "
-        "(SELECT COALESCE(array_agg(f.name::text), '{}') FROM jobs_flow f WHERE f.tenant_ordered) "
-        "FROM generate_series(1, %s)",
-        [len(rows)],
-    )
-    drawn, base, ordered = cur.fetchone()
+    base, ordered = _draw_ids(cur, rows, also=flow.TENANT_ORDERED_NAMES)
     fair = frozenset(ordered)
     due: set[str] = set()
     values = []
-    for row, id_ in zip(rows, sorted(drawn), strict=True):
-        row["id"] = id_
+    for row in rows:
         run_after = row["run_after"] or base + timedelta(seconds=row["delay"])
         if run_after <= base:
             due.add(row["name"])
         values.append(
             (
-                id_,
+                row["id"],
                 row["job_id"],
                 row["name"],
                 row["payload"],
