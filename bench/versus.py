@@ -104,7 +104,9 @@ PGQ_SUFFIX = "_versus_pgq"
 
 #: pgqueuer's queue is empty once every job is acknowledged (the ack deletes the row).
 PGQ_UNFINISHED = "SELECT EXISTS (SELECT 1 FROM pgqueuer)"
-WARM_UP = 20  # untimed enqueues before each enqueue measurement
+# Untimed enqueues before each enqueue measurement, by the same calls: enough for a bulk
+# warm-up to take the path of a large batch (COPY, from 64 jobs on).
+WARM_UP = 100
 
 MEASUREMENTS = ("single", "bulk", "drain1", "drain2", "latency")
 JOBS_DEFAULT: list[str] = []  # runworker at its defaults: 10 handler threads

@@ -114,6 +114,54 @@ class Payload:
         return _decode_dataclass(cls, data, "")
 
 
+def checked_json(payload: Payload) -> dict[str, Any]:
+    """``payload.to_json()``, once ``from_json`` has taken it back (else InvalidPayload).
+
+    The producer's check that a worker can decode what it stores. A payload whose fields
+    are all ``str``, ``int``, ``bool`` or ``float`` and hold exactly such values (a finite
+    float) decodes to an equal payload by construction when its class adds no
+    ``validate``, ``__post_init__`` or codec of its own: its fields are read as they are,
+    without building a second payload (a third of a bulk enqueue's client time).
+    """
+    cls: type[Payload] = type(payload)
+    plain = _plain_fields(typing.cast(type, cls))
+    if plain is not None:
+        data = {}
+        for name, tp in plain:
+            value = getattr(payload, name)
+            if type(value) is not tp or (
+                tp is float and not math.isfinite(typing.cast(float, value))
+            ):
+                break
+            data[name] = value
+        else:
+            return data
+    data = payload.to_json()
+    cls.from_json(data)
+    return data
+
+
+@cache
+def _plain_fields(cls: type) -> tuple[tuple[str, type], ...] | None:
+    """The ``(name, type)`` of each field when all are plain scalars and the class decodes
+    them as Payload does; None when a payload of ``cls`` takes the full round trip."""
+    if (
+        _validates(cls)
+        or hasattr(cls, "__post_init__")
+        or getattr(cls, "to_json", None) is not Payload.to_json
+        or getattr(cls.from_json, "__func__", None) is not Payload.from_json.__func__  # type: ignore[attr-defined]
+    ):
+        return None
+    try:
+        hints = _hints(cls)
+    except NameError:
+        return None  # from_json reports it
+    fields = tuple((name, hints[name]) for name in _init_fields(cls))
+    if all(tp in (str, int, bool, float) for _, tp in fields):
+        return fields
+    return None
+
+
 def payload_problems(cls: type) -> list[str]:
     """Why ``cls`` cannot serve as a job payload type (empty when it can)."""
     if not isinstance(cls, type) or not issubclass(cls, Payload) or cls is Payload:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobs import databases
 from jobs.conf import as_timedelta
-from jobs.payloads import InvalidPayload, Payload
+from jobs.payloads import InvalidPayload, Payload, checked_json
 from jobs.registry import Policy, catalogue
 
 if TYPE_CHECKING:
@@ -202,8 +202,7 @@ def _new_job(
     payload_type = type(payload)
     name = payload_type.job_name
     try:
-        data = payload.to_json()
-        payload_type.from_json(data)  # the worker's decode: types, then validate()
+        data = checked_json(payload)  # the worker's decode: types, then validate()
     except InvalidPayload as exc:
         raise _invalid(f"{name}: invalid payload: {exc}", index) from None
     if payload_type in policies:

@@ -1,4 +1,4 @@
-"""Enqueue: validate a whole batch, then insert-or-skip it in one statement.
+"""Enqueue: validate a whole batch, then insert-or-skip it in one statement (or COPY it).
 
 Idempotency is the database's job. Each row is inserted with ``ON CONFLICT … DO NOTHING``
 against the partial UNIQUE index over key-holding rows (``jobs_job_key_lock``); a conflict
@@ -10,7 +10,7 @@ whose window has passed still holds its key until someone needs it: enqueue then
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any
@@ -57,12 +57,17 @@ def enqueue(job: NewJob, *, using: str | None = None) -> Enqueued:
 def enqueue_many(jobs: Sequence[NewJob], *, using: str | None = None) -> list[Enqueued]:
     """Enqueue a batch atomically; results come back in input order.
 
-    Every job is validated before anything is inserted, so one bad job rejects the whole
-    batch with :class:`InvalidJob`. Inside the caller's ``transaction.atomic()`` the jobs
-    commit or roll back with the caller's writes; workers never see them before commit.
+    One bad job rejects the whole batch with :class:`InvalidJob`, and nothing of it is
+    inserted (a large keyless batch is checked while COPY streams it, and rolls back). Inside
+    the caller's ``transaction.atomic()`` the jobs commit or roll back with the caller's
+    writes; workers never see them before commit.
     ``using`` None sends the batch to its types' database alias (:func:`jobs.databases.route`),
     so the transaction that counts is the one open on that alias.
     """
+    if len(jobs) >= COPY_AT_LEAST and all(map(_copyable, jobs)):
+        copied = _enqueue_by_copy(jobs, using)
+        if copied is not None:
+            return copied
     rows = [_row(job, index) for index, job in enumerate(jobs)]
     if not rows:
         return []
@@ -93,6 +98,34 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str | None = None) -> list[En
             )
         results.append(result)
     return results
+
+
+def _copyable(job: object) -> bool:
+    """Whether ``job`` can go in by COPY as it is validated: keyless, waiting for nothing."""
+    return (
+        isinstance(job, NewJob) and job.job_id is None and not job.after and type(job.name) is str
+    )
+
+
+def _enqueue_by_copy(jobs: Sequence[NewJob], using: str | None) -> list[Enqueued] | None:
+    """A large batch of keyless jobs, validated while COPY streams it to the server.
+
+    The server stores the first rows while the client still checks the last ones, instead of
+    starting once every job is checked. An invalid job ends the COPY, and the batch rolls back
+    on its own (a savepoint inside the caller's transaction, which stays usable), so nothing
+    of it is inserted, as when jobs are checked first. None when the batch's database is in
+    question: the checked path then reports the first problem in the batch's order.
+    """
+    try:
+        using = databases.route([(index, job.name) for index, job in enumerate(jobs)], using)
+    except InvalidJob:
+        return None
+    with transaction.atomic(using=using), _db.bound_cursor(using) as cur:
+        _base, rows = _copy(cur, (_row(job, index) for index, job in enumerate(jobs)), len(jobs))
+    return [
+        Enqueued(row["id"], row["job_id"], row["tenant"], row["name"], "queued", True, using)
+        for row in rows
+    ]
 
 
 def _insert_alone(row: dict[str, Any], using: str) -> dict[tuple[str, str], Enqueued] | None:
@@ -270,7 +303,8 @@ def _insert_or_find(
             and len(pending) >= COPY_AT_LEAST
             and not any(row["keyed"] for row in pending)
         ):
-            inserts = _copy(cur, pending)
+            copied_at, _rows = _copy(cur, pending, len(pending))
+            inserts: list[Inserted] = [(row["id"], True, copied_at) for row in pending]
         else:
             inserts = _insert(cur, pending, base)
         base = inserts[0][2]
@@ -328,7 +362,9 @@ def _insert(
         return _insert_one(cur, rows[0], base)  # a row of a batch keeps the id it drew
     fresh = [row for row in rows if row.get("id") is None]
     if fresh or base is None:
-        (now,) = _draw_ids(cur, fresh)
+        ids, (now,) = _draw_ids(cur, len(fresh))
+        for row, id_ in zip(fresh, ids, strict=False):
+            row["id"] = id_
         base = base or now
     ordered = sorted(rows, key=lambda row: (row["tenant"], row["job_id"]))
     params: dict[str, Any] = {key: [row[key] for row in ordered] for key in _COLUMNS}
@@ -377,41 +413,46 @@ def _insert(
     return [(row["id"], row["id"] in inserted, base) for row in rows]
 
 
-def _draw_ids(cur: CursorWrapper, rows: list[dict[str, Any]], also: str = "") -> tuple[Any, ...]:
-    """Give each of ``rows`` an id, drawn in one statement and handed out in the order the rows
-    are given; return the statement's clock (and the value of the SQL ``also``)."""
+def _draw_ids(cur: CursorWrapper, count: int, also: str = "") -> tuple[list[int], tuple[Any, ...]]:
+    """``count`` new ids, drawn in one statement, in ascending order (rows take them in the
+    order they are given); and the statement's clock (and the value of the SQL ``also``)."""
     cur.execute(
         "SELECT array_agg(nextval(pg_get_serial_sequence('jobs_job', 'id'))), "
         f"statement_timestamp(){', ' + also if also else ''} FROM generate_series(1, %s)",
-        [max(len(rows), 1)],
+        [max(count, 1)],
     )
     drawn, *values = cur.fetchone()
-    for row, id_ in zip(rows, sorted(drawn), strict=False):
-        row["id"] = id_
-    return tuple(values)
+    return sorted(drawn), tuple(values)
 
 
-def _copy(cur: CursorWrapper, rows: list[dict[str, Any]]) -> list[Inserted]:
-    """Insert keyless rows by COPY; ``(id, True, base)`` per row, in order.
+def _copy(
+    cur: CursorWrapper, rows: Iterable[dict[str, Any]], count: int
+) -> tuple[datetime, list[dict[str, Any]]]:
+    """Insert ``count`` keyless rows by COPY, each given its id as it goes: ``(base, rows)``.
 
     A keyless job's key is a random UUID, so no row holds it and nothing is skipped: what
     ``ON CONFLICT`` decides per row is not needed, and COPY writes rows faster than ``INSERT
     … SELECT`` does while the client is still sending them. What the statement computes per
     row (its due time from one clock, whether its type is tenant-ordered) is computed here
     from one read of the clock and of the tenant-ordered types, in the statement that draws
-    the ids; the jobs due now are announced with one NOTIFY per name after the COPY.
+    the ids; the jobs due now are announced with one NOTIFY per name after the COPY. ``rows``
+    may be a generator that validates each job as the COPY asks for it: what it raises ends
+    the COPY, and the caller's transaction (or savepoint) drops what was sent.
     """
-    base, ordered = _draw_ids(cur, rows, also=flow.TENANT_ORDERED_NAMES)
+    ids, (base, ordered) = _draw_ids(cur, count, also=flow.TENANT_ORDERED_NAMES)
     fair = frozenset(ordered)
     due: set[str] = set()
-    values = []
-    for row in rows:
-        run_after = row["run_after"] or base + timedelta(seconds=row["delay"])
-        if run_after <= base:
-            due.add(row["name"])
-        values.append(
-            (
-                row["id"],
+    copied: list[dict[str, Any]] = []
+
+    def values() -> Iterator[tuple[Any, ...]]:
+        for row, id_ in zip(rows, ids, strict=True):
+            row["id"] = id_
+            copied.append(row)
+            run_after = row["run_after"] or base + timedelta(seconds=row["delay"])
+            if run_after <= base:
+                due.add(row["name"])
+            yield (
+                id_,
                 row["job_id"],
                 row["name"],
                 row["payload"],
@@ -424,15 +465,16 @@ def _copy(cur: CursorWrapper, rows: list[dict[str, Any]]) -> list[Inserted]:
                 row["waiting_on"],
                 row["name"] in fair,
                 base,
+                *_COPY_CONSTANTS,
             )
-        )
-    _db.copy_rows(cur, _COPY, _COPY_TYPES, (value + _COPY_CONSTANTS for value in values))
+
+    _db.copy_rows(cur, _COPY, _COPY_TYPES, values())
     if due and jobs_settings.NOTIFY:
         cur.execute(
             "SELECT count(pg_notify(%s, n)) FROM unnest(%s::text[]) AS n",
             [NOTIFY_CHANNEL, sorted(due)],
         )
-    return [(row["id"], True, base) for row in rows]
+    return base, copied
 
 
 #: Batches of at least this many jobs, none with an idempotency key, are inserted by COPY

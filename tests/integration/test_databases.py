@@ -95,6 +95,21 @@ def test_a_bound_type_elsewhere_and_a_batch_over_two_databases_are_refused(two_d
     assert {job.id for job in both} == set(on(OTHER).values_list("pk", flat=True))
 
 
+def test_a_large_batch_reports_an_invalid_job_before_its_database(two_databases):
+    """Which error a batch reports does not depend on the path that inserts it (by COPY
+    from COPY_AT_LEAST keyless jobs on): an invalid job first, then a database mismatch."""
+    from jobs.queue.enqueue import COPY_AT_LEAST
+
+    jobs_ = [NewJob(ReportV1.job_name, {"number": n}) for n in range(COPY_AT_LEAST)]
+    jobs_[5] = NewJob(ReportV1.job_name, {"number": 5}, priority="high")
+    with pytest.raises(InvalidJob, match=r"^job #5: priority"):
+        queue.enqueue_many(jobs_, using="default")
+    jobs_[5] = NewJob(ReportV1.job_name, {"number": 5})
+    with pytest.raises(InvalidJob, match="lives in database 'other'"):
+        queue.enqueue_many(jobs_, using="default")
+    assert not on("default").exists() and not on(OTHER).exists()
+
+
 def test_enqueue_joins_the_transaction_open_on_the_types_database(two_databases):
     with pytest.raises(RuntimeError), transaction.atomic(using=OTHER):
         jobs.enqueue(ReportV1(number=1))

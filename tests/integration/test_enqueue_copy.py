@@ -163,3 +163,56 @@ def test_jobs_given_a_due_time_keep_it():
     assert set(
         Job.objects.filter(pk__in=[r.id for r in results]).values_list("run_after", flat=True)
     ) == {at}
+
+
+class Recorded(dict):
+    """A payload that notes when enqueue encodes it (the JSON encoder asks for its items)."""
+
+    encoded: list[int] = []  # shared on purpose: one log for a batch
+
+    def items(self):
+        Recorded.encoded.append(self["n"])
+        return super().items()
+
+
+def test_the_copy_starts_while_the_batch_is_still_being_validated():
+    """The rows stream to the server while later jobs are checked, so its work on them
+    overlaps the client's instead of following it."""
+    Recorded.encoded = []
+    jobs = [NewJob(NAMES[0], Recorded(n=n)) for n in range(COPY_AT_LEAST * 4)]
+    checked_at_copy: list[int] = []
+
+    def note(execute, sql, params, many, context):
+        if sql.startswith("COPY"):
+            checked_at_copy.append(len(Recorded.encoded))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(note):
+        queue.enqueue_many(jobs)
+
+    assert checked_at_copy and checked_at_copy[0] < len(jobs), checked_at_copy
+    assert sorted(Recorded.encoded) == list(range(len(jobs)))  # each job checked once
+    assert Job.objects.count() == len(jobs)
+
+
+@pytest.mark.parametrize("bad_at", [0, COPY_AT_LEAST * 2, COPY_AT_LEAST * 4 - 1])
+def test_an_invalid_job_found_during_the_copy_leaves_the_callers_transaction_usable(bad_at):
+    jobs = batch(COPY_AT_LEAST * 4)
+    jobs[bad_at] = NewJob(NAMES[0], {"n": float("nan")})
+    with transaction.atomic():
+        queue.enqueue_many(batch(3))  # the caller's own write, before
+        with pytest.raises(queue.InvalidJob, match="payload is not JSON") as raised:
+            queue.enqueue_many(jobs)
+        assert raised.value.index == bad_at
+        queue.enqueue_many(batch(2))  # and after: the transaction goes on
+    assert Job.objects.count() == 5
+
+
+def test_an_invalid_job_found_during_the_copy_inserts_nothing_outside_a_transaction():
+    jobs = batch(COPY_AT_LEAST * 4)
+    jobs[-1] = NewJob(NAMES[0], {"n": 1}, priority=10**6)
+    with pytest.raises(queue.InvalidJob, match="priority") as raised:
+        queue.enqueue_many(jobs)
+    assert raised.value.index == len(jobs) - 1
+    assert Job.objects.count() == 0
+    assert connection.get_autocommit() and not connection.in_atomic_block

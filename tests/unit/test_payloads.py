@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jobs import InvalidPayload, Payload
-from jobs.payloads import _decode, _decoder, payload_problems
+from jobs.payloads import _decode, _decoder, checked_json, payload_problems
 
 EMAIL_ID = UUID("6f1c1f0e-8a6e-4c55-9a39-0d2d7f0b5c11")
 
@@ -328,3 +328,97 @@ def test_a_fields_decoder_decodes_and_refuses_as_the_generic_decoding(tp, value)
         assert generic[0] == "decoded" and generic[2] != generic[2]  # NaN is not NaN
     else:
         assert fast == generic
+
+
+# -- the producer's check: checked_json against the full round trip ---------------------------
+
+
+class Plain(Payload, name="test.plain.v1"):
+    s: str
+    i: int
+    b: bool
+    f: float = 0.5
+
+
+class PlainChecked(Payload, name="test.plain_checked.v1"):
+    i: int
+
+    def validate(self) -> None:
+        if self.i < 0:
+            raise ValueError("i must not be negative")
+
+
+class PlainPostInit(Payload, name="test.plain_post_init.v1"):
+    i: int
+
+    def __post_init__(self) -> None:
+        if self.i == 13:
+            raise ValueError("unlucky")
+
+
+def _round_trip(payload):
+    try:
+        data = payload.to_json()
+        type(payload).from_json(data)
+    except InvalidPayload as exc:
+        return ("refused", str(exc))
+    return ("stored", data)
+
+
+def _checked(payload):
+    try:
+        data = checked_json(payload)
+    except InvalidPayload as exc:
+        return ("refused", str(exc))
+    return ("stored", data)
+
+
+# Any value at all: a frozen dataclass does not check its fields' types when built.
+_ANY_VALUE = _JSONISH | st.sampled_from([float("nan"), float("inf"), 2**70, "\x00", Colour.RED])
+
+
+def _assert_checked_as_round_trip(payload):
+    checked = _checked(payload)
+    assert checked == _round_trip(payload)
+    if checked[0] == "stored":  # the same types too: 1 == 1.0 == True
+        assert list(map(type, checked[1].values())) == list(map(type, payload.to_json().values()))
+
+
+@given(
+    # Values of the field's type (NaN and infinities among the floats) or a near miss: a bool
+    # for an int, 0 or 1 for a bool, an int for a float, an enum member for a str.
+    s=st.text(max_size=3) | st.just(Colour.RED),
+    i=st.integers() | st.booleans(),
+    b=st.booleans() | st.integers(0, 1),
+    f=st.floats() | st.integers(),
+)
+def test_checked_json_stores_values_of_the_fields_types_as_the_full_round_trip(s, i, b, f):
+    _assert_checked_as_round_trip(Plain(s=s, i=i, b=b, f=f))
+
+
+@given(
+    s=st.text(max_size=3) | _ANY_VALUE,
+    i=st.integers() | _ANY_VALUE,
+    b=st.booleans() | _ANY_VALUE,
+    f=st.floats() | _ANY_VALUE,
+)
+def test_checked_json_stores_and_refuses_any_values_as_the_full_round_trip(s, i, b, f):
+    _assert_checked_as_round_trip(Plain(s=s, i=i, b=b, f=f))
+
+
+@given(i=st.integers(min_value=-3, max_value=20) | _ANY_VALUE)
+def test_checked_json_runs_validate_and_post_init_as_the_full_round_trip(i):
+    checked = PlainChecked(i=i)
+    assert _checked(checked) == _round_trip(checked)
+    post_init = PlainPostInit.__new__(PlainPostInit)
+    object.__setattr__(post_init, "i", i)  # built past __post_init__, as a bad producer might
+    assert _checked(post_init) == _round_trip(post_init)
+
+
+def test_a_negative_value_validate_refuses_is_refused_by_checked_json():
+    with pytest.raises(InvalidPayload, match="i must not be negative"):
+        checked_json(PlainChecked(i=-1))
+    with pytest.raises(InvalidPayload, match="unlucky"):
+        bad = PlainPostInit.__new__(PlainPostInit)
+        object.__setattr__(bad, "i", 13)
+        checked_json(bad)
