@@ -15,6 +15,8 @@ from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from psycopg.pq import Format
 from psycopg.types.json import set_json_dumps
 
+from jobs.queue import _arrays
+
 if TYPE_CHECKING:
     from psycopg.abc import Params, QueryNoTemplate
 
@@ -56,6 +58,7 @@ def bound_cursor(using: str | None) -> Iterator[CursorWrapper]:
     conn.close_if_health_check_failed()
     conn.ensure_connection()
     with conn.wrap_database_errors:
+        _arrays.register(conn.connection)
         raw = _BoundCursor(conn.connection)
         # As Django's own cursors do: timestamps in the connection's time zone.
         loader = conn.connection.adapters.get_loader(_TIMESTAMPTZ, Format.TEXT)

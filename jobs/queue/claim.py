@@ -31,6 +31,7 @@ from django.db import DEFAULT_DB_ALIAS
 from jobs.conf import jobs_settings
 from jobs.progress import Progress
 from jobs.queue import _db, attempts, flow, pauses, processes, rollup, text
+from jobs.queue._arrays import array
 from jobs.queue.outcomes import report_json
 from jobs.queue.types import (
     AllTenants,
@@ -353,9 +354,9 @@ def claim_parts(
             flows = dataclasses.replace(flows, releasing=True)
     ctes, scope_params = _claim_ctes(scope, None, using, flows)
     params = {
-        "names": [r.name for r in requests],
-        "limits": [r.limit for r in requests],
-        "caps": [r.max_attempts for r in requests],
+        "names": array("text", [r.name for r in requests]),
+        "limits": array("integer", [r.limit for r in requests]),
+        "caps": array("integer", [r.max_attempts for r in requests]),
         "total": total,
         "lease": _db.seconds(lease or jobs_settings.LEASE),
         "worker": worker,

@@ -37,6 +37,7 @@ from datetime import datetime
 from django.db import DEFAULT_DB_ALIAS, transaction
 
 from jobs.queue import _db
+from jobs.queue._arrays import Array, array
 from jobs.queue.types import ClaimRequest
 
 # Seconds since a bucket was last refilled, as a float (EXTRACT gives numeric).
@@ -188,21 +189,21 @@ def request_params(
     requests: list[ClaimRequest],
     limits: Mapping[str, FlowLimits],
     after: Mapping[str, str],
-) -> dict[str, list[object]]:
+) -> dict[str, Array]:
     """The claim's per-request flow parameters, aligned with its names."""
     none = FlowLimits()
     rows = [limits.get(r.name, none) for r in requests]
     return {
-        "gcaps": [f.global_concurrency for f in rows],
-        "tcaps": [f.tenant_concurrency for f in rows],
-        "rates": [f.rate for f in rows],
-        "bursts": [f.burst for f in rows],
-        "trates": [f.tenant_rate for f in rows],
-        "tbursts": [f.tenant_burst for f in rows],
-        "gated": [f.gated for f in rows],
-        "ordered": [f.tenant_ordered for f in rows],
-        "afters": [after.get(r.name, "") for r in requests],
-        "lshares": [f.lower_share for f in rows],
+        "gcaps": array("integer", [f.global_concurrency for f in rows]),
+        "tcaps": array("integer", [f.tenant_concurrency for f in rows]),
+        "rates": array("float8", [f.rate for f in rows]),
+        "bursts": array("float8", [f.burst for f in rows]),
+        "trates": array("float8", [f.tenant_rate for f in rows]),
+        "tbursts": array("float8", [f.tenant_burst for f in rows]),
+        "gated": array("boolean", [f.gated for f in rows]),
+        "ordered": array("boolean", [f.tenant_ordered for f in rows]),
+        "afters": array("text", [after.get(r.name, "") for r in requests]),
+        "lshares": array("float8", [f.lower_share for f in rows]),
     }
 
 

@@ -23,6 +23,7 @@ from django.utils import timezone
 
 from jobs.progress import Progress
 from jobs.queue import _db, attempts, flow, rollup, text
+from jobs.queue._arrays import Array, array
 from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay
 
 # What a stopped attempt's error says (the row's columns before the write).
@@ -163,31 +164,41 @@ def record(
     )
 
 
-def outcome_params(outcomes: Sequence[Outcome], using: str) -> dict[str, list[Any] | None]:
+def outcome_params(outcomes: Sequence[Outcome], using: str) -> dict[str, Any]:
     """The parameters of the outcome write's CTEs (also for :mod:`jobs.queue.cycle`)."""
     # The Outcome constructors already made these storable; an Outcome built by hand is
     # made so here, since one refused value would fail the whole batch. A naive retry time
-    # is read in the connection's time zone, as PostgreSQL reads a naive literal: the binary
-    # array takes every element as aware once one is.
+    # is read in the connection's time zone, as PostgreSQL reads a naive literal.
     zone = connections[using].timezone
     return {
-        "ids": [o.id for o in outcomes],
-        "tokens": [o.token for o in outcomes],
-        "states": [o.state for o in outcomes],
-        "codes": [None if o.code is None else text.clean(o.code)[:32] for o in outcomes],
-        "details": [None if o.detail is None else _bounded(o.detail) for o in outcomes],
-        "delays": [clamp_delay(o.delay) for o in outcomes],
-        "ats": [
-            o.at if o.at is None or timezone.is_aware(o.at) else timezone.make_aware(o.at, zone)
-            for o in outcomes
-        ],
-        "deltas": [o.attempts_delta for o in outcomes],
-        "results": [o.result_json for o in outcomes],
-        # A NULL array (no outcome carries a report) reads as NULL for every outcome.
-        "reports": [o.progress_json for o in outcomes]
-        if any(o.progress_json is not None for o in outcomes)
-        else None,
+        "ids": array("bigint", [o.id for o in outcomes]),
+        "tokens": array("uuid", [o.token for o in outcomes]),
+        "states": array("text", [o.state for o in outcomes]),
+        "codes": array(
+            "text", [None if o.code is None else text.clean(o.code)[:32] for o in outcomes]
+        ),
+        "details": array(
+            "text", [None if o.detail is None else _bounded(o.detail) for o in outcomes]
+        ),
+        "delays": array("float8", [clamp_delay(o.delay) for o in outcomes]),
+        # A NULL array (no outcome has a time, a result or a report) reads as NULL for
+        # every outcome: unnest pads it.
+        "ats": _nullable(
+            "timestamptz",
+            [
+                o.at if o.at is None or timezone.is_aware(o.at) else timezone.make_aware(o.at, zone)
+                for o in outcomes
+            ],
+        ),
+        "deltas": array("integer", [o.attempts_delta for o in outcomes]),
+        "results": _nullable("jsonb", [o.result_json for o in outcomes]),
+        "reports": _nullable("jsonb", [o.progress_json for o in outcomes]),
     }
+
+
+def _nullable(kind: str, values: list[Any]) -> Array | None:
+    """The array of ``values``, or None (a NULL array) when none of them is set."""
+    return None if all(value is None for value in values) else array(kind, values)
 
 
 def report_json(report: Progress) -> str:
