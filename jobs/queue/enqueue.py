@@ -58,9 +58,10 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str | None = None) -> list[En
     """Enqueue a batch atomically; results come back in input order.
 
     One bad job rejects the whole batch with :class:`InvalidJob`, and nothing of it is
-    inserted (a large keyless batch is checked while COPY streams it, and rolls back). Inside
-    the caller's ``transaction.atomic()`` the jobs commit or roll back with the caller's
-    writes; workers never see them before commit.
+    committed: inside a transaction the batch is checked whole before anything is sent; a
+    large keyless batch outside one is checked while COPY streams it, in a transaction of its
+    own that rolls back. Inside the caller's ``transaction.atomic()`` the jobs commit or roll
+    back with the caller's writes; workers never see them before commit.
     ``using`` None sends the batch to its types' database alias (:func:`jobs.databases.route`),
     so the transaction that counts is the one open on that alias.
     """
@@ -108,17 +109,21 @@ def _copyable(job: object) -> bool:
 
 
 def _enqueue_by_copy(jobs: Sequence[NewJob], using: str | None) -> list[Enqueued] | None:
-    """A large batch of keyless jobs, validated while COPY streams it to the server.
+    """A large batch of keyless jobs, outside any transaction: checked while COPY streams it.
 
     The server stores the first rows while the client still checks the last ones, instead of
-    starting once every job is checked. An invalid job ends the COPY, and the batch rolls back
-    on its own (a savepoint inside the caller's transaction, which stays usable), so nothing
-    of it is inserted, as when jobs are checked first. None when the batch's database is in
-    question: the checked path then reports the first problem in the batch's order.
+    starting once every job is checked. An invalid job ends the COPY and the batch's own
+    transaction rolls back: nothing of it is ever committed or seen. None when the checked
+    path must take the batch: inside the caller's transaction (it would need a savepoint, a
+    subtransaction of the caller's, and there the batch is checked whole before anything is
+    sent), or when its database is in question (that path reports the batch's first problem
+    in the batch's order).
     """
     try:
         using = databases.route([(index, job.name) for index, job in enumerate(jobs)], using)
     except InvalidJob:
+        return None
+    if connections[using].in_atomic_block:
         return None
     with transaction.atomic(using=using), _db.bound_cursor(using) as cur:
         _base, rows = _copy(cur, (_row(job, index) for index, job in enumerate(jobs)), len(jobs))

@@ -196,7 +196,7 @@ def test_the_copy_starts_while_the_batch_is_still_being_validated():
 
 
 @pytest.mark.parametrize("bad_at", [0, COPY_AT_LEAST * 2, COPY_AT_LEAST * 4 - 1])
-def test_an_invalid_job_found_during_the_copy_leaves_the_callers_transaction_usable(bad_at):
+def test_an_invalid_job_of_a_large_batch_leaves_the_callers_transaction_usable(bad_at):
     jobs = batch(COPY_AT_LEAST * 4)
     jobs[bad_at] = NewJob(NAMES[0], {"n": float("nan")})
     with transaction.atomic():
@@ -216,3 +216,29 @@ def test_an_invalid_job_found_during_the_copy_inserts_nothing_outside_a_transact
     assert raised.value.index == len(jobs) - 1
     assert Job.objects.count() == 0
     assert connection.get_autocommit() and not connection.in_atomic_block
+
+
+def test_inside_the_callers_transaction_a_batch_is_checked_whole_before_any_statement():
+    """No savepoint, so no subtransaction in the caller's transaction (past 64 of them every
+    snapshot on the server slows down), and nothing is sent for a batch that is refused."""
+    Recorded.encoded = []
+    jobs = [NewJob(NAMES[0], Recorded(n=n)) for n in range(COPY_AT_LEAST * 2)]
+    bad = [*batch(COPY_AT_LEAST * 2), NewJob(NAMES[0], {"n": float("inf")})]
+    with transaction.atomic():
+        with CaptureQueriesContext(connection) as refused, pytest.raises(queue.InvalidJob):
+            queue.enqueue_many(bad)
+        with CaptureQueriesContext(connection) as copied:
+            checked_at_copy: list[int] = []
+
+            def note(execute, sql, params, many, context):
+                if sql.startswith("COPY"):
+                    checked_at_copy.append(len(Recorded.encoded))
+                return execute(sql, params, many, context)
+
+            with connection.execute_wrapper(note):
+                queue.enqueue_many(jobs)
+
+    assert refused.captured_queries == []
+    assert checked_at_copy == [len(jobs)]
+    assert not any("SAVEPOINT" in q["sql"] for q in copied.captured_queries), copied
+    assert Job.objects.count() == len(jobs)
