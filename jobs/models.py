@@ -8,6 +8,7 @@ The models import nothing above them: replaying a job is :func:`jobs.queue.repla
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
@@ -43,17 +44,21 @@ def default_max_attempts() -> int:
     return jobs_settings.DEFAULT_MAX_ATTEMPTS
 
 
-# The version (4) and variant bits of a random UUID, set on 128 random bits.
-_UUID4_KEEP = ~(0xF000 << 64) & ~(0xC000 << 48) & ((1 << 128) - 1)
-_UUID4_SET = (0x4000 << 64) | (0x8000 << 48)
+# A version 7 UUID (RFC 9562): the Unix time in milliseconds in its first 48 bits, then the
+# version (7), 12 random bits, the variant (0b10) and 62 random bits.
+_UUID7_FIXED = 0x7 << 76 | 0x2 << 62  # the version and variant bits
+_UUID7_RANDOM = 0xFFF << 64 | (1 << 62) - 1  # where the random bits go
 
 
 def new_job_id() -> str:
     """Job id for work enqueued without an idempotency key: unique, so never deduplicated.
 
-    A random UUID's 32 hex digits, as ``uuid.uuid4().hex`` writes them, in half its time (a
-    bulk enqueue draws one for every job)."""
-    return f"{int.from_bytes(os.urandom(16)) & _UUID4_KEEP | _UUID4_SET:032x}"
+    A version 7 UUID's 32 hex digits: time-ordered, so keyless jobs' keys go in at the end of
+    the key lock index (``tenant, job_id``) instead of anywhere in it, as random ones did: a
+    large table's enqueues then touch its last pages, not a page each.
+    """
+    random = int.from_bytes(os.urandom(10)) & _UUID7_RANDOM  # 74 of these 80 bits
+    return f"{time.time_ns() // 1_000_000 << 80 | _UUID7_FIXED | random:032x}"
 
 
 class Job(RunContract):
