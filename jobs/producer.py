@@ -135,7 +135,10 @@ def new_jobs(
     shared = {key: shared.get(key) for key in _SHARED}
     items = list(jobs)
     policies: dict[type[Payload], Policy | None] = {}  # one registry lookup a type, not a job
-    built = [_new_job(item, index, shared, policies, NewJob) for index, item in enumerate(items)]
+    plain: dict[type[Payload], dict[str, Any]] = {}
+    built = [
+        _new_job(item, index, shared, policies, NewJob, plain) for index, item in enumerate(items)
+    ]
     if any(job.after for job in built):
         _waits_in_one_database(items, built, shared["after"], using)
     return built
@@ -186,8 +189,10 @@ def _new_job(
     shared: dict[str, Any],
     policies: dict[type[Payload], Policy | None],
     new_job: type[NewJob],
+    plain: dict[type[Payload], dict[str, Any]],
 ) -> NewJob:
-    # A plain payload takes every option from the batch: no JobSpec is made for it.
+    # A plain payload takes every option from the batch: no JobSpec is made for it, and its
+    # options are worked out once for its type (``plain``), not once a job.
     spec = None if isinstance(item, Payload) else item
     if spec is not None and (
         not isinstance(spec, JobSpec) or not isinstance(spec.payload, Payload)
@@ -205,6 +210,24 @@ def _new_job(
         data = checked_json(payload)  # the worker's decode: types, then validate()
     except InvalidPayload as exc:
         raise _invalid(f"{name}: invalid payload: {exc}", index) from None
+    if spec is None:
+        options = plain.get(payload_type)
+        if options is None:
+            options = plain[payload_type] = _options(None, payload_type, index, shared, policies)
+        return new_job(name=name, payload=data, **options)
+    return new_job(name=name, payload=data, **_options(spec, payload_type, index, shared, policies))
+
+
+def _options(
+    spec: JobSpec | None,
+    payload_type: type[Payload],
+    index: int,
+    shared: dict[str, Any],
+    policies: dict[type[Payload], Policy | None],
+) -> dict[str, Any]:
+    """A job's NewJob options but its name and payload: its own, else the batch's, else its
+    type's policy's (None: the ``JOBS`` default)."""
+    name = payload_type.job_name
     if payload_type in policies:
         policy = policies[payload_type]
     else:
@@ -241,19 +264,17 @@ def _new_job(
     max_attempts = _own(spec, "max_attempts", shared)
     if max_attempts is None and policy is not None:
         max_attempts = policy.max_attempts
-    return new_job(
-        name=name,
-        payload=data,
-        job_id=None if spec is None else spec.job_id,
-        tenant=_own(spec, "tenant", shared),
-        queue=queue,
-        priority=priority,
-        run_after=run_after,
-        delay=delay,
-        max_attempts=max_attempts,
-        after=() if after is None else after,  # validated by the queue
-        on_dependency_failure=_own(spec, "on_dependency_failure", shared) or "cancel",
-    )
+    return {
+        "job_id": None if spec is None else spec.job_id,
+        "tenant": _own(spec, "tenant", shared),
+        "queue": queue,
+        "priority": priority,
+        "run_after": run_after,
+        "delay": delay,
+        "max_attempts": max_attempts,
+        "after": () if after is None else after,  # validated by the queue
+        "on_dependency_failure": _own(spec, "on_dependency_failure", shared) or "cancel",
+    }
 
 
 def _invalid(message: str, index: int) -> Exception:

@@ -69,7 +69,8 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str | None = None) -> list[En
         copied = _enqueue_by_copy(jobs, using)
         if copied is not None:
             return copied
-    rows = [_row(job, index) for index, job in enumerate(jobs)]
+    defaults = _defaults()
+    rows = [_row(job, index, defaults) for index, job in enumerate(jobs)]
     if not rows:
         return []
     using = databases.route([(index, row["name"]) for index, row in enumerate(rows)], using)
@@ -126,7 +127,9 @@ def _enqueue_by_copy(jobs: Sequence[NewJob], using: str | None) -> list[Enqueued
     if connections[using].in_atomic_block:
         return None
     with transaction.atomic(using=using), _db.bound_cursor(using) as cur:
-        _base, rows = _copy(cur, (_row(job, index) for index, job in enumerate(jobs)), len(jobs))
+        defaults = _defaults()
+        checked = (_row(job, index, defaults) for index, job in enumerate(jobs))
+        _base, rows = _copy(cur, checked, len(jobs))
     return [
         Enqueued(row["id"], row["job_id"], row["tenant"], row["name"], "queued", True, using)
         for row in rows
@@ -197,8 +200,21 @@ def _checked_key(value: object, what: str) -> str:
     return _valid_key(value, what) if isinstance(value, str) else validate_key(value, what)
 
 
-def _row(job: NewJob, index: int | None) -> dict[str, Any]:
+def _defaults() -> tuple[str, str, int]:
+    """The ``JOBS`` defaults a job without its own takes: tenant, queue and max_attempts
+    (read once a batch, not once a job)."""
+    return (
+        jobs_settings.DEFAULT_TENANT,
+        jobs_settings.DEFAULT_QUEUE,
+        jobs_settings.DEFAULT_MAX_ATTEMPTS,
+    )
+
+
+def _row(
+    job: NewJob, index: int | None, defaults: tuple[str, str, int] | None = None
+) -> dict[str, Any]:
     """Validate one job and turn it into column values (raises InvalidJob)."""
+    default_tenant, default_queue, default_max_attempts = defaults or _defaults()
     if not isinstance(job, NewJob):
         raise InvalidJob(f"expected a NewJob, got {type(job).__name__}", index=index)
     if not isinstance(job.name, str) or not job.name or len(job.name) > 200:
@@ -222,8 +238,8 @@ def _row(job: NewJob, index: int | None) -> dict[str, Any]:
     if bad:
         raise InvalidJob(f"name {bad}: {job.name!r}", index=index)
     try:
-        tenant = _checked_key(job.tenant or jobs_settings.DEFAULT_TENANT, "tenant")
-        queue = _checked_key(job.queue or jobs_settings.DEFAULT_QUEUE, "queue")
+        tenant = _checked_key(job.tenant or default_tenant, "tenant")
+        queue = _checked_key(job.queue or default_queue, "queue")
     except ValueError as exc:
         raise InvalidJob(str(exc), index=index) from None
     if (
@@ -236,9 +252,7 @@ def _row(job: NewJob, index: int | None) -> dict[str, Any]:
             f"got {job.priority!r}",
             index=index,
         )
-    max_attempts = (
-        jobs_settings.DEFAULT_MAX_ATTEMPTS if job.max_attempts is None else job.max_attempts
-    )
+    max_attempts = default_max_attempts if job.max_attempts is None else job.max_attempts
     if (
         isinstance(max_attempts, bool)
         or not isinstance(max_attempts, int)
@@ -263,7 +277,8 @@ def _row(job: NewJob, index: int | None) -> dict[str, Any]:
             index=index,
         )
     delay = 0.0 if job.delay is None else _db.seconds(job.delay)
-    after = dependencies.validate(job, index)
+    # Most jobs wait for nothing: the empty tuple NewJob gives needs no checking.
+    after = () if type(job.after) is tuple and not job.after else dependencies.validate(job, index)
     if job.batch_id is not None and (
         isinstance(job.batch_id, bool) or not isinstance(job.batch_id, int)
     ):

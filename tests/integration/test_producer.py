@@ -9,10 +9,13 @@ import pytest
 from django.db import transaction
 from django.test import override_settings
 from django.utils import timezone
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jobs
 from jobs import JobSpec, Payload
 from jobs.models import Job
+from jobs.producer import new_jobs
 from jobs.queue import InvalidJob
 from tests.jobapp.jobs import AuditV1, PingV1
 
@@ -152,3 +155,37 @@ def test_enqueue_joins_the_callers_transaction():
         raise RuntimeError("the business write failed")
 
     assert not Job.objects.exists()
+
+
+# -- a batch's jobs are what each would be alone ------------------------------------------------
+
+_OPTIONS = {
+    "tenant": st.sampled_from([None, "acme", "globex"]),
+    "queue": st.sampled_from([None, "bulk"]),
+    "priority": st.sampled_from([None, -3, 0, 7]),
+    "run_after": st.none(),
+    "delay": st.sampled_from([None, 0, 2.5, timedelta(minutes=1)]),
+    "max_attempts": st.sampled_from([None, 1, 9]),
+    "after": st.sampled_from([None, (), (5, "upstream")]),
+    "on_dependency_failure": st.sampled_from([None, "fail"]),
+}
+_ITEMS = st.one_of(
+    st.builds(PingV1, message=st.text(max_size=3)),
+    st.builds(AuditV1, entry_id=st.integers(0, 9)),
+    st.builds(SendEmailV1, email_id=st.just(EMAIL_ID)),
+    st.builds(
+        JobSpec,
+        payload=st.builds(PingV1, message=st.just("s")) | st.builds(AuditV1, entry_id=st.just(1)),
+        job_id=st.sampled_from([None, "k-1"]),
+        **_OPTIONS,
+    ),
+)
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(items=st.lists(_ITEMS, max_size=6), shared=st.fixed_dictionaries(_OPTIONS))
+def test_each_job_of_a_batch_is_the_job_it_would_be_alone(items, shared):
+    """Options worked out once a type for plain payloads give every job what it would get
+    enqueued on its own with the same shared options."""
+    batch = new_jobs(items, shared)
+    assert batch == [new_jobs([item], shared)[0] for item in items]
