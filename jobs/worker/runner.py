@@ -172,6 +172,9 @@ class Worker(Draining):
         # How long recent handlers held their thread (thread_held), and the shortest of
         # them, read once a pass (the hand-off and the wait for a pass's stragglers).
         self._recent_held: deque[float] = deque(maxlen=RECENT_RUNS)
+        self._thread_cpu = (
+            threading.local()
+        )  # each handler thread's CPU clock at its last job's end
         self._held_run: float | None = None
         # Names a NOTIFY announced since the last claim was sent (None: any name): such a
         # claim may have read before that commit, so its coming up short proves nothing.
@@ -729,7 +732,12 @@ class Worker(Draining):
             running.started = True
         metrics.running.inc()  # a handler's start: a prefetched job is held, not running
         outcome: Outcome | None = None
-        began, cpu_began = time.monotonic(), time.thread_time()
+        began = time.monotonic()
+        # The thread's CPU clock as its previous job ended (read now on its first): reading
+        # it is a system call that takes the scheduler's lock, so once a job is enough.
+        cpu_began = getattr(self._thread_cpu, "at", None)
+        if cpu_began is None:
+            cpu_began = time.thread_time()
         try:
             outcome = execute(
                 running, shutting_down=self._stopping.is_set, lease=self.config.lease_duration
@@ -739,7 +747,8 @@ class Worker(Draining):
             outcome = self._worker_failure(running, exc)
         finally:
             ran = time.monotonic() - began
-            held = thread_held(ran, time.thread_time() - cpu_began)
+            self._thread_cpu.at = cpu_ended = time.thread_time()
+            held = thread_held(ran, cpu_ended - cpu_began)
             self._finished(running, outcome, ran=ran, held=held)
 
     def _finished(

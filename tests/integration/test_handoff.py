@@ -301,3 +301,31 @@ def test_tasks_waiting_behind_python_that_runs_get_threads_slowly():
     finally:
         assert pool.shutdown(timeout=10)
     assert len(early) <= 2, early
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_handlers_cpu_time_is_read_once_a_job(monkeypatch):
+    """Reading a thread's CPU clock is a system call that takes the scheduler's lock: read
+    twice a job it cost a tenth of a busy worker's Python time. Each job reads it once, at
+    its end; its CPU time is the thread's since the end of its previous job (the pool's
+    loop in between takes a few microseconds)."""
+    reads: list[str] = []
+    thread_time = time.thread_time
+
+    def counting() -> float:
+        reads.append(threading.current_thread().name)
+        return thread_time()
+
+    monkeypatch.setattr(runner_module.time, "thread_time", counting)
+    jobs_run = 40
+    for _ in range(jobs_run):
+        enqueue(Step(plan=("ok",)))
+    worker = Worker(
+        Registry([JobType(Step, lambda payload, ctx: None, Policy(concurrency=None))]),
+        WorkerConfig(install_signal_handlers=False, concurrency=4, poll_interval=0.05),
+    )
+    worker.run(until=lambda w: w.idle and not Job.objects.exclude(state="succeeded").exists())
+
+    threads = set(reads)
+    assert len(reads) <= jobs_run + len(threads), (len(reads), threads)
+    assert worker._held_run is not None  # and the hand-off still has its figure
