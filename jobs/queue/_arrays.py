@@ -19,6 +19,7 @@ import struct
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
+from functools import lru_cache, partial
 from typing import Any, ClassVar
 from uuid import UUID
 
@@ -40,6 +41,14 @@ _MICROSECOND = timedelta(microseconds=1)
 
 
 def _text(value: str) -> bytes:
+    if len(value) <= 64:
+        return _short_text(value)
+    data = value.encode()
+    return _LENGTH.pack(len(data)) + data
+
+
+@lru_cache(maxsize=1024)  # states, names, codes: the same few short strings every pass
+def _short_text(value: str) -> bytes:
     data = value.encode()
     return _LENGTH.pack(len(data)) + data
 
@@ -59,9 +68,9 @@ def _timestamptz(value: datetime) -> bytes:  # aware: microseconds since 2000-01
 
 # name: (element oid, array oid, one element's length and value)
 _KINDS: dict[str, tuple[int, int, Callable[[Any], bytes]]] = {
-    "bigint": (20, 1016, lambda value: _INT8.pack(8, value)),
-    "integer": (23, 1007, lambda value: _INT4.pack(4, value)),
-    "float8": (701, 1022, lambda value: _FLOAT8.pack(8, value)),
+    "bigint": (20, 1016, partial(_INT8.pack, 8)),
+    "integer": (23, 1007, partial(_INT4.pack, 4)),
+    "float8": (701, 1022, partial(_FLOAT8.pack, 8)),
     "boolean": (16, 1000, lambda value: _TRUE if value else _FALSE),
     "text": (25, 1009, _text),
     "uuid": (2950, 2951, _uuid),
@@ -107,7 +116,8 @@ def array(kind: str, values: Sequence[Any]) -> Array:
     made, element, encode = _CLASSES[kind]
     if not values:
         return made(_EMPTY.pack(0, 0, element))
-    nulls = any(value is None for value in values)  # not `in`: it compares each by ==
+    # `None in values` would compare each UUID by its Python __eq__.
+    nulls = any(value is None for value in values) if kind == "uuid" else None in values
     parts = [_HEADER.pack(1, nulls, element, len(values), 1)]
     if nulls:
         parts += [_NULL if value is None else encode(value) for value in values]
