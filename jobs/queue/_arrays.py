@@ -109,20 +109,27 @@ def _kinds() -> tuple[dict[str, tuple[type[Array], int, Callable[[Any], bytes]]]
 _CLASSES, _DUMPERS = _kinds()
 
 
-def array(kind: str, values: Sequence[Any]) -> Array:
+def array(kind: str, values: Sequence[Any]) -> Array | list[Any]:
     """``values`` (None for NULL) as an array of ``kind``: one of ``bigint``, ``integer``,
     ``float8``, ``boolean``, ``text``, ``uuid``, ``timestamptz`` (aware datetimes) and
-    ``jsonb`` (JSON text)."""
+    ``jsonb`` (JSON text).
+
+    A value this cannot encode (a token given as text, a number out of the type's range)
+    leaves the list to psycopg, as before: PostgreSQL casts it or refuses it, as it did.
+    """
     made, element, encode = _CLASSES[kind]
     if not values:
         return made(_EMPTY.pack(0, 0, element))
     # `None in values` would compare each UUID by its Python __eq__.
     nulls = any(value is None for value in values) if kind == "uuid" else None in values
     parts = [_HEADER.pack(1, nulls, element, len(values), 1)]
-    if nulls:
-        parts += [_NULL if value is None else encode(value) for value in values]
-    else:
-        parts += map(encode, values)
+    try:
+        if nulls:
+            parts += [_NULL if value is None else encode(value) for value in values]
+        else:
+            parts += map(encode, values)
+    except (struct.error, AttributeError, TypeError, ValueError, OverflowError):
+        return list(values)
     return made(b"".join(parts))
 
 

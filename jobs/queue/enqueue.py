@@ -65,6 +65,8 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str | None = None) -> list[En
     ``using`` None sends the batch to its types' database alias (:func:`jobs.databases.route`),
     so the transaction that counts is the one open on that alias.
     """
+    if not isinstance(jobs, list | tuple):
+        jobs = list(jobs)  # any iterable: it is read more than once
     if len(jobs) >= COPY_AT_LEAST and all(map(_copyable, jobs)):
         copied = _enqueue_by_copy(jobs, using)
         if copied is not None:
@@ -105,7 +107,11 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str | None = None) -> list[En
 def _copyable(job: object) -> bool:
     """Whether ``job`` can go in by COPY as it is validated: keyless, waiting for nothing."""
     return (
-        isinstance(job, NewJob) and job.job_id is None and not job.after and type(job.name) is str
+        isinstance(job, NewJob)
+        and job.job_id is None
+        and type(job.after) is tuple
+        and not job.after
+        and type(job.name) is str
     )
 
 
@@ -115,16 +121,17 @@ def _enqueue_by_copy(jobs: Sequence[NewJob], using: str | None) -> list[Enqueued
     The server stores the first rows while the client still checks the last ones, instead of
     starting once every job is checked. An invalid job ends the COPY and the batch's own
     transaction rolls back: nothing of it is ever committed or seen. None when the checked
-    path must take the batch: inside the caller's transaction (it would need a savepoint, a
-    subtransaction of the caller's, and there the batch is checked whole before anything is
-    sent), or when its database is in question (that path reports the batch's first problem
-    in the batch's order).
+    path must take the batch: inside the caller's transaction, ``atomic()`` or autocommit
+    turned off (it would need a savepoint, a subtransaction of the caller's, and there the
+    batch is checked whole before anything is sent), or when its database is in question
+    (that path reports the batch's first problem in the batch's order).
     """
     try:
         using = databases.route([(index, job.name) for index, job in enumerate(jobs)], using)
     except InvalidJob:
         return None
-    if connections[using].in_atomic_block:
+    connection = connections[using]
+    if connection.in_atomic_block or not connection.get_autocommit():
         return None
     with transaction.atomic(using=using), _db.bound_cursor(using) as cur:
         defaults = _defaults()

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, transaction
 
@@ -189,7 +190,7 @@ def request_params(
     requests: list[ClaimRequest],
     limits: Mapping[str, FlowLimits],
     after: Mapping[str, str],
-) -> dict[str, Array]:
+) -> dict[str, Array | list[Any]]:
     """The claim's per-request flow parameters, aligned with its names."""
     none = FlowLimits()
     rows = [limits.get(r.name, none) for r in requests]

@@ -196,7 +196,7 @@ def outcome_params(outcomes: Sequence[Outcome], using: str) -> dict[str, Any]:
     }
 
 
-def _nullable(kind: str, values: list[Any]) -> Array | None:
+def _nullable(kind: str, values: list[Any]) -> Array | list[Any] | None:
     """The array of ``values``, or None (a NULL array) when none of them is set."""
     return None if all(value is None for value in values) else array(kind, values)
 

@@ -67,6 +67,7 @@ class HandlerPool:
         self._stopping = False
         self._started = 0
         self._busy = 0  # threads running a task now
+        self._local = threading.local()  # per pool thread: tasks started (tasks_started)
         self._threads: list[threading.Thread] = []
         self.event_loop = HandlerLoop(f"{name}-loop")
         self.event_loop.start()
@@ -182,12 +183,19 @@ class HandlerPool:
         closed = self.event_loop.close(max(LOOP_CLOSE_GRACE, deadline - time.monotonic()))
         return exited and closed
 
+    def tasks_started(self) -> int:
+        """How many tasks the calling thread has started, if it is one of the pool's (0 on
+        any other thread): a task tells by it whether its thread ran another since."""
+        return getattr(self._local, "started", 0)
+
     def _loop(self) -> None:
         opened: dict[str, tuple[int, float]] = {}
         stopped = False
         self.event_loop.bind()
+        self._local.started = 0
         try:
             while (task := self._take()) is not None:
+                self._local.started += 1
                 with self._lock:
                     self._busy += 1
                 try:

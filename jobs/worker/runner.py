@@ -733,10 +733,16 @@ class Worker(Draining):
         metrics.running.inc()  # a handler's start: a prefetched job is held, not running
         outcome: Outcome | None = None
         began = time.monotonic()
-        # The thread's CPU clock as its previous job ended (read now on its first): reading
-        # it is a system call that takes the scheduler's lock, so once a job is enough.
-        cpu_began = getattr(self._thread_cpu, "at", None)
-        if cpu_began is None:
+        # The thread's CPU clock as its previous task ended, if that was a job and nothing
+        # else ran on the thread since (an async job's steps borrow pool threads); else read
+        # now. Reading it is a system call that takes the scheduler's lock: once a job is
+        # enough. The pool's own steps between two tasks count with the second (microseconds).
+        pool: HandlerPool | None = getattr(self, "_pool", None)  # set by run()
+        task = pool.tasks_started() if pool is not None else 0
+        mark = getattr(self._thread_cpu, "mark", None)
+        if task and mark is not None and mark[0] == task - 1:
+            cpu_began = mark[1]
+        else:
             cpu_began = time.thread_time()
         try:
             outcome = execute(
@@ -747,7 +753,8 @@ class Worker(Draining):
             outcome = self._worker_failure(running, exc)
         finally:
             ran = time.monotonic() - began
-            self._thread_cpu.at = cpu_ended = time.thread_time()
+            cpu_ended = time.thread_time()
+            self._thread_cpu.mark = (task, cpu_ended)
             held = thread_held(ran, cpu_ended - cpu_began)
             self._finished(running, outcome, ran=ran, held=held)
 

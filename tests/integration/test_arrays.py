@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta, timezone
 from uuid import UUID
 
 import pytest
+from django.db import DataError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -77,3 +78,14 @@ def test_the_encoded_arrays_are_sent_in_one_piece_each():
     ids = array("bigint", [1, 2, None])
     assert _as_text("bigint", ids) == "{1,2,NULL}"
     assert _as_text("text", array("text", [])) == "{}"
+
+
+def test_values_the_encoder_cannot_take_are_left_to_psycopg_as_before():
+    """A token given as text, a number past the type's range: psycopg dumps the list, and
+    PostgreSQL casts it or refuses it as it did before arrays were encoded here."""
+    token = "6f1c1f0e-8a6e-4c55-9a39-0d2d7f0b5c11"
+    assert array("uuid", [token]) == [token]
+    assert _as_text("uuid", array("uuid", [token])) == "{" + token + "}"
+    assert array("integer", [2**40]) == [2**40]
+    with pytest.raises(DataError):
+        _as_text("integer", array("integer", [2**40]))

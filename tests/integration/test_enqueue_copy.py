@@ -242,3 +242,21 @@ def test_inside_the_callers_transaction_a_batch_is_checked_whole_before_any_stat
     assert checked_at_copy == [len(jobs)]
     assert not any("SAVEPOINT" in q["sql"] for q in copied.captured_queries), copied
     assert Job.objects.count() == len(jobs)
+
+
+def test_with_autocommit_off_a_batch_is_checked_whole_as_inside_atomic():
+    """A transaction the caller opened by turning autocommit off is the caller's too: no
+    savepoint, and nothing is sent for a batch that is refused."""
+    bad = [*batch(COPY_AT_LEAST * 2), NewJob(NAMES[0], {"n": float("nan")})]
+    transaction.set_autocommit(False)
+    try:
+        with CaptureQueriesContext(connection) as refused, pytest.raises(queue.InvalidJob):
+            queue.enqueue_many(bad)
+        with CaptureQueriesContext(connection) as copied:
+            queue.enqueue_many(batch(COPY_AT_LEAST))
+        transaction.commit()
+    finally:
+        transaction.set_autocommit(True)
+    assert refused.captured_queries == []
+    assert not any("SAVEPOINT" in q["sql"] for q in copied.captured_queries), copied
+    assert Job.objects.count() == COPY_AT_LEAST
