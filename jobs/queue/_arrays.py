@@ -10,7 +10,8 @@ in one go; :func:`register` teaches a connection to send it as it is.
 The encoding is ``array_send``'s: dimensions, a has-nulls flag, the element type, the
 length and lower bound, then each element as a 4-byte length (-1 for NULL) and its binary
 value. Only for the statements of :func:`jobs.queue._db.bound_cursor`, which bind their
-parameters in binary (``%(name)b``).
+parameters in binary (``%(name)b``). Text goes as UTF-8, the client encoding Django sets on
+every PostgreSQL connection.
 """
 
 from __future__ import annotations
