@@ -2,9 +2,9 @@
 
 Producers hand over payload values, never a name and a dict: the name comes from the payload's
 class, the stored JSON from :meth:`Payload.to_json`, and each payload is decoded back and
-validated before anything of its batch is committed, so a worker never meets a payload its
-own type would refuse. Defaults for queue, priority and attempts come from the type's
-registered policy when this process registers the type, else from the ``JOBS`` settings.
+validated before anything is written, so a worker never meets a payload its own type would
+refuse. Defaults for queue, priority and attempts come from the type's registered policy when
+this process registers the type, else from the ``JOBS`` settings.
 
 Call these inside the ``transaction.atomic()`` block of the business write the jobs follow:
 the jobs then commit or roll back with it, and workers see them only after commit.
@@ -103,12 +103,9 @@ def enqueue_many(
 ) -> list[Enqueued]:
     """Enqueue a batch of payloads (or :class:`JobSpec` values) atomically, in input order.
 
-    The keyword options apply to every job that does not set its own. One invalid payload
-    raises ``jobs.queue.InvalidJob`` naming its index and field, and nothing of the batch is
-    committed. Inside a transaction the whole batch is encoded and validated first; a large
-    batch of plain payloads outside one is checked while the queue's COPY streams it (the
-    error then names the first invalid job in the batch's order), in a transaction of its own
-    that rolls back.
+    The keyword options apply to every job that does not set its own. The whole batch is
+    encoded and validated first: one invalid payload raises ``jobs.queue.InvalidJob`` naming
+    its index and field, and nothing is inserted.
     """
     from jobs import queue as jobs_queue
 
@@ -122,41 +119,7 @@ def enqueue_many(
         "after": after,
         "on_dependency_failure": on_dependency_failure,
     }
-    items = jobs if isinstance(jobs, list | tuple) else list(jobs)
-    streamed = _enqueue_streamed(items, shared, using)
-    if streamed is not None:
-        return streamed
-    return jobs_queue.enqueue_many(new_jobs(items, shared, using=using), using=using)
-
-
-def _enqueue_streamed(
-    items: Sequence[Payload | JobSpec], shared: dict[str, Any], using: str | None
-) -> list[Enqueued] | None:
-    """A large batch of plain payloads that waits for nothing, each made into its job as the
-    queue's COPY asks for it (:func:`jobs.queue.enqueue.enqueue_streamed`), so the server
-    stores the first while the last are encoded; None when the batch is not one to stream.
-
-    Such a batch is keyless, and its jobs' names are their payloads' types': the queue needs
-    nothing more before the first job is made. An invalid payload ends the COPY and nothing
-    of the batch is committed, as when every payload is checked first.
-    """
-    from jobs.queue import NewJob
-    from jobs.queue.enqueue import COPY_AT_LEAST, enqueue_streamed
-
-    if (
-        len(items) < COPY_AT_LEAST
-        or shared.get("after")
-        or not all(isinstance(item, Payload) for item in items)
-    ):
-        return None
-    shared = {key: shared.get(key) for key in _SHARED}
-    policies: dict[type[Payload], Policy | None] = {}
-    plain: dict[type[Payload], dict[str, Any]] = {}
-    made = (
-        _new_job(item, index, shared, policies, NewJob, plain) for index, item in enumerate(items)
-    )
-    names = [item.job_name for item in items]  # type: ignore[union-attr]  # Payloads all
-    return enqueue_streamed(names, made, using=using)
+    return jobs_queue.enqueue_many(new_jobs(jobs, shared, using=using), using=using)
 
 
 def new_jobs(

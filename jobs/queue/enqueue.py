@@ -68,7 +68,7 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str | None = None) -> list[En
     if not isinstance(jobs, list | tuple):
         jobs = list(jobs)  # any iterable: it is read more than once
     if len(jobs) >= COPY_AT_LEAST and all(map(_copyable, jobs)):
-        copied = enqueue_streamed([job.name for job in jobs], jobs, using=using)
+        copied = _enqueue_by_copy(jobs, using)
         if copied is not None:
             return copied
     defaults = _defaults()
@@ -115,42 +115,28 @@ def _copyable(job: object) -> bool:
     )
 
 
-def enqueue_streamed(
-    names: Sequence[str], jobs: Iterable[NewJob], *, using: str | None = None
-) -> list[Enqueued] | None:
-    """Enqueue ``len(names)`` keyless jobs that wait for nothing, checked as COPY streams them.
+def _enqueue_by_copy(jobs: Sequence[NewJob], using: str | None) -> list[Enqueued] | None:
+    """A large batch of keyless jobs, outside any transaction: checked while COPY streams it.
 
-    ``jobs`` makes the jobs, named ``names`` in order, as the COPY asks for them: the server
-    stores the first rows while the client still makes and checks the last ones, instead of
-    starting once every job is checked. A job that is invalid (or that ``jobs`` refuses to
-    make, raising :class:`InvalidJob`) ends the COPY and the batch's own transaction rolls
-    back: nothing of it is ever committed or seen, and the error names the first such job.
-
-    None, with ``jobs`` not read, when the batch is not one to stream: fewer than
-    :data:`COPY_AT_LEAST` jobs, a transaction open on the database (``atomic()``, or
-    autocommit turned off: streaming there would need a savepoint, a subtransaction of the
-    caller's, so the batch is checked whole before anything is sent), or its database in
-    question (:func:`enqueue_many` then reports the batch's first problem in its order).
+    The server stores the first rows while the client still checks the last ones, instead of
+    starting once every job is checked. An invalid job ends the COPY and the batch's own
+    transaction rolls back: nothing of it is ever committed or seen. None when the checked
+    path must take the batch: inside the caller's transaction, ``atomic()`` or autocommit
+    turned off (it would need a savepoint, a subtransaction of the caller's, and there the
+    batch is checked whole before anything is sent), or when its database is in question
+    (that path reports the batch's first problem in the batch's order).
     """
-    if len(names) < COPY_AT_LEAST or not all(type(name) is str for name in names):
-        return None
     try:
-        using = databases.route(list(enumerate(names)), using)
+        using = databases.route([(index, job.name) for index, job in enumerate(jobs)], using)
     except InvalidJob:
         return None
     connection = connections[using]
     if connection.in_atomic_block or not connection.get_autocommit():
         return None
-    defaults = _defaults()
-
-    def checked() -> Iterator[dict[str, Any]]:
-        for index, (job, name) in enumerate(zip(jobs, names, strict=True)):
-            if not _copyable(job) or job.name != name:
-                raise ValueError(f"job #{index} is not a keyless job named {name!r}: {job!r}")
-            yield _row(job, index, defaults)
-
     with transaction.atomic(using=using), _db.bound_cursor(using) as cur:
-        _base, rows = _copy(cur, checked(), len(names))
+        defaults = _defaults()
+        checked = (_row(job, index, defaults) for index, job in enumerate(jobs))
+        _base, rows = _copy(cur, checked, len(jobs))
     return [
         Enqueued(row["id"], row["job_id"], row["tenant"], row["name"], "queued", True, using)
         for row in rows

@@ -260,31 +260,3 @@ def test_with_autocommit_off_a_batch_is_checked_whole_as_inside_atomic():
     assert refused.captured_queries == []
     assert not any("SAVEPOINT" in q["sql"] for q in copied.captured_queries), copied
     assert Job.objects.count() == COPY_AT_LEAST
-
-
-def test_enqueue_streamed_takes_only_what_it_can_stream():
-    """None (its jobs not read) for a small batch or inside a transaction; a job that is not
-    what its name promised (keyed, another name) ends the COPY, and nothing is inserted."""
-    made: list[int] = []
-
-    def jobs_made(size, job=lambda n: NewJob(NAMES[0], {"n": n})):
-        for n in range(size):
-            made.append(n)
-            yield job(n)
-
-    names = [NAMES[0]] * COPY_AT_LEAST
-    assert enqueue_module.enqueue_streamed(names[:-1], jobs_made(COPY_AT_LEAST - 1)) is None
-    with transaction.atomic():
-        assert enqueue_module.enqueue_streamed(names, jobs_made(COPY_AT_LEAST)) is None
-    assert made == []
-
-    keyed = jobs_made(COPY_AT_LEAST, lambda n: NewJob(NAMES[0], {"n": n}, job_id=f"k{n}"))
-    with pytest.raises(ValueError, match="is not a keyless job named"):
-        enqueue_module.enqueue_streamed(names, keyed)
-    misnamed = jobs_made(COPY_AT_LEAST, lambda n: NewJob(NAMES[n % 2], {"n": n}))
-    with pytest.raises(ValueError, match="job #1 is not a keyless job named"):
-        enqueue_module.enqueue_streamed(names, misnamed)
-    assert not Job.objects.exists()
-
-    done = enqueue_module.enqueue_streamed(names, jobs_made(COPY_AT_LEAST))
-    assert [r.name for r in done] == names and Job.objects.count() == COPY_AT_LEAST

@@ -191,7 +191,7 @@ def test_each_job_of_a_batch_is_the_job_it_would_be_alone(items, shared):
     assert batch == [new_jobs([item], shared)[0] for item in items]
 
 
-# -- a large batch of plain payloads streams -------------------------------------------------
+# -- a large batch of payloads (inserted by COPY) -----------------------------------------------
 
 _validated: list[int] = []
 
@@ -208,36 +208,10 @@ class CountedV1(Payload, name="producer.counted.v1"):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_large_batch_of_payloads_is_checked_while_the_copy_streams_it():
-    """Outside a transaction the producer makes each job as the COPY asks for it: the server
-    stores the first while the last are still being checked."""
-    from django.db import connection
-
-    from jobs.queue.enqueue import COPY_AT_LEAST
-
-    _validated.clear()
-    size = COPY_AT_LEAST * 4
-    at_copy: list[int] = []
-
-    def note(execute, sql, params, many, context):
-        if sql.startswith("COPY"):
-            at_copy.append(len(_validated))
-        return execute(sql, params, many, context)
-
-    with connection.execute_wrapper(note):
-        results = jobs.enqueue_many([CountedV1(n=n) for n in range(size)], priority=2)
-
-    assert at_copy and at_copy[0] < size, at_copy
-    assert sorted(_validated) == list(range(size))
-    assert [r.id for r in results] == sorted(r.id for r in results)
-    rows = Job.objects.order_by("pk")
-    assert [row.payload["n"] for row in rows] == list(range(size))
-    assert {row.priority for row in rows} == {2}
-
-
-@pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("bad_at", [0, 100, -1])
-def test_an_invalid_payload_found_while_streaming_inserts_nothing(bad_at):
+def test_an_invalid_payload_of_a_large_batch_inserts_nothing(bad_at):
+    """Outside a transaction too, where the queue checks its part of each job as the COPY
+    streams it: the payloads are all checked first, and one refused inserts nothing."""
     from jobs.queue.enqueue import COPY_AT_LEAST
 
     items = [CountedV1(n=n) for n in range(COPY_AT_LEAST * 4)]
