@@ -2,7 +2,9 @@
 
 ``single`` enqueues each job inside its own ``transaction.atomic()`` (as a caller with a
 business write does); ``alone`` calls ``enqueue`` with no transaction open (one statement,
-in autocommit).
+in autocommit). ``batched`` enqueues each batch inside ``transaction.atomic()`` (the whole
+batch is checked before it is sent); ``batched alone`` calls ``enqueue_many`` with no
+transaction open (a batch of 64 jobs or more is checked while ``COPY`` streams it).
 
     .venv/bin/python bench/enqueue.py [--single 2000] [--batched 50000] [--batch-size 1000]
                                       [--profile]
@@ -47,6 +49,9 @@ def measure(
         for payload in payloads:
             with transaction.atomic():
                 jobs.enqueue(payload)
+    elif not atomic:
+        for first in range(0, count, batch_size):
+            jobs.enqueue_many(payloads[first : first + batch_size])
     else:
         for first in range(0, count, batch_size):
             with transaction.atomic():
@@ -128,6 +133,9 @@ def main() -> int:
             rows.append(measure(f"single{suffix}", args.single, 1, pg))
             rows.append(measure(f"alone{suffix}", args.single, 1, pg, atomic=False))
             rows.append(measure(f"batched{suffix}", args.batched, args.batch_size, pg))
+            rows.append(
+                measure(f"batched alone{suffix}", args.batched, args.batch_size, pg, atomic=False)
+            )
     truncate()
     print(
         table(
