@@ -175,11 +175,8 @@ class Recorded(dict):
         return super().items()
 
 
-def test_the_copy_starts_while_the_batch_is_still_being_validated():
-    """The rows stream to the server while later jobs are checked, so its work on them
-    overlaps the client's instead of following it."""
-    Recorded.encoded = []
-    jobs = [NewJob(NAMES[0], Recorded(n=n)) for n in range(COPY_AT_LEAST * 4)]
+def enqueue_noting_checks_at_copy(jobs: list[NewJob]) -> list[int]:
+    """Enqueue ``jobs``; how many of their payloads had been encoded when each COPY began."""
     checked_at_copy: list[int] = []
 
     def note(execute, sql, params, many, context):
@@ -189,6 +186,15 @@ def test_the_copy_starts_while_the_batch_is_still_being_validated():
 
     with connection.execute_wrapper(note):
         queue.enqueue_many(jobs)
+    return checked_at_copy
+
+
+def test_the_copy_starts_while_the_batch_is_still_being_validated():
+    """The rows stream to the server while later jobs are checked, so its work on them
+    overlaps the client's instead of following it."""
+    Recorded.encoded = []
+    jobs = [NewJob(NAMES[0], Recorded(n=n)) for n in range(COPY_AT_LEAST * 4)]
+    checked_at_copy = enqueue_noting_checks_at_copy(jobs)
 
     assert checked_at_copy and checked_at_copy[0] < len(jobs), checked_at_copy
     assert sorted(Recorded.encoded) == list(range(len(jobs)))  # each job checked once
@@ -228,15 +234,7 @@ def test_inside_the_callers_transaction_a_batch_is_checked_whole_before_any_stat
         with CaptureQueriesContext(connection) as refused, pytest.raises(queue.InvalidJob):
             queue.enqueue_many(bad)
         with CaptureQueriesContext(connection) as copied:
-            checked_at_copy: list[int] = []
-
-            def note(execute, sql, params, many, context):
-                if sql.startswith("COPY"):
-                    checked_at_copy.append(len(Recorded.encoded))
-                return execute(sql, params, many, context)
-
-            with connection.execute_wrapper(note):
-                queue.enqueue_many(jobs)
+            checked_at_copy = enqueue_noting_checks_at_copy(jobs)
 
     assert refused.captured_queries == []
     assert checked_at_copy == [len(jobs)]
