@@ -54,7 +54,7 @@ from jobs.queue import ClaimedJob, InvalidResult, Outcome
 from jobs.queue.types import clamp_delay
 from jobs.registry import JobType, classify
 from jobs.runs import ErrorCode
-from jobs.worker import metrics
+from jobs.worker import metrics, thread_connections
 from jobs.worker.event_loop import CancelEvent, run_async
 
 logger = logging.getLogger("jobs.worker")
@@ -143,7 +143,8 @@ def execute(
         mark_running(running)
         error, result, duration = _call(job_type, decoded.payload, ctx)
         metrics.for_type(job.name).handler_duration.observe(duration)
-        verdict = judge(running, error, result, duration, close_open_transactions())
+        left_open = close_open_transactions(failed=error is not None)
+        verdict = judge(running, error, result, duration, left_open)
         if running.completed:
             sync_completed(running)
         if not isinstance(verdict, WaitAndRetry):
@@ -279,16 +280,20 @@ def _classify(job_type: JobType, error: BaseException) -> str:
         return "transient"
 
 
-def close_open_transactions() -> list[str]:
+def close_open_transactions(*, failed: bool = False) -> list[str]:
     """Roll back what a handler left open on this thread's connections; their aliases.
 
     A handler that leaves ``atomic()`` unexited, turns autocommit off, or starts a
     transaction on the raw connection has not committed its writes; reusing the connection
     would let the worker's own writes join that transaction. The connection is closed (the
-    server rolls back) and replaced by a fresh one on next use.
+    server rolls back) and replaced by a fresh one on next use. After a handler that
+    ``failed`` every connection is looked at, even on a thread that announced none: a
+    connection whose set-up failed half-way was never announced.
     """
+    if failed:
+        thread_connections.may_have_opened()
     dirty = []
-    for conn in connections.all(initialized_only=True):
+    for conn in thread_connections.open_connections():
         raw = conn.connection
         if raw is None:
             continue

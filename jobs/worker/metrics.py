@@ -6,8 +6,11 @@ leader exports them once per deployment (:mod:`jobs.scheduler.metrics`)."""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 from functools import cache
+from typing import Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -62,6 +65,11 @@ loop_errors = Counter(
     "Run-loop passes that failed on a database error (each followed by a backoff).",
 )
 running = Gauge("jobs_worker_running", "Handlers running in this worker process.")
+# The workers of this process whose handlers the gauge counts: it reads their count when
+# scraped, so starting and ending a handler costs an integer under the worker's own lock, not
+# two updates of the gauge's.
+_counted: weakref.WeakSet[RunningCount] = weakref.WeakSet()
+_counted_lock = threading.Lock()
 ready = Gauge("jobs_worker_ready", "1 while this worker claims work, 0 while starting or draining.")
 listening = Gauge(
     "jobs_worker_listening",
@@ -95,3 +103,21 @@ def for_type(name: str) -> TypeMetrics:
         retried=outcomes.labels(name, "retried"),
         failed=outcomes.labels(name, "failed"),
     )
+
+
+class RunningCount(Protocol):
+    handlers_running: int
+
+
+def count_running(worker: RunningCount) -> None:
+    """Count ``worker.handlers_running`` in ``jobs_worker_running`` while it lives."""
+    with _counted_lock:
+        _counted.add(worker)
+
+
+def _running_now() -> float:
+    with _counted_lock:
+        return float(sum(worker.handlers_running for worker in _counted))
+
+
+running.set_function(_running_now)

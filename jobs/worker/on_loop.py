@@ -115,7 +115,9 @@ async def execute_on_loop(
                 metrics.for_type(job.name).handler_duration.observe(duration)
                 left_open: list[str] = []
                 if thread.borrowed:  # else the handler ran nothing on a handler thread
-                    left_open = await loop.run_in_executor(thread, close_open_transactions)
+                    left_open = await loop.run_in_executor(
+                        thread, partial(close_open_transactions, failed=error is not None)
+                    )
                 verdict = judge(running, error, result, duration, left_open)
                 if running.completed and job_type.policy.run_model is not None:
                     await loop.run_in_executor(thread, sync_completed, running)

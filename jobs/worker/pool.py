@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 from django.db import connections
 
 from jobs.conf import jobs_settings
+from jobs.worker import thread_connections
 from jobs.worker.event_loop import HandlerLoop
 
 logger = logging.getLogger("jobs.worker")
@@ -193,6 +194,7 @@ class HandlerPool:
         stopped = False
         self.event_loop.bind()
         self._local.started = 0
+        thread_connections.starts_without_connections()
         try:
             while (task := self._take()) is not None:
                 self._local.started += 1
@@ -230,7 +232,8 @@ class HandlerPool:
     def _recycle(self, opened: dict[str, tuple[int, float]]) -> None:
         """After a job: keep healthy connections, close broken, dirty or old ones."""
         now = time.monotonic()
-        for conn in connections.all(initialized_only=True):
+        kept = False
+        for conn in thread_connections.open_connections():
             raw = conn.connection
             if raw is None:
                 opened.pop(conn.alias, None)
@@ -245,6 +248,9 @@ class HandlerPool:
                 opened.pop(conn.alias, None)
             else:
                 conn.errors_occurred = False
+                kept = True
+        if not kept:  # none left open: the next job's checks are skipped until one opens
+            thread_connections.starts_without_connections()
 
 
 def _current_name() -> str:

@@ -157,6 +157,9 @@ class Worker(Draining):
         self._held: dict[tuple[int, UUID], Running] = {}
         self._in_flight = 0
         self._in_flight_by_name: Counter[str] = Counter()
+        # Handlers started and not finished (jobs_worker_running reads it when scraped).
+        self.handlers_running = 0
+        metrics.count_running(self)
         self._acks: list[tuple[Running, Outcome | None]] = []
         # Outcomes whose row was locked by another session, retried from _deferred_at on.
         self._deferred: list[tuple[Running, Outcome | None]] = []
@@ -690,7 +693,7 @@ class Worker(Draining):
                 if running.handed_back:
                     continue
                 running.started = True
-            metrics.running.inc()
+                self.handlers_running += 1
             try:
                 self._pool.event_loop.loop.create_task(
                     self._execute_on_loop(running), name=f"worker of job {running.job.job_id}"
@@ -729,8 +732,8 @@ class Worker(Draining):
         with self._lock:
             if running.handed_back:
                 return  # a drain released the job before this thread took it
-            running.started = True
-        metrics.running.inc()  # a handler's start: a prefetched job is held, not running
+            running.started = True  # a handler's start: a prefetched job is held, not running
+            self.handlers_running += 1
         outcome: Outcome | None = None
         began = time.monotonic()
         # The thread's CPU clock as its previous task ended, if that was a job and nothing
@@ -777,6 +780,8 @@ class Worker(Draining):
             if held is not None:
                 self._recent_held.append(held)
             running.finished = True
+            if running.started:  # counted in at its handler's start
+                self.handlers_running -= 1
             self._in_flight -= 1
             self._in_flight_by_name[running.job.name] -= 1
             self._acks.append((running, outcome))
@@ -787,8 +792,6 @@ class Worker(Draining):
             wake = self._first_ack_at is None or self._acks_due(now)
             if self._first_ack_at is None:
                 self._first_ack_at = now
-        if running.started:  # counted in at its handler's start
-            metrics.running.dec()
         if wake:
             self._wake.set()
 
@@ -801,11 +804,12 @@ class Worker(Draining):
         with self._lock:
             for running, _ in acks:
                 self._held.pop((running.job.id, running.job.claim_token), None)
+        counted: Counter[tuple[str, str]] = Counter()  # one update a type and outcome
         for running, _ in acks:
             if running.completed:  # written by its handler's transaction (jobs.complete)
                 completed = Outcome.succeeded(running.job)
                 self._history.count_completed(running, completed)
-                self._log_outcome(running, completed)
+                self._log_outcome(running, completed, counted)
         for running, outcome in outcomes:
             job = running.job
             if report is not None and report.was_fenced(outcome):
@@ -817,9 +821,14 @@ class Worker(Draining):
                     extra={"job_id": job.job_id, "job_type": job.name, "action": "fenced"},
                 )
                 continue
-            self._log_outcome(running, outcome)
+            self._log_outcome(running, outcome, counted)
+        for (name, kind), count in counted.items():
+            metrics.for_type(name).outcome(kind).inc(count)
 
-    def _log_outcome(self, running: Running, outcome: Outcome) -> None:
+    def _log_outcome(
+        self, running: Running, outcome: Outcome, counted: Counter[tuple[str, str]]
+    ) -> None:
+        """Log an outcome written, and add it to ``counted`` (by type and kind)."""
         job = running.job
         if outcome.attempts_delta < 0:  # handed back by a drain after its handler returned
             metrics.released.labels(job.name).inc()
@@ -831,7 +840,7 @@ class Worker(Draining):
             )
             return
         kind = _OUTCOME_KINDS.get(outcome.state, "retried")
-        metrics.for_type(job.name).outcome(kind).inc()
+        counted[job.name, kind] += 1
         if kind == "retried" and outcome.at is None:
             # Written in the same statement as the next claim, which could not see it, and
             # announced by no NOTIFY: look again when it is due, not only at the next poll.

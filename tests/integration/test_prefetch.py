@@ -13,11 +13,11 @@ import time
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from prometheus_client import REGISTRY
 
 from jobs import enqueue
 from jobs.models import Job
 from jobs.registry import JobType, Policy, Registry
-from jobs.worker import metrics
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import PREFETCH_HORIZON, Worker
 from tests.worker_support import Echo, Recorder, Step, registry, scripted
@@ -61,7 +61,7 @@ def stop(worker: Worker, thread: threading.Thread) -> None:
 
 
 def running_gauge() -> float:
-    return metrics.running._value.get()
+    return REGISTRY.get_sample_value("jobs_worker_running")
 
 
 def most_held(worker: Worker, load) -> int:

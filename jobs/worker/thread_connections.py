@@ -1,0 +1,51 @@
+"""The database connections a handler thread has open, asked for only if it opened one.
+
+After every job the worker looks at the thread's Django connections twice: for a transaction
+the handler left open (:func:`jobs.worker.execution.close_open_transactions`) and to keep or
+close each connection (:meth:`jobs.worker.pool.HandlerPool._recycle`). Listing them costs a
+few microseconds (Django keeps them in an ``asgiref`` local), a tenth of a no-op job's whole
+cost in the worker; a thread whose handlers never touch the database (an HTTP call, a file)
+has none to look at. Django announces every connection it opens with ``connection_created``,
+in the thread that opens it, so a thread that was told it starts with none knows until then
+that it has none. Not quite every one: a connection whose set-up fails after it is made is
+never announced, so a thread is asked again after any handler that failed (the failure
+closes such a connection, as before).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.signals import connection_created
+
+_state = threading.local()
+
+
+def _opened(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
+    _state.opened = True
+
+
+connection_created.connect(_opened, dispatch_uid="jobs.worker.thread_connections")
+
+
+def starts_without_connections() -> None:
+    """Note that this thread has no connection open (a new handler thread, or one whose
+    connections were all closed). A thread never told so is always asked."""
+    _state.opened = False
+
+
+def may_have_opened() -> None:
+    """Ask for this thread's connections next time, announced or not."""
+    _state.opened = True
+
+
+def open_connections() -> Sequence[BaseDatabaseWrapper]:
+    """This thread's initialized Django connections (``connections.all(initialized_only=
+    True)``), or none at once for a thread that opened none since it started without."""
+    if not getattr(_state, "opened", True):
+        return []
+    return connections.all(initialized_only=True)

@@ -1,0 +1,92 @@
+"""The worker's own metrics: handlers running, and outcomes counted by type and kind.
+
+Both are kept without an update of a prometheus value per job: the running gauge reads the
+workers' counts when scraped, and a pass adds its outcomes up before counting them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from prometheus_client import REGISTRY
+
+from jobs import enqueue
+from jobs.models import Job
+from jobs.worker import metrics
+from jobs.worker.config import WorkerConfig
+from jobs.worker.runner import Worker
+from tests.worker_support import Recorder, Step, registry
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+STEP = "test.step.v1"
+
+
+def wait_for(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.005)
+    raise AssertionError(f"{what} not met within {timeout}s")
+
+
+def running_gauge() -> float:
+    return REGISTRY.get_sample_value("jobs_worker_running")
+
+
+def outcomes(kind: str) -> float:
+    value = REGISTRY.get_sample_value("jobs_outcomes_total", {"job_type": STEP, "outcome": kind})
+    return value or 0.0
+
+
+def settled(jobs, state: str) -> bool:
+    return Job.objects.filter(pk__in=[j.id for j in jobs], state=state).count() == len(jobs)
+
+
+def test_the_running_gauge_counts_handlers_while_they_run(monkeypatch):
+    updates: list[str] = []
+    monkeypatch.setattr(metrics.running, "inc", lambda amount=1: updates.append("inc"))
+    monkeypatch.setattr(metrics.running, "dec", lambda amount=1: updates.append("dec"))
+    before = running_gauge()
+    worker = Worker(
+        registry(Recorder(), concurrency=None),
+        WorkerConfig(install_signal_handlers=False, poll_interval=0.05, concurrency=3),
+    )
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        load = [enqueue(Step(plan=("sleep",), seconds=0.5)) for _ in range(3)]
+        wait_for(lambda: running_gauge() - before == 3, what="3 handlers counted as running")
+        wait_for(lambda: settled(load, "succeeded"), what="every job succeeded")
+        wait_for(lambda: running_gauge() == before, what="the gauge back where it was")
+    finally:
+        worker.request_stop()
+        thread.join(20)
+    assert not thread.is_alive()
+    assert updates == []  # no per-job update of the gauge
+
+
+def test_outcomes_are_counted_by_kind():
+    succeeded, retried, failed = outcomes("succeeded"), outcomes("retried"), outcomes("failed")
+    worker = Worker(
+        registry(Recorder(), concurrency=None),
+        WorkerConfig(install_signal_handlers=False, poll_interval=0.05, concurrency=4),
+    )
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        ok = [enqueue(Step(plan=("ok",))) for _ in range(7)]
+        rejected = [enqueue(Step(plan=("reject",))) for _ in range(3)]
+        flaky = [enqueue(Step(plan=("error", "ok"))) for _ in range(2)]
+        wait_for(lambda: settled(ok + flaky, "succeeded"), what="the good jobs succeeded")
+        wait_for(lambda: settled(rejected, "failed"), what="the rejected jobs failed")
+    finally:
+        worker.request_stop()
+        thread.join(20)
+    assert not thread.is_alive()
+    assert outcomes("succeeded") - succeeded == 9
+    assert outcomes("retried") - retried == 2
+    assert outcomes("failed") - failed == 3
