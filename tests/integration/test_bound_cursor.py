@@ -1,0 +1,125 @@
+"""The queue's bound cursors: one kept per connection between statements, never shared by two
+uses at once, never kept with a COPY's adapters or a large result, and never reused on a
+connection other than its own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.db import connection
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from psycopg.types.json import Jsonb
+
+from jobs.queue import _db
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def made(monkeypatch) -> list[object]:
+    """The bound cursors made from now on."""
+    cursors: list[object] = []
+    original = _db._BoundCursor.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        cursors.append(self)
+
+    monkeypatch.setattr(_db._BoundCursor, "__init__", init)
+    return cursors
+
+
+def select_json(value: object) -> object:
+    with _db.bound_cursor(None) as cur:
+        cur.execute("SELECT %(v)s::jsonb", {"v": Jsonb(value)})
+        return json.loads(cur.fetchone()[0])  # Django's loader leaves JSON as text
+
+
+def test_statements_one_after_another_use_one_cursor(monkeypatch):
+    select_json(0)  # the connection's cursor exists
+    cursors = made(monkeypatch)
+    for n in range(20):
+        assert select_json({"n": n}) == {"n": n}
+    assert len(cursors) == 0
+
+
+def test_a_use_inside_another_gets_a_cursor_of_its_own(monkeypatch):
+    select_json(0)
+    cursors = made(monkeypatch)
+    with _db.bound_cursor(None) as outer:
+        outer.execute("SELECT generate_series(1, 3)")
+        assert select_json([1]) == [1]  # a second cursor while the first still has rows
+        assert [row[0] for row in outer.fetchall()] == [1, 2, 3]
+    assert len(cursors) == 1
+    # One is kept afterwards, not both, and used again.
+    assert select_json(2) == 2
+    assert len(cursors) == 1
+
+
+def test_a_copy_cursor_is_not_kept(monkeypatch):
+    with _db.bound_cursor(None) as cur:
+        cur.execute("CREATE TEMPORARY TABLE copied (doc jsonb)")
+        _db.copy_rows(
+            cur, "COPY copied (doc) FROM STDIN (FORMAT BINARY)", ["jsonb"], [['{"a": 1}']]
+        )
+    # Its JSON adapter passes text through as it is: kept, it would send a Python string
+    # given as Json as the string's repr instead of JSON.
+    assert select_json("text") == "text"
+    with connection.cursor() as cur:
+        cur.execute("SELECT doc FROM copied")
+        assert cur.fetchone()[0] == '{"a": 1}'
+
+
+def test_a_large_result_is_not_kept(monkeypatch):
+    with _db.bound_cursor(None) as cur:
+        cur.execute("SELECT generate_series(1, %(n)s)", {"n": _db.KEEP_ROWS + 1})
+        big = cur.cursor
+    assert big.closed
+
+
+def test_a_cursor_of_a_closed_connection_is_not_used(monkeypatch):
+    select_json(0)
+    connection.close()
+    cursors = made(monkeypatch)
+    assert select_json(1) == 1
+    assert len(cursors) == 1
+
+
+def test_a_statement_that_failed_leaves_no_cursor_behind(monkeypatch):
+    select_json(0)
+    with pytest.raises(Exception), _db.bound_cursor(None) as cur:  # noqa: B017
+        kept = cur.cursor
+        cur.execute("SELECT 1/0")
+    assert kept.closed
+    assert select_json(3) == 3
+
+
+OPS = st.lists(
+    st.sampled_from(["json", "nested", "error", "large", "close"]), min_size=1, max_size=12
+)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=OPS, value=st.integers(-(2**63), 2**63 - 1))
+def test_any_sequence_of_uses_answers_as_fresh_cursors_would(ops, value):
+    for op in ops:
+        if op == "json":
+            assert select_json({"v": value}) == {"v": value}
+        elif op == "nested":
+            with _db.bound_cursor(None) as outer:
+                outer.execute("SELECT %(v)s::bigint", {"v": value})
+                assert select_json([value]) == [value]
+                assert outer.fetchone()[0] == value
+        elif op == "error":
+            with pytest.raises(Exception), _db.bound_cursor(None) as cur:  # noqa: B017
+                cur.execute("SELECT 1/0")
+        elif op == "large":
+            with _db.bound_cursor(None) as cur:
+                cur.execute("SELECT generate_series(1, %(n)s)", {"n": _db.KEEP_ROWS + 5})
+                assert len(cur.fetchall()) == _db.KEEP_ROWS + 5
+        else:
+            connection.close()
+    assert select_json(value) == value
