@@ -31,7 +31,7 @@ measurement runs on each transport before the next), ``--runs`` times (default 3
 - ``bulk``: ``--jobs`` (10,000) in one call (``jobs.enqueue_many``; ``Queries.enqueue`` of
   lists), jobs/s and client + PostgreSQL CPU µs per job;
 - ``drain``: ``--jobs`` jobs queued beforehand (in batches of 1,000, then VACUUM ANALYZE), run by
-  1 worker process at its defaults (``runworker``: 10 handler threads; pgqueuer: ``batch_size``
+  1 worker process at its defaults (``runworker``: 20 handler threads; pgqueuer: ``batch_size``
   10, no task cap) and by 2 at the best configuration found (``runworker --concurrency 100``;
   pgqueuer: ``BEST_PGQ``, see ``--pgq-sweep``). jobs/s from the workers' "started" lines until
   a poll (every 10 ms) finds no job left; worker and PostgreSQL CPU µs per job as in
@@ -109,7 +109,7 @@ PGQ_UNFINISHED = "SELECT EXISTS (SELECT 1 FROM pgqueuer)"
 WARM_UP = 100
 
 MEASUREMENTS = ("single", "bulk", "drain1", "drain2", "latency")
-JOBS_DEFAULT: list[str] = []  # runworker at its defaults: 10 handler threads
+JOBS_DEFAULT: list[str] = []  # runworker at its defaults: 20 handler threads
 JOBS_BEST = ["--concurrency", "100"]
 
 
@@ -750,7 +750,7 @@ def print_table(results: dict, args: argparse.Namespace, transports: list[str], 
     plan = measurements(args)
     print(info)
     print(
-        "jobs: runworker at its defaults (10 handler threads) for 1 process, --concurrency 100 "
+        "jobs: runworker at its defaults (20 handler threads) for 1 process, --concurrency 100 "
         f"for 2; pgqueuer: QueueManager defaults ({PGQ_DEFAULT.label()}) for 1, "
         f"{BEST_PGQ.label()} for 2"
     )

@@ -23,6 +23,14 @@ def default_identity() -> str:
     return process_identity()
 
 
+#: Handler threads of a worker without ``--concurrency``. A thread costs a database connection
+#: only once its handler touches the database, and the pool wakes no more threads than its
+#: jobs need, so short jobs run on a few whatever the number; jobs that wait on the network
+#: (mail, HTTP calls), the common case, run as many at once as there are threads. 20 takes a
+#: worker of no-op jobs past one claim per 10 jobs (docs/worker.md, "Concurrency").
+DEFAULT_CONCURRENCY = 20
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """How one worker process runs. Every field has a default; see the README's table."""
@@ -31,7 +39,7 @@ class WorkerConfig:
     # The database alias whose jobs this worker runs (jobs.databases): every statement of
     # the worker's own goes there, and its handlers' contexts say so (``ctx.using``).
     database: str = field(default_factory=lambda: str(jobs_settings.DATABASE))
-    concurrency: int = 10
+    concurrency: int = DEFAULT_CONCURRENCY
     # Jobs held beyond the handler threads, waiting for the next free one, so a thread that
     # finishes starts another without waiting for a claim; only while handlers run short (see
     # runner.PREFETCH_HORIZON). Off by default: a worker claims at most its free slots.

@@ -43,3 +43,28 @@ def test_environment_selects_the_scope():
     assert repr(scope_from("acme", None)) == "OnlyTenant(tenant='acme')"
     assert repr(scope_from(None, None)) == "AllTenantsExcept(component='worker')"
     assert WorkerConfig().scope == scope_from(None, "worker")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_default_concurrency_is_twenty_threads(monkeypatch):
+    """Without --concurrency or WORKER_CONCURRENCY a worker runs 20 handler threads, and
+    its help and WorkerConfig agree (docs/worker.md says why 20)."""
+    from jobs.management.commands import runworker
+
+    made: list[WorkerConfig] = []
+
+    class Stub:
+        def __init__(self, registry, config):
+            made.append(config)
+
+        def run(self):
+            return 0
+
+    monkeypatch.delenv("WORKER_CONCURRENCY", raising=False)
+    monkeypatch.setattr(runworker, "Worker", Stub)
+    call_command("runworker")
+    assert [config.concurrency for config in made] == [20]
+    assert WorkerConfig().concurrency == 20
+    parser = runworker.Command().create_parser("manage.py", "runworker")
+    help_text = next(a.help for a in parser._actions if "--concurrency" in a.option_strings)
+    assert "default 20" in help_text

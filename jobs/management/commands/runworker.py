@@ -12,7 +12,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from jobs import databases
 from jobs.conf import jobs_settings
 from jobs.registry import get_registry
-from jobs.worker.config import WorkerConfig, env_scope, scope_from
+from jobs.worker.config import DEFAULT_CONCURRENCY, WorkerConfig, env_scope, scope_from
 from jobs.worker.runner import Worker
 
 
@@ -55,8 +55,11 @@ class Command(BaseCommand):
         parser.add_argument(
             "--concurrency",
             type=int,
-            default=_env_number("WORKER_CONCURRENCY", int, 10),
-            help="Handler threads, i.e. jobs run at once (env WORKER_CONCURRENCY; default 10).",
+            default=_env_number("WORKER_CONCURRENCY", int, DEFAULT_CONCURRENCY),
+            help=(
+                "Handler threads, i.e. jobs run at once (env WORKER_CONCURRENCY; "
+                f"default {DEFAULT_CONCURRENCY})."
+            ),
         )
         parser.add_argument(
             "--prefetch",
