@@ -439,6 +439,8 @@ class Explainer:
         self.results: list[dict] = []
 
     def __call__(self, execute, sql, params, many, context):
+        if sql.lstrip().upper().startswith("COPY"):  # no plan to show: EXPLAIN refuses COPY
+            return execute(sql, params, many, context)
         raw = context["cursor"].cursor  # the psycopg cursor (no wrappers, no recursion)
         if isinstance(raw, _Replay):  # an earlier statement on this cursor left its stand-in
             raw = raw._cursor

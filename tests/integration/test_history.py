@@ -291,7 +291,13 @@ def test_the_archive_pass_reads_only_what_it_moves():
         (table_pages,) = cur.fetchone()
 
     text = str(plans)
-    assert "Seq Scan" not in text, text
+    # The jobs table is never scanned whole. (A small side table, such as the empty
+    # dependency table, may be: the planner's choice depends on what its statistics say
+    # after earlier tests, not on the pass.)
+    scanned = [node for plan in plans for node in plan_nodes(plan[0]["Plan"])]
+    assert not [
+        n for n in scanned if n["Node Type"] == "Seq Scan" and n["Relation Name"] == "jobs_job"
+    ], text
     assert "jobs_job_terminal" in text, text
     touched = sum(
         p[0]["Plan"]["Shared Hit Blocks"] + p[0]["Plan"]["Shared Read Blocks"] for p in plans
@@ -300,3 +306,10 @@ def test_the_archive_pass_reads_only_what_it_moves():
     # pass reads a few index pages (and dead entries other tests' rolled-back rows left).
     assert table_pages > 1000
     assert touched < 100, (touched, text)
+
+
+def plan_nodes(node: dict):
+    """Every node of an EXPLAIN (FORMAT JSON) plan tree."""
+    yield node
+    for child in node.get("Plans", ()):
+        yield from plan_nodes(child)

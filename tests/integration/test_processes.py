@@ -25,7 +25,7 @@ from jobs.scheduler.clock import database_now
 from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.retention import Retention, RetentionConfig
 from jobs.scheduler.runner import Scheduler
-from jobs.worker.config import WorkerConfig
+from jobs.worker.config import DEFAULT_CONCURRENCY, WorkerConfig
 from jobs.worker.leases import LeaseKeeper
 from jobs.worker.presence import describe, worker_presence
 from jobs.worker.runner import Worker
@@ -309,7 +309,11 @@ class TestWorkerAndScheduler:
         thread.start()
         try:
             row = wait_for(lambda: processes.status(config.identity), timeout=5)[0]
-            assert (row.component, row.concurrency, row.scope) == ("worker", 10, "component worker")
+            assert (row.component, row.concurrency, row.scope) == (
+                "worker",
+                DEFAULT_CONCURRENCY,
+                "component worker",
+            )
             first = row.last_seen_at
             wait_for(lambda: processes.status()[0].last_seen_at > first, timeout=5, what="idle")
 
