@@ -223,10 +223,25 @@ def outcome_report(
     stopped: Mapping[UUID, str] | None = None,
 ) -> OutcomeReport:
     """Which outcomes (by claim token) were written, fenced or busy, in the outcomes' order."""
+    # One pass, each token looked up once or twice: hashing a UUID is a Python call, and a
+    # busy worker reports a hundred outcomes a pass.
+    written: list[int] = []
+    fenced: list[int] = []
+    held: list[int] = []
+    for outcome in outcomes:
+        token = outcome.token
+        if token in applied:
+            written.append(outcome.id)
+            if busy and token in busy:
+                held.append(outcome.id)
+        elif busy and token in busy:
+            held.append(outcome.id)
+        else:
+            fenced.append(outcome.id)
     return OutcomeReport(
-        applied=tuple(o.id for o in outcomes if o.token in applied),
-        fenced=tuple(o.id for o in outcomes if o.token not in applied and o.token not in busy),
-        busy=tuple(o.id for o in outcomes if o.token in busy),
+        applied=tuple(written),
+        fenced=tuple(fenced),
+        busy=tuple(held),
         applied_tokens=frozenset(applied),
         busy_tokens=frozenset(busy),
         stopped=dict(stopped or {}),

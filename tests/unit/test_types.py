@@ -7,6 +7,8 @@ from datetime import timedelta
 
 import pytest
 from django.test import override_settings
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jobs.conf import DEFAULTS, as_timedelta, jobs_settings
 from jobs.queue import ClaimedJob, Outcome
@@ -62,3 +64,25 @@ def test_unknown_setting_name_is_an_attribute_error():
 def test_durations_must_be_numbers_or_timedeltas(bad):
     with pytest.raises(TypeError, match="expected a timedelta or a number of seconds"):
         as_timedelta(bad)
+
+
+@given(
+    outcomes=st.lists(st.tuples(st.integers(1, 50), st.integers(0, 7)), max_size=30),
+    applied=st.sets(st.integers(0, 7)),
+    busy=st.sets(st.integers(0, 7)),
+)
+def test_outcome_report_sorts_any_outcomes_as_the_token_sets_say(outcomes, applied, busy):
+    """Each outcome is written, busy or fenced by its token, in the outcomes' order (a
+    token in both sets counts as both), whatever the outcomes and sets."""
+    from jobs.queue.outcomes import outcome_report
+
+    tokens = [uuid.UUID(int=n) for n in range(8)]
+    made = [Outcome(id_, tokens[t], "succeeded") for id_, t in outcomes]
+    applied_tokens = {tokens[t] for t in applied}
+    busy_tokens = {tokens[t] for t in busy}
+    report = outcome_report(made, applied=applied_tokens, busy=busy_tokens)
+    assert report.applied == tuple(o.id for o in made if o.token in applied_tokens)
+    assert report.busy == tuple(o.id for o in made if o.token in busy_tokens)
+    assert report.fenced == tuple(
+        o.id for o in made if o.token not in applied_tokens and o.token not in busy_tokens
+    )
