@@ -1,7 +1,8 @@
-"""The worker's own metrics: handlers running, and outcomes counted by type and kind.
+"""The worker's own metrics: handlers running, outcomes by type and kind, and histograms.
 
-Both are kept without an update of a prometheus value per job: the running gauge reads the
-workers' counts when scraped, and a pass adds its outcomes up before counting them.
+The gauge and the counters are kept without an update of a prometheus value per job: the
+running gauge reads the workers' counts when scraped, and a pass adds its outcomes up before
+counting them. The histograms are the worker's own (tests/unit/test_worker_histograms.py).
 """
 
 from __future__ import annotations
@@ -69,8 +70,15 @@ def test_the_running_gauge_counts_handlers_while_they_run(monkeypatch):
     assert updates == []  # no per-job update of the gauge
 
 
+def observed(histogram: str) -> float:
+    value = REGISTRY.get_sample_value(f"{histogram}_count", {"job_type": STEP})
+    return value or 0.0
+
+
 def test_outcomes_are_counted_by_kind():
     succeeded, retried, failed = outcomes("succeeded"), outcomes("retried"), outcomes("failed")
+    calls = observed("jobs_handler_duration_seconds")
+    claims = observed("jobs_queue_latency_seconds")
     worker = Worker(
         registry(Recorder(), concurrency=None),
         WorkerConfig(install_signal_handlers=False, poll_interval=0.05, concurrency=4),
@@ -90,3 +98,6 @@ def test_outcomes_are_counted_by_kind():
     assert outcomes("succeeded") - succeeded == 9
     assert outcomes("retried") - retried == 2
     assert outcomes("failed") - failed == 3
+    # 14 claims, each one handler call: 7 + 3 + 2 x 2 (the flaky ones run twice).
+    assert observed("jobs_handler_duration_seconds") - calls == 14
+    assert observed("jobs_queue_latency_seconds") - claims == 14
