@@ -66,6 +66,9 @@ class TypeHistogram(Collector):
     worker observes two histograms a job.
     """
 
+    type = "histogram"
+    labelnames = ("job_type",)
+
     def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
         self.name = name
         self.documentation = documentation
@@ -79,8 +82,12 @@ class TypeHistogram(Collector):
             counts = self._counts.setdefault(job_type, [0.0] * (len(self.bounds) + 2))
         return TypeHistogramChild(self._lock, self.bounds, counts)
 
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        """The family without samples (the registry checks names with it)."""
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=["job_type"])
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         with self._lock:
             taken = {name: list(counts) for name, counts in self._counts.items()}
         # The library's own formatting of a bucket's bound (its stubs leave it untyped).

@@ -25,6 +25,7 @@ from jobs.management.commands import runscheduler, runworker
 from jobs.scheduler import metrics as scheduler_metrics
 from jobs.worker import metrics as worker_metrics
 from jobs.worker.config import DEFAULT_COMPONENT
+from jobs.worker.metrics import TypeHistogram
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
 
@@ -197,13 +198,22 @@ def test_runscheduler_paragraph_lists_every_option_with_its_default(monkeypatch)
 # Metrics ------------------------------------------------------------------------------------
 
 
-def exposed_name(metric: MetricWrapperBase) -> str:
+def exposed_name(metric: MetricWrapperBase | TypeHistogram) -> str:
     """The name a metric is scraped by: prometheus_client strips _total from counters.
 
     ``_name``, ``_type`` and ``_labelnames`` are prometheus_client's private attributes; its
-    public collect() shows no label names for a metric without children yet.
+    public collect() shows no label names for a metric without children yet. The worker's
+    own histograms (TypeHistogram) say theirs in public attributes.
     """
+    if isinstance(metric, TypeHistogram):
+        return metric.name
     return metric._name + "_total" if metric._type == "counter" else metric._name
+
+
+def kind_and_labels(metric: MetricWrapperBase | TypeHistogram) -> tuple[str, tuple[str, ...]]:
+    if isinstance(metric, TypeHistogram):
+        return metric.type, metric.labelnames
+    return metric._type, tuple(metric._labelnames)
 
 
 def test_metrics_table_lists_every_metric_with_its_type_and_labels():
@@ -215,15 +225,13 @@ def test_metrics_table_lists_every_metric_with_its_type_and_labels():
         metric = REGISTRY._names_to_collectors.get(name)
         if metric is None or exposed_name(metric) != name:
             wrong.append(f"{cell}: no metric {name} in the Prometheus registry")
-        elif (metric._type, tuple(metric._labelnames)) != (kind, tuple(names(labels))):
-            wrong.append(
-                f"{name}: README says {kind} {labels}, code has {metric._type} {metric._labelnames}"
-            )
+        elif kind_and_labels(metric) != (kind, tuple(names(labels))):
+            wrong.append(f"{name}: README says {kind} {labels}, code has {kind_and_labels(metric)}")
     defined = [
         m
         for module in (worker_metrics, scheduler_metrics)
         for m in vars(module).values()
-        if isinstance(m, MetricWrapperBase)
+        if isinstance(m, MetricWrapperBase | TypeHistogram)
     ]
     wrong += [
         f"{exposed_name(m)} is not in the README's metrics table"
