@@ -37,6 +37,8 @@ class _BoundCursor(psycopg.Cursor):
 
     # False once the cursor's adapters were changed for one use (a COPY's): not kept.
     reusable = True
+    # The time zone its timestamps load in (the connection's when it was made).
+    timezone: Any = None
 
     def execute(  # type: ignore[override]  # one signature for both of psycopg's overloads
         self,
@@ -52,10 +54,10 @@ class _BoundCursor(psycopg.Cursor):
 #: A bound cursor whose last result has more rows than this is closed, not kept.
 KEEP_ROWS = 1_000
 
-# Each connection's idle bound cursor and the time zone its timestamps load in, taken by the
-# next use: a new cursor looks up the adapter of each parameter's type again, which cost a
-# single enqueue (14 parameters) about 20 µs of client CPU, a third of its Python.
-_idle: WeakKeyDictionary[BaseDatabaseWrapper, tuple[_BoundCursor, Any]] = WeakKeyDictionary()
+# Each connection's idle bound cursor, taken by the next use: a new cursor looks up the
+# adapter of each parameter's type again, which cost a single enqueue (14 parameters) about
+# 20 µs of client CPU, a third of its Python.
+_idle: WeakKeyDictionary[BaseDatabaseWrapper, _BoundCursor] = WeakKeyDictionary()
 
 
 @contextmanager
@@ -80,6 +82,7 @@ def bound_cursor(using: str | None) -> Iterator[CursorWrapper]:
             _arrays.register(conn.connection)
             raw = _BoundCursor(conn.connection)
             # As Django's own cursors do: timestamps in the connection's time zone.
+            raw.timezone = conn.timezone
             loader = conn.connection.adapters.get_loader(_TIMESTAMPTZ, Format.TEXT)
             if conn.timezone != getattr(loader, "timezone", None):
                 register_tzloader(conn.timezone, raw)
@@ -92,8 +95,13 @@ def bound_cursor(using: str | None) -> Iterator[CursorWrapper]:
         _close(raw)
         raise
     result = raw.pgresult
-    if raw.reusable and (result is None or result.ntuples <= KEEP_ROWS) and conn not in _idle:
-        _idle[conn] = (raw, conn.timezone)
+    if (
+        raw.reusable
+        and (result is None or result.ntuples <= KEEP_ROWS)
+        and conn not in _idle
+        and _released(raw)
+    ):
+        _idle[conn] = raw
     else:
         _close(raw)
 
@@ -101,14 +109,29 @@ def bound_cursor(using: str | None) -> Iterator[CursorWrapper]:
 def _take_idle(conn: BaseDatabaseWrapper) -> _BoundCursor | None:
     """The connection's idle bound cursor, if it has one it can use (none for a new
     connection, or after its time zone changed)."""
-    idle = _idle.pop(conn, None)
-    if idle is None:
+    raw = _idle.pop(conn, None)
+    if raw is None:
         return None
-    raw, timezone = idle
-    if raw.closed or raw.connection is not conn.connection or timezone != conn.timezone:
+    if raw.closed or raw.connection is not conn.connection or raw.timezone != conn.timezone:
         _close(raw)
         return None
     return raw
+
+
+def _released(raw: _BoundCursor) -> bool:
+    """Drop the last statement's parameters and results from ``raw``, as its close would (a
+    kept cursor must not hold a large payload until the connection's next use); False when
+    this psycopg cannot, and the cursor is closed instead.
+
+    psycopg offers no public call for it short of ``close()``: these are the steps close
+    takes first (``tests/integration/test_bound_cursor.py`` holds them to it).
+    """
+    try:
+        raw._reset()
+        raw._tx.set_pgresult(None)
+    except (AttributeError, TypeError):
+        return False
+    return True
 
 
 def _close(raw: _BoundCursor) -> None:

@@ -10,6 +10,7 @@ import bisect
 import itertools
 import math
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -17,8 +18,10 @@ from functools import cache
 from typing import Protocol
 
 from prometheus_client import REGISTRY, Counter, Gauge
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 claimed = Counter("jobs_claimed_total", "Jobs claimed by this worker.", ["job_type"])
@@ -61,9 +64,9 @@ class TypeHistogram(Collector):
     """A histogram labelled by job type, observed once a job, exported when scraped.
 
     It exposes what a ``prometheus_client.Histogram`` with a ``job_type`` label would (the
-    ``_bucket``, ``_count`` and ``_sum`` samples), but an observation is a bisect and two
-    additions under one lock: the library's takes two locks and five Python calls, and a busy
-    worker observes two histograms a job.
+    ``_bucket``, ``_count``, ``_sum`` and ``_created`` samples), but an observation is a
+    bisect and two additions under one lock: the library's takes two locks and five Python
+    calls, and a busy worker observes two histograms a job.
     """
 
     type = "histogram"
@@ -76,10 +79,14 @@ class TypeHistogram(Collector):
         self._lock = threading.Lock()
         # job type -> [count in each bucket (the last is +Inf), sum of the values]
         self._counts: dict[str, list[float]] = {}
+        self._created: dict[str, float] = {}  # job type -> when its series began (Unix time)
 
     def labels(self, job_type: str) -> TypeHistogramChild:
         with self._lock:
-            counts = self._counts.setdefault(job_type, [0.0] * (len(self.bounds) + 2))
+            counts = self._counts.get(job_type)
+            if counts is None:
+                counts = self._counts[job_type] = [0.0] * (len(self.bounds) + 2)
+                self._created[job_type] = time.time()
         return TypeHistogramChild(self._lock, self.bounds, counts)
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
@@ -92,9 +99,16 @@ class TypeHistogram(Collector):
             taken = {name: list(counts) for name, counts in self._counts.items()}
         # The library's own formatting of a bucket's bound (its stubs leave it untyped).
         edges = [floatToGoString(b) for b in (*self.bounds, math.inf)]  # type: ignore[no-untyped-call]
+        # The library's switch for _created series (disable_created_metrics(), or the
+        # PROMETHEUS_DISABLE_CREATED_SERIES environment variable); it has no public getter.
+        created = getattr(prometheus_metrics, "_use_created", True)
         for name, counts in sorted(taken.items()):
             buckets = list(zip(edges, itertools.accumulate(counts[:-1]), strict=True))
             family.add_metric([name], buckets, sum_value=counts[-1])
+            if created:
+                family.samples.append(
+                    Sample(f"{self.name}_created", {"job_type": name}, self._created[name])
+                )
         yield family
 
 

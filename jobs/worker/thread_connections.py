@@ -9,7 +9,11 @@ HTTP call, a file) has none to look at. Django announces every connection it ope
 ``connection_created``, in the thread that opens it, so a thread that was told it starts with
 none knows until then that it has none. Not quite every one: a connection whose set-up fails
 after it is made is never announced, so a thread is asked again after any handler that
-failed (the failure closes such a connection, as before).
+failed (the failure closes such a connection, as before); and a connection shared between
+threads (``inc_thread_sharing``) may be opened by a thread other than its own, so once one
+opens every thread is asked, always. Not covered: a connection made and opened in another
+thread and then installed in a handler's thread (``connections[alias] = …``) without ever
+connecting there.
 """
 
 from __future__ import annotations
@@ -24,9 +28,16 @@ from django.db.backends.signals import connection_created
 
 _state = threading.local()
 
+# Set for good once a connection shared between threads opens: the thread that opens it is
+# not always the one whose connection it is, so from then on every thread is asked.
+_shared_opened = False
+
 
 def _opened(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
+    global _shared_opened
     _state.opened = True
+    if connection.allow_thread_sharing:
+        _shared_opened = True
 
 
 connection_created.connect(_opened, dispatch_uid="jobs.worker.thread_connections")
@@ -46,6 +57,6 @@ def may_have_opened() -> None:
 def open_connections() -> Sequence[BaseDatabaseWrapper]:
     """This thread's initialized Django connections (``connections.all(initialized_only=
     True)``), or none at once for a thread that opened none since it started without."""
-    if not getattr(_state, "opened", True):
+    if not getattr(_state, "opened", True) and not _shared_opened:
         return []
     return connections.all(initialized_only=True)

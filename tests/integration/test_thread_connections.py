@@ -13,6 +13,7 @@ from django.test import override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jobs.worker import thread_connections
 from jobs.worker.execution import close_open_transactions
 from jobs.worker.pool import HandlerPool
 
@@ -45,6 +46,9 @@ def test_a_thread_that_never_connected_does_not_list_its_connections(monkeypatch
         return listed(*args, **kwargs)
 
     monkeypatch.setattr(connections, "all", counting)
+    # An earlier test may have opened a connection shared between threads: then every
+    # thread is asked, for good (jobs.worker.thread_connections).
+    monkeypatch.setattr(thread_connections, "_shared_opened", False)
     pool = HandlerPool(1)
     try:
         for _ in range(20):  # each as a handler: the open-transaction check, then the recycle

@@ -21,14 +21,14 @@ VALUES = st.one_of(
 
 
 def samples(families, name: str) -> dict[tuple, float]:
-    """(suffix, labels) -> value of the family's samples, without the _created ones."""
+    """(suffix, labels) -> value of the family's samples; a _created one's value is when its
+    series began, so only that it is there counts (as 0)."""
     found = {}
     for family in families:
         for sample in family.samples:
-            if sample.name.endswith("_created"):
-                continue
             suffix = sample.name.removeprefix(name)
-            found[suffix, tuple(sorted(sample.labels.items()))] = sample.value
+            value = 0.0 if suffix == "_created" else sample.value
+            found[suffix, tuple(sorted(sample.labels.items()))] = value
     return found
 
 
