@@ -52,3 +52,19 @@ def test_any_observations_expose_as_the_library_histogram_would(observed):
     want = samples(reference.collect(), "theirs_seconds")
     assert got.keys() == want.keys()
     assert all(same(got[key], want[key]) for key in want), (got, want)
+
+
+def test_the_created_series_follows_the_library_switch():
+    """prometheus_client.disable_created_metrics() drops _created from the worker's
+    histograms too, as from the library's own metrics."""
+    from prometheus_client import disable_created_metrics, enable_created_metrics
+
+    ours = TypeHistogram("switch_seconds", "Ours.", BUCKETS)
+    ours.labels("a.v1").observe(0.2)
+    assert ("_created", (("job_type", "a.v1"),)) in samples(ours.collect(), "switch_seconds")
+    disable_created_metrics()
+    try:
+        kinds = {suffix for suffix, _ in samples(ours.collect(), "switch_seconds")}
+    finally:
+        enable_created_metrics()
+    assert kinds == {"_bucket", "_count", "_sum"}
