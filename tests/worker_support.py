@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 from jobs import JobContext, Payload, Reject, RetryAfter
@@ -218,3 +221,52 @@ def hostile_registry(recorder: Recorder, **policy) -> Registry:
             JobType(Hostile, hostile(recorder), Policy(**options)),
         ]
     )
+
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
+    """Poll ``predicate`` until it returns something true (returned), failing after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.005)
+    raise AssertionError(f"{what} not met within {timeout}s")
+
+
+@contextmanager
+def running_worker(registry: Registry, **config) -> Iterator:
+    """A Worker (no signal handlers, 50 ms polls, ``config``) running in a thread of this
+    process; stopped, and its thread joined, on leaving."""
+    from jobs.worker.config import WorkerConfig
+    from jobs.worker.runner import Worker
+
+    worker = Worker(
+        registry, WorkerConfig(install_signal_handlers=False, poll_interval=0.05, **config)
+    )
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.request_stop()
+        thread.join(20)
+    assert not thread.is_alive()
+
+
+def run_on(pool, task: Callable[[], object]) -> object:
+    """Run ``task`` on a handler pool and return what it returned (its exception is raised
+    here)."""
+    results: queue.SimpleQueue = queue.SimpleQueue()
+
+    def wrapped() -> None:
+        try:
+            results.put((True, task()))
+        except BaseException as exc:
+            results.put((False, exc))
+
+    pool.submit(wrapped)
+    ok, value = results.get(timeout=10)
+    if not ok:
+        raise value
+    return value

@@ -3,9 +3,7 @@ the worker's own histograms and running gauge."""
 
 from __future__ import annotations
 
-import queue
 import threading
-from collections.abc import Callable
 
 import pytest
 from django.db import DEFAULT_DB_ALIAS, connection, connections
@@ -17,25 +15,9 @@ from jobs.queue import _db
 from jobs.worker import metrics
 from jobs.worker.execution import close_open_transactions
 from jobs.worker.pool import HandlerPool
+from tests.worker_support import run_on
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def run_on(pool: HandlerPool, task: Callable[[], object]) -> object:
-    """Run ``task`` on the pool as a handler would and return its result (or raise)."""
-    results: queue.SimpleQueue = queue.SimpleQueue()
-
-    def wrapped() -> None:
-        try:
-            results.put((True, task()))
-        except BaseException as exc:
-            results.put((False, exc))
-
-    pool.submit(wrapped)
-    ok, value = results.get(timeout=10)
-    if not ok:
-        raise value
-    return value
 
 
 # -- handler threads: a connection opened for the thread by a thread it is shared with --------

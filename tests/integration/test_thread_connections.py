@@ -3,9 +3,7 @@ that did, or whose handler failed, is checked as before, whatever its handlers d
 
 from __future__ import annotations
 
-import queue
 import threading
-from collections.abc import Callable
 
 import pytest
 from django.db import connection, connections, transaction
@@ -16,25 +14,9 @@ from hypothesis import strategies as st
 from jobs.worker import thread_connections
 from jobs.worker.execution import close_open_transactions
 from jobs.worker.pool import HandlerPool
+from tests.worker_support import run_on
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def run_on(pool: HandlerPool, task: Callable[[], object]) -> object:
-    """Run ``task`` on the pool and return what it returned (its exception is raised here)."""
-    results: queue.SimpleQueue = queue.SimpleQueue()
-
-    def wrapped() -> None:
-        try:
-            results.put((True, task()))
-        except BaseException as exc:
-            results.put((False, exc))
-
-    pool.submit(wrapped)
-    ok, value = results.get(timeout=10)
-    if not ok:
-        raise value
-    return value
 
 
 def test_a_thread_that_never_connected_does_not_list_its_connections(monkeypatch):

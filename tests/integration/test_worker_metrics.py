@@ -7,31 +7,17 @@ counting them. The histograms are the worker's own (tests/unit/test_worker_histo
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 from prometheus_client import REGISTRY
 
 from jobs import enqueue
 from jobs.models import Job
 from jobs.worker import metrics
-from jobs.worker.config import WorkerConfig
-from jobs.worker.runner import Worker
-from tests.worker_support import Recorder, Step, registry
+from tests.worker_support import Recorder, Step, registry, running_worker, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 STEP = "test.step.v1"
-
-
-def wait_for(predicate, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.005)
-    raise AssertionError(f"{what} not met within {timeout}s")
 
 
 def running_gauge() -> float:
@@ -52,21 +38,11 @@ def test_the_running_gauge_counts_handlers_while_they_run(monkeypatch):
     monkeypatch.setattr(metrics.running, "inc", lambda amount=1: updates.append("inc"))
     monkeypatch.setattr(metrics.running, "dec", lambda amount=1: updates.append("dec"))
     before = running_gauge()
-    worker = Worker(
-        registry(Recorder(), concurrency=None),
-        WorkerConfig(install_signal_handlers=False, poll_interval=0.05, concurrency=3),
-    )
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    try:
+    with running_worker(registry(Recorder(), concurrency=None), concurrency=3):
         load = [enqueue(Step(plan=("sleep",), seconds=0.5)) for _ in range(3)]
         wait_for(lambda: running_gauge() - before == 3, what="3 handlers counted as running")
         wait_for(lambda: settled(load, "succeeded"), what="every job succeeded")
         wait_for(lambda: running_gauge() == before, what="the gauge back where it was")
-    finally:
-        worker.request_stop()
-        thread.join(20)
-    assert not thread.is_alive()
     assert updates == []  # no per-job update of the gauge
 
 
@@ -79,22 +55,12 @@ def test_outcomes_are_counted_by_kind():
     succeeded, retried, failed = outcomes("succeeded"), outcomes("retried"), outcomes("failed")
     calls = observed("jobs_handler_duration_seconds")
     claims = observed("jobs_queue_latency_seconds")
-    worker = Worker(
-        registry(Recorder(), concurrency=None),
-        WorkerConfig(install_signal_handlers=False, poll_interval=0.05, concurrency=4),
-    )
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    try:
+    with running_worker(registry(Recorder(), concurrency=None), concurrency=4):
         ok = [enqueue(Step(plan=("ok",))) for _ in range(7)]
         rejected = [enqueue(Step(plan=("reject",))) for _ in range(3)]
         flaky = [enqueue(Step(plan=("error", "ok"))) for _ in range(2)]
         wait_for(lambda: settled(ok + flaky, "succeeded"), what="the good jobs succeeded")
         wait_for(lambda: settled(rejected, "failed"), what="the rejected jobs failed")
-    finally:
-        worker.request_stop()
-        thread.join(20)
-    assert not thread.is_alive()
     assert outcomes("succeeded") - succeeded == 9
     assert outcomes("retried") - retried == 2
     assert outcomes("failed") - failed == 3
