@@ -30,7 +30,9 @@ from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay
 _STOPPED_DETAIL = "('cancelled while running, asked by ' || j.cancel_requested_by)"
 
 # The outcome write's CTEs: the outcomes, the rows still held under their tokens (rows another
-# session holds locked are skipped and reported busy, never waited for), and the write.
+# session holds locked are skipped and reported busy, never waited for), and the write. The
+# busy rows are looked for only when some outcome went unwritten: in passes of 100 the
+# comparison of every outcome with every written one was 6 % of PostgreSQL's CPU.
 # {FIGURES} and {COUNTED} are where the rollup's figures go when the statement counts.
 _OUTCOME_CTES = (
     """
@@ -92,10 +94,13 @@ written AS (
     RETURNING j.id, o.token, CASE WHEN f.stopped THEN j.error_detail END AS stopped,
               j.name AS wname, j.tenant AS wtenant{COUNTED}
 ),
--- Held under their token but not written: another session holds the row locked.
+-- Held under their token but not written: another session holds the row locked. Looked
+-- for only when some outcome was not written: comparing each outcome with every written one
+-- costs the square of the batch.
 busy AS (
     SELECT o.id, o.token FROM o
-    WHERE NOT EXISTS (SELECT 1 FROM written w WHERE w.token = o.token)
+    WHERE (SELECT count(*) FROM written) < (SELECT count(*) FROM o)
+      AND NOT EXISTS (SELECT 1 FROM written w WHERE w.token = o.token)
       AND EXISTS (
           SELECT 1 FROM jobs_job j
           WHERE j.id = o.id AND j.claim_token = o.token AND j.state = 'running'

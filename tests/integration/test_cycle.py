@@ -6,6 +6,7 @@ and cost one round trip with no transaction control outside a transaction.
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import timedelta
 
@@ -15,7 +16,8 @@ from django.test.utils import CaptureQueriesContext
 
 from jobs import queue
 from jobs.models import Job
-from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome
+from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, _db
+from jobs.queue import outcomes as outcomes_module
 from tests.integration.test_enqueue_round_trips import TransactionControl
 from tests.integration.test_review_round13 import Background
 
@@ -89,7 +91,8 @@ def test_with_nothing_to_claim_it_only_writes_and_with_nothing_to_write_it_only_
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_row_another_session_holds_locked_is_busy_and_the_rest_goes_on():
+@pytest.mark.parametrize("count", [True, False], ids=["statement", "worker function"])
+def test_a_row_another_session_holds_locked_is_busy_and_the_rest_goes_on(count):
     enqueue(3)
     held = claim(2)
     locked, release = threading.Event(), threading.Event()
@@ -104,7 +107,7 @@ def test_a_row_another_session_holds_locked_is_busy_and_the_rest_goes_on():
     assert locked.wait(30)
     try:
         report, claimed = queue.record_and_claim(
-            [Outcome.succeeded(h) for h in held], [ClaimRequest(NAME, 5)], scope=SCOPE
+            [Outcome.succeeded(h) for h in held], [ClaimRequest(NAME, 5)], scope=SCOPE, count=count
         )
     finally:
         release.set()
@@ -142,3 +145,29 @@ def test_inside_a_transaction_it_joins_it():
 
     assert Job.objects.get(pk=job.id).state == "running"
     assert Job.objects.filter(state="queued").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_written_whole_does_not_look_for_busy_rows():
+    """When every outcome was written none can be busy, and the statement does not compare
+    each outcome with every written one to find that out (a cost in the square of the batch:
+    about 6 % of PostgreSQL's CPU in passes of 100)."""
+    enqueue(50)
+    held = claim(50)
+    outcomes = [Outcome.succeeded(h) for h in held]
+
+    with _db.bound_cursor(None) as cur:
+        cur.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + outcomes_module._RECORD[False],
+            outcomes_module.outcome_params(outcomes, "default"),
+        )
+        (plan,) = cur.fetchone()
+
+    assert Job.objects.filter(state="succeeded").count() == 50
+    # The busy rows are the outcomes not among the written ones (an anti join): not run.
+    anti = [n for n in _nodes(plan[0]["Plan"]) if n.get("Join Type") == "Anti"]
+    assert anti and all(n["Actual Loops"] == 0 for n in anti), json.dumps(plan, indent=1)
+
+
+def _nodes(node: dict) -> list[dict]:
+    return [node, *(n for child in node.get("Plans", []) for n in _nodes(child))]
