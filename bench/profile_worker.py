@@ -2,9 +2,11 @@
 
     .venv/bin/pip install py-spy   # measurement only, not a project requirement
     .venv/bin/python bench/profile_worker.py [--jobs 20000] [--concurrency 100] [--top 12]
+    .venv/bin/python bench/profile_worker.py --type sleep --jobs 10000 --skip py-spy cprofile
 
 Four parts, each on a freshly filled bench table (``<db>_bench``, emptied first), each with
-one ``runworker --concurrency C`` process draining ``--jobs`` no-op jobs:
+one ``runworker --concurrency C`` process draining ``--jobs`` no-op jobs (``--type`` drains
+another of ``bench/drain.py``'s job types, e.g. ``sleep`` for handlers that wait on I/O):
 
 1. The control loop, instrumented (``BENCH_TRACE``, see ``bench/benchapp/trace.py``): wall
    time of its passes split into outcome flush, claim, commit, dispatch and waiting, with
@@ -58,9 +60,13 @@ from _common import (
 NAME = "bench.noop.v1"
 
 
+#: The job type drained (``--type``): a key of ``bench/benchapp/jobs.py``'s kinds.
+KIND = "noop"
+
+
 def fill(jobs: int) -> None:
     truncate()
-    enqueue_noops(jobs)
+    enqueue_noops(jobs, kind=KIND)
     vacuum()
 
 
@@ -563,10 +569,18 @@ def main() -> int:
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=["trace", "py-spy", "cprofile", "explain"]
     )
+    parser.add_argument(
+        "--type",
+        choices=["noop", "touch", "append", "sleep", "asleep"],
+        default="noop",
+        help="job type bench.TYPE.v1 drained (as bench/drain.py's --type)",
+    )
     args = parser.parse_args()
+    global KIND
+    KIND = args.type
     setup_bench()
     pg = PostgresCpu()
-    print(f"worker: runworker --concurrency {args.concurrency}, {args.jobs:,} no-op jobs")
+    print(f"worker: runworker --concurrency {args.concurrency}, {args.jobs:,} bench.{KIND}.v1 jobs")
     if "trace" not in args.skip:
         profile_trace(pg, args.jobs, args.concurrency)
     if "py-spy" not in args.skip:

@@ -52,7 +52,12 @@ def _timed(owner, attr: str, name: str, size=None) -> None:
 
 
 def install(path: str) -> None:
+    """Instrument the run loop; ``{pid}`` in ``path`` becomes the process id (several workers)."""
+    import os
+
     import psycopg
+
+    path = path.replace("{pid}", str(os.getpid()))
     from django.db.backends.base.base import BaseDatabaseWrapper
 
     from jobs import queue
