@@ -74,15 +74,26 @@ async def _guarded(
 
 
 async def _call(current: _Current, running: Running, payload: object, name: str) -> _Called:
-    """Call the handler in a task of its own, the one its cancellation cancels."""
+    """Call the handler in a task of its own, the one its cancellation cancels.
+
+    The handler's task is awaited directly: through ``asyncio.wait`` (a future and a done
+    callback a task, in Python) a job cost about 5 µs more of the worker's CPU. Awaited so,
+    a cancellation of this job's own task (the loop closing under it) is passed on to the
+    handler's task, whose ``_guarded`` returns it as the handler's error; it is raised here
+    again instead, as when this task awaited a wait, so the job ends as the worker's failure.
+    """
     started = time.monotonic()
     task = current.start(_guarded(running.job_type.handler, payload, running.ctx), name)
-    await asyncio.wait([task])
-    duration = time.monotonic() - started
-    if task.cancelled():  # before its first step, so _guarded could not catch it
-        return asyncio.CancelledError(), None, duration
-    error, result = task.result()
-    return error, result, duration
+    try:
+        error, result = await task
+    except asyncio.CancelledError:
+        if not task.cancelled():  # this job's task was cancelled after the handler's ended
+            raise
+        error, result = asyncio.CancelledError(), None  # before _guarded's first step
+    own = asyncio.current_task()
+    if own is not None and own.cancelling():
+        raise asyncio.CancelledError
+    return error, result, time.monotonic() - started
 
 
 async def execute_on_loop(
