@@ -56,12 +56,12 @@ def install(path: str) -> None:
     import os
 
     import psycopg
-
-    path = path.replace("{pid}", str(os.getpid()))
     from django.db.backends.base.base import BaseDatabaseWrapper
 
     from jobs import queue
     from jobs.worker import runner
+
+    path = path.replace("{pid}", str(os.getpid()))
 
     worker = runner.Worker
     _timed(worker, "_pass", "pass (whole)")
