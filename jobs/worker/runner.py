@@ -18,6 +18,7 @@ before exit.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -695,12 +696,19 @@ class Worker(Draining):
                 running.started = True
                 self.handlers_running += 1
             try:
-                self._pool.event_loop.loop.create_task(
+                task = self._pool.event_loop.loop.create_task(
                     self._execute_on_loop(running), name=f"worker of job {running.job.job_id}"
                 )
+                task.add_done_callback(partial(self._never_started, running))
             except BaseException as exc:
                 logger.exception("worker error starting job %s", running.job.job_id)
                 self._finished(running, self._worker_failure(running, exc))
+
+    def _never_started(self, running: Running, task: asyncio.Task[None]) -> None:
+        """A job's task cancelled before its first step (the loop's close cancels every task
+        on it) never ran the ``finally`` that frees its slot: freed here instead."""
+        if task.cancelled() and not running.finished:
+            self._finished(running, self._worker_failure(running, asyncio.CancelledError()))
 
     async def _execute_on_loop(self, running: Running) -> None:
         """An async job's task. Whatever happens in it, the slot is freed."""

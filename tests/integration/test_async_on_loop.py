@@ -256,3 +256,28 @@ def test_the_job_task_cancelled_under_its_handler_is_the_workers_failure_not_a_r
         thread.join(15)
     detail = Job.objects.get(pk=job.id).error_detail
     assert "the worker failed running the job: CancelledError" in detail, detail
+
+
+def test_a_job_task_cancelled_before_its_first_step_gives_its_slot_back(seen, monkeypatch):
+    """The loop's close cancels every task on it, the worker's own job tasks too: one that had
+    not started yet never ran its ``finally`` and held its slot (and the job) for good."""
+    start_tasks = Worker._start_tasks
+
+    def cancelled_at_once(self, batch):
+        start_tasks(self, batch)
+        for task in asyncio.all_tasks(asyncio.get_running_loop()):
+            if task.get_name().startswith("worker of"):
+                task.cancel()  # before its first step: its coroutine never runs
+
+    monkeypatch.setattr(Worker, "_start_tasks", cancelled_at_once)
+    job = enqueue(Act())
+
+    worker = run(registry(seen, max_attempts=1), job.id)
+
+    assert worker.idle and worker._in_flight == 0 and worker.handlers_running == 0
+    assert seen.started == 0
+    assert state(job)[0] == "failed", state(job)
+    assert (
+        "the worker failed running the job: CancelledError"
+        in Job.objects.get(pk=job.id).error_detail
+    )
