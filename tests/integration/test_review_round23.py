@@ -26,9 +26,9 @@ from jobs import JobContext, Payload, RetryAfter, enqueue, queue
 from jobs.models import Job
 from jobs.registry import JobType, Policy, Registry
 from jobs.worker import on_loop
-from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
-from tests.worker_support import FAST_BACKOFF
+from tests.integration.test_async_on_loop import config, run
+from tests.worker_support import FAST_BACKOFF, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -138,41 +138,8 @@ def registry(seen: Seen, **policy) -> Registry:
     return Registry([JobType(Act, handler(seen), Policy(**{**options, **policy}))])
 
 
-def config(**options) -> WorkerConfig:
-    defaults = {
-        "concurrency": 4,
-        "poll_interval": 0.05,
-        "maintenance_interval": 0.5,
-        "shutdown_timeout": 1.0,
-        "install_signal_handlers": False,
-    }
-    return WorkerConfig(**{**defaults, **options})
-
-
-def wait_for(predicate, timeout=10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not met before the deadline")
-
-
 def row(job) -> Job:
     return Job.objects.get(pk=job.id)
-
-
-def run(registry: Registry, *ids: int, **options) -> Worker:
-    worker = Worker(registry, config(**options))
-    deadline = time.monotonic() + 15
-
-    def done(w: Worker) -> bool:
-        states = Job.objects.filter(pk__in=ids).values_list("state", flat=True)
-        finished = w.idle and all(s in ("succeeded", "failed") for s in states)
-        return finished or time.monotonic() > deadline
-
-    worker.run(until=done)
-    return worker
 
 
 class Running:
