@@ -105,6 +105,13 @@ HANDOFF_HORIZON = 0.002
 BLOCKED = 0.005
 
 
+#: A handler thread reads its CPU clock for a job (for :func:`thread_held`) only when this
+#: long has passed since it last did, or after a job that ran this long (seconds). The read
+#: is a system call that takes the scheduler's lock: once a job, it was about 5 % of a busy
+#: worker's CPU with jobs of microseconds. Handlers that wait on I/O are all measured.
+CPU_SAMPLE_INTERVAL = 0.01
+
+
 #: The hand-off goes by the shortest of this many recent handlers' times: a handler held up
 #: for a moment (a turn at the CPU or at the interpreter's lock it waited for, longer than
 #: BLOCKED on a busy machine) would otherwise wake threads for the next pass that wait for each
@@ -176,9 +183,8 @@ class Worker(Draining):
         # How long recent handlers held their thread (thread_held), and the shortest of
         # them, read once a pass (the hand-off and the wait for a pass's stragglers).
         self._recent_held: deque[float] = deque(maxlen=RECENT_RUNS)
-        self._thread_cpu = (
-            threading.local()
-        )  # each handler thread's CPU clock at its last job's end
+        # Each handler thread's CPU clock at its last read, and its last job's run time.
+        self._thread_cpu = threading.local()
         self._held_run: float | None = None
         # Names a NOTIFY announced since the last claim was sent (None: any name): such a
         # claim may have read before that commit, so its coming up short proves nothing.
@@ -744,17 +750,21 @@ class Worker(Draining):
             self.handlers_running += 1
         outcome: Outcome | None = None
         began = time.monotonic()
-        # The thread's CPU clock as its previous task ended, if that was a job and nothing
-        # else ran on the thread since (an async job's steps borrow pool threads); else read
-        # now. Reading it is a system call that takes the scheduler's lock: once a job is
-        # enough. The pool's own steps between two tasks count with the second (microseconds).
+        # Whether to measure this job's CPU time (CPU_SAMPLE_INTERVAL): from the thread's CPU
+        # clock as its previous task ended, if that was a job measured and nothing else ran
+        # on the thread since (an async job's steps borrow pool threads); else read now. The
+        # pool's own steps between two tasks count with the second (microseconds).
         pool: HandlerPool | None = getattr(self, "_pool", None)  # set by run()
         task = pool.tasks_started() if pool is not None else 0
-        mark = getattr(self._thread_cpu, "mark", None)
-        if task and mark is not None and mark[0] == task - 1:
-            cpu_began = mark[1]
-        else:
-            cpu_began = time.thread_time()
+        local = self._thread_cpu
+        mark = getattr(local, "mark", None)  # (task, CPU clock, when read) at the last read
+        cpu_began = None
+        if (
+            mark is None
+            or local.last_ran >= CPU_SAMPLE_INTERVAL
+            or began - mark[2] >= CPU_SAMPLE_INTERVAL
+        ):
+            cpu_began = mark[1] if task and mark and mark[0] == task - 1 else time.thread_time()
         try:
             outcome = execute(
                 running, shutting_down=self._stopping.is_set, lease=self.config.lease_duration
@@ -763,10 +773,13 @@ class Worker(Draining):
             logger.exception("worker error running job %s", running.job.job_id)
             outcome = self._worker_failure(running, exc)
         finally:
-            ran = time.monotonic() - began
-            cpu_ended = time.thread_time()
-            self._thread_cpu.mark = (task, cpu_ended)
-            held = thread_held(ran, cpu_ended - cpu_began)
+            ended = time.monotonic()
+            ran = local.last_ran = ended - began
+            held = None
+            if cpu_began is not None:
+                cpu_ended = time.thread_time()
+                local.mark = (task, cpu_ended, ended)
+                held = thread_held(ran, cpu_ended - cpu_began)
             self._finished(running, outcome, ran=ran, held=held)
 
     def _finished(
@@ -778,7 +791,8 @@ class Worker(Draining):
         held: float | None = None,
     ) -> None:
         """Free the job's slot and queue its outcome; ``ran``: a thread-run handler's time,
-        ``held``: how long it counts as holding its thread (:func:`thread_held`)."""
+        ``held``: how long it counts as holding its thread (:func:`thread_held`; None: not
+        measured, see CPU_SAMPLE_INTERVAL)."""
         if outcome is not None:  # the last progress report goes with the outcome
             outcome = with_last_report(running, outcome)
         with self._lock:

@@ -329,3 +329,57 @@ def test_a_handlers_cpu_time_is_read_once_a_job(monkeypatch):
     threads = set(reads)
     assert len(reads) <= jobs_run + len(threads), (len(reads), threads)
     assert worker._held_run is not None  # and the hand-off still has its figure
+
+
+def _count_cpu_clock_reads(monkeypatch) -> list[int]:
+    reads: list[int] = []
+    thread_time = time.thread_time
+
+    def counted() -> float:
+        reads.append(1)
+        return thread_time()
+
+    monkeypatch.setattr(time, "thread_time", counted)
+    return reads
+
+
+def _drain_steps(count: int, seconds: float, concurrency: int) -> Worker:
+    def handler(payload: Step, ctx) -> None:
+        if payload.seconds:
+            time.sleep(payload.seconds)
+
+    worker = Worker(
+        Registry([JobType(Step, handler, Policy(concurrency=None))]),
+        WorkerConfig(install_signal_handlers=False, concurrency=concurrency, poll_interval=0.05),
+    )
+    for _ in range(count):
+        enqueue(Step(plan=("ok",), seconds=seconds))
+    worker.run(until=lambda w: w.idle and not Job.objects.exclude(state="succeeded").exists())
+    return worker
+
+
+@pytest.mark.django_db(transaction=True)
+def test_short_handlers_read_their_threads_cpu_clock_once_an_interval_not_once_a_job(
+    monkeypatch,
+):
+    """Reading a thread's CPU clock is a system call that takes the scheduler's lock (about 5 %
+    of a worker's CPU read once a job, for jobs of microseconds): a thread reads it for its
+    first job, then only once ``CPU_SAMPLE_INTERVAL`` has passed since it last did, or after
+    a job that ran that long. With the interval made a minute, each thread reads it for its
+    first job only (twice: at its start and end)."""
+    monkeypatch.setattr(runner_module, "CPU_SAMPLE_INTERVAL", 60.0)
+    reads = _count_cpu_clock_reads(monkeypatch)
+    _drain_steps(200, 0.0, concurrency=4)
+    assert len(reads) <= 2 * 4, len(reads)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_handlers_that_run_longer_than_the_interval_are_each_measured(monkeypatch):
+    """A job that ran at least ``CPU_SAMPLE_INTERVAL`` makes its thread measure the next one:
+    handlers waiting on I/O keep teaching the hand-off how long they hold their thread."""
+    monkeypatch.setattr(runner_module, "CPU_SAMPLE_INTERVAL", 0.002)
+    worker = _drain_steps(12, 0.008, concurrency=1)
+    # One thread, one job at a time: every job measured (the first as the thread's first),
+    # each holding its thread for its whole wait (longer than BLOCKED).
+    assert len(worker._recent_held) == 12, list(worker._recent_held)
+    assert min(worker._recent_held) >= 0.008
