@@ -44,6 +44,12 @@ STALL_AFTER = 0.01
 #: BUSY_SHARE of a CPU): the tasks then wait for a turn, not for I/O.
 BUSY_STALL_AFTER = 0.1
 BUSY_SHARE = 0.5
+#: The stall watch keeps looking every STALL_AFTER for this long after it was last woken or
+#: found tasks waiting, before it sleeps until a batch wakes it (seconds). A drain of short
+#: jobs submits a batch every millisecond or two that its threads take at once: a watch that
+#: slept whenever it found none was woken for each, a system call for the run loop and a
+#: turn at the GIL for the watch (about 4 % of such a worker's Python time).
+WATCH_LINGER = 0.1
 
 
 class HandlerPool:
@@ -136,23 +142,29 @@ class HandlerPool:
         only while the process is mostly idle: when it was busy running Python meanwhile (the
         CPU shared with other processes, or the interpreter's lock with its other threads),
         the tasks wait for a turn, not for I/O, and more threads would only wait with them;
-        then one more thread at most every :data:`BUSY_STALL_AFTER`. It sleeps while no task
-        waits.
+        then one more thread at most every :data:`BUSY_STALL_AFTER`. Once no task has waited
+        for :data:`WATCH_LINGER`, it sleeps until a batch wakes it.
         """
         ramp = 1
         checked_at, cpu_at = time.monotonic(), time.process_time()
+        looking_until = checked_at + WATCH_LINGER
         with self._ready:
             while not self._closing:
                 if not self._tasks or self._sleeping == self._waking:
                     # No task, or no thread left to wake: only a new batch changes that (a
                     # thread that finishes takes a waiting task rather than sleep).
                     ramp = 1
-                    self._watch_idle = True
-                    self._stalls.wait()
-                    self._watch_idle = False
+                    if time.monotonic() < looking_until:
+                        self._stalls.wait(STALL_AFTER)  # a batch soon is not worth a wake-up
+                    else:
+                        self._watch_idle = True
+                        self._stalls.wait()
+                        self._watch_idle = False
+                        looking_until = time.monotonic() + WATCH_LINGER
                     checked_at, cpu_at = time.monotonic(), time.process_time()
                     continue
                 now, cpu = time.monotonic(), time.process_time()
+                looking_until = now + WATCH_LINGER
                 busy = (cpu - cpu_at) / max(now - checked_at, 1e-6) >= BUSY_SHARE
                 stalled = now - self._taken_at
                 if not self._waking and stalled >= (BUSY_STALL_AFTER if busy else STALL_AFTER):
@@ -160,7 +172,10 @@ class HandlerPool:
                     ramp = 1 if busy else ramp * 2  # each idle stall in a row: twice as many
                     self._taken_at = now  # the woken threads' time to get here
                 checked_at, cpu_at = now, cpu
-                self._stalls.wait(STALL_AFTER)
+                # Next look when the tasks will have waited STALL_AFTER (found by a look while
+                # lingering, they may have waited part of it already).
+                waited = now - self._taken_at
+                self._stalls.wait(STALL_AFTER if waited >= STALL_AFTER else STALL_AFTER - waited)
 
     def shutdown(self, timeout: float) -> bool:
         """Ask threads to exit after their current task, then close the event loop.

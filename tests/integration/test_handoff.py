@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from jobs import enqueue
 from jobs.models import Job
 from jobs.registry import JobType, Policy, Registry
+from jobs.worker import pool as pool_module
 from jobs.worker import runner as runner_module
 from jobs.worker.config import WorkerConfig
 from jobs.worker.pool import HandlerPool
@@ -239,6 +240,35 @@ def test_a_batch_of_blocking_tasks_gets_a_thread_each_within_a_few_stall_interva
         assert max(started) - submitted < 1.0
     finally:
         release.set()
+        assert pool.shutdown(timeout=5)
+
+
+def test_the_stall_watch_keeps_looking_for_a_while_before_it_sleeps_until_woken(monkeypatch):
+    """A drain of short jobs submits a batch every pass, a millisecond or two apart, and its
+    threads take each at once. A watch that slept until woken whenever it found no task would
+    be woken for every batch (a system call for the run loop, a turn at the GIL for the
+    watch); instead it keeps looking every ``STALL_AFTER`` for ``WATCH_LINGER`` after it was
+    last woken or found tasks waiting, and batches meanwhile do not wake it."""
+    monkeypatch.setattr(pool_module, "WATCH_LINGER", 0.3)
+    pool = HandlerPool(4)
+    wakes: list[float] = []
+    notify = pool._stalls.notify
+
+    def counted(n: int = 1) -> None:
+        wakes.append(time.monotonic())
+        notify(n)
+
+    pool._stalls.notify = counted  # type: ignore[method-assign]
+    done: list[int] = []
+    try:
+        for batch in range(1, 21):
+            pool.submit_many([lambda: done.append(1)] * 3, wake=1)
+            wait_for(lambda batch=batch: len(done) == 3 * batch, what="the batch done")
+        finished = time.monotonic()
+        assert len(wakes) == 1, len(wakes)  # the first batch's: the watch slept until then
+        wait_for(lambda: pool._watch_idle, what="the watch asleep until woken")
+        assert time.monotonic() - wakes[0] >= 0.3 - 0.05, (wakes[0], finished)
+    finally:
         assert pool.shutdown(timeout=5)
 
 
