@@ -155,13 +155,17 @@ class HandlerPool:
                     # thread that finishes takes a waiting task rather than sleep).
                     ramp = 1
                     if time.monotonic() < looking_until:
-                        self._stalls.wait(STALL_AFTER)  # a batch soon is not worth a wake-up
+                        # A batch soon is not worth a wake-up. The process's CPU share is
+                        # measured over this wait: over the moment after it, only the watch
+                        # runs, and the process would count as busy.
+                        checked_at, cpu_at = time.monotonic(), time.process_time()
+                        self._stalls.wait(STALL_AFTER)
                     else:
                         self._watch_idle = True
                         self._stalls.wait()
                         self._watch_idle = False
                         looking_until = time.monotonic() + WATCH_LINGER
-                    checked_at, cpu_at = time.monotonic(), time.process_time()
+                        checked_at, cpu_at = time.monotonic(), time.process_time()
                     continue
                 now, cpu = time.monotonic(), time.process_time()
                 looking_until = now + WATCH_LINGER
@@ -171,11 +175,15 @@ class HandlerPool:
                     self._wake_locked(1 if busy else ramp)
                     ramp = 1 if busy else ramp * 2  # each idle stall in a row: twice as many
                     self._taken_at = now  # the woken threads' time to get here
-                checked_at, cpu_at = now, cpu
                 # Next look when the tasks will have waited STALL_AFTER (found by a look while
-                # lingering, they may have waited part of it already).
+                # lingering, they may have waited part of it already). The CPU share is
+                # measured anew from a full wait only: over a short one it says little.
                 waited = now - self._taken_at
-                self._stalls.wait(STALL_AFTER if waited >= STALL_AFTER else STALL_AFTER - waited)
+                if waited >= STALL_AFTER:
+                    checked_at, cpu_at = now, cpu
+                    self._stalls.wait(STALL_AFTER)
+                else:
+                    self._stalls.wait(STALL_AFTER - waited)
 
     def shutdown(self, timeout: float) -> bool:
         """Ask threads to exit after their current task, then close the event loop.

@@ -108,7 +108,9 @@ BLOCKED = 0.005
 #: A handler thread reads its CPU clock for a job (for :func:`thread_held`) only when this
 #: long has passed since it last did, or after a job that ran this long (seconds). The read
 #: is a system call that takes the scheduler's lock: once a job, it was about 5 % of a busy
-#: worker's CPU with jobs of microseconds. Handlers that wait on I/O are all measured.
+#: worker's CPU with jobs of microseconds. A job that ran this long makes its thread measure
+#: the next one, so handlers that wait on I/O keep being measured (the hand-off goes by the
+#: shortest of the recent ones).
 CPU_SAMPLE_INTERVAL = 0.01
 
 
