@@ -98,7 +98,7 @@ def all_running_rate() -> float:
             """
         )
         count, span = cur.fetchone()
-    return count / float(span)
+    return count / float(span) if span else 0.0
 
 
 def run(

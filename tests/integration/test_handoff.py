@@ -10,9 +10,11 @@ slot is claimed in the pass that writes them.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -30,9 +32,14 @@ from tests.acceptance.conftest import wait_for
 from tests.worker_support import Recorder, Step, registry
 
 
-def run_batches(pool: HandlerPool, batches: list[tuple[list[bool], int]]) -> None:
-    """Submit each batch (True: a task that blocks until released) waking ``wake`` threads;
-    every quick task must finish while the blocking ones still hold their threads."""
+def run_batches(
+    pool: HandlerPool,
+    batches: list[tuple[list[bool], int]],
+    pauses: Sequence[float] = (),
+) -> None:
+    """Submit each batch (True: a task that blocks until released) waking ``wake`` threads,
+    after its pause if given (the gap between passes); every quick task must finish while
+    the blocking ones still hold their threads."""
     release = threading.Event()
     done: list[int] = []
     lock = threading.Lock()
@@ -48,7 +55,9 @@ def run_batches(pool: HandlerPool, batches: list[tuple[list[bool], int]]) -> Non
 
     quick = 0
     number = 0
-    for kinds, wake in batches:
+    for (kinds, wake), pause in itertools.zip_longest(batches, pauses[: len(batches)]):
+        if pause:
+            time.sleep(pause)  # the gap between passes: not a wait for anything
         tasks = []
         for blocks in kinds:
             tasks.append(task(number, blocks))

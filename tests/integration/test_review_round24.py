@@ -49,6 +49,7 @@ from jobs.worker import runner as runner_module
 from jobs.worker.config import WorkerConfig
 from jobs.worker.pool import STALL_AFTER, HandlerPool
 from jobs.worker.runner import CPU_SAMPLE_INTERVAL, Worker
+from tests.integration.test_handoff import run_batches
 from tests.worker_support import Step, running_worker, wait_for
 
 # -- the stall watch on a simulated clock ---------------------------------------------------------
@@ -240,40 +241,6 @@ def test_a_batch_as_the_lingering_watch_looks_gets_its_thread_at_the_first_look_
 # -- the stall watch with real threads: the pool's guarantee, idling, shutdown ---------------------
 
 
-def run_timed_batches(pool: HandlerPool, batches: list[tuple[float, list[bool], int]]) -> None:
-    """Submit each batch after its pause (True: a task that blocks until released), waking
-    ``wake`` threads; every quick task must finish while the blocking ones hold threads."""
-    release = threading.Event()
-    done: list[int] = []
-    lock = threading.Lock()
-
-    def task(number: int, blocks: bool):
-        def run() -> None:
-            if blocks:
-                release.wait(30)
-            with lock:
-                done.append(number)
-
-        return run
-
-    quick = number = 0
-    try:
-        for pause, kinds, wake in batches:
-            if pause:
-                time.sleep(pause)  # the gap between passes: not a wait for anything
-            tasks = []
-            for blocks in kinds:
-                tasks.append(task(number, blocks))
-                quick += not blocks
-                number += 1
-            pool.submit_many(tasks, wake=wake)
-        wait_for(lambda: len(done) == quick, what=f"{quick} quick tasks done")
-        assert not release.is_set()
-    finally:
-        release.set()
-    wait_for(lambda: len(done) == number, what="every task done")
-
-
 @settings(
     max_examples=25,
     deadline=None,
@@ -289,6 +256,7 @@ def test_no_task_waits_for_a_busy_thread_while_one_sleeps_whenever_its_batch_com
     monkeypatch.setattr(pool_module, "WATCH_LINGER", 0.02)
     blocking_left = size - 1
     batches = []
+    pauses = []
     for _ in range(data.draw(st.integers(1, 4), label="batches")):
         pause = data.draw(st.sampled_from([0.0, 0.004, 0.012, 0.019, 0.021, 0.035]), "pause")
         kinds = data.draw(st.lists(st.booleans(), min_size=1, max_size=6), label="tasks")
@@ -297,10 +265,11 @@ def test_no_task_waits_for_a_busy_thread_while_one_sleeps_whenever_its_batch_com
             blocks = blocks and blocking_left > 0
             blocking_left -= blocks
             kept.append(blocks)
-        batches.append((pause, kept, data.draw(st.integers(1, len(kept)), label="wake")))
+        batches.append((kept, data.draw(st.integers(1, len(kept)), label="wake")))
+        pauses.append(pause)
     pool = HandlerPool(size)
     try:
-        run_timed_batches(pool, batches)
+        run_batches(pool, batches, pauses)
         assert pool.alive == size
     finally:
         assert pool.shutdown(timeout=5)
