@@ -346,20 +346,26 @@ def test_tasks_waiting_behind_python_that_runs_get_threads_slowly():
     assert len(early) <= 2, early
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_handlers_cpu_time_is_read_once_a_job(monkeypatch):
-    """Reading a thread's CPU clock is a system call that takes the scheduler's lock: read
-    twice a job it cost a tenth of a busy worker's Python time. Each job reads it once, at
-    its end; its CPU time is the thread's since the end of its previous job (the pool's
-    loop in between takes a few microseconds)."""
+def _count_cpu_clock_reads(monkeypatch) -> list[str]:
+    """The names of the threads that read their CPU clock, one entry a read."""
     reads: list[str] = []
     thread_time = time.thread_time
 
-    def counting() -> float:
+    def counted() -> float:
         reads.append(threading.current_thread().name)
         return thread_time()
 
-    monkeypatch.setattr(runner_module.time, "thread_time", counting)
+    monkeypatch.setattr(time, "thread_time", counted)
+    return reads
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_handlers_cpu_time_is_read_at_most_once_a_job(monkeypatch):
+    """Reading a thread's CPU clock is a system call that takes the scheduler's lock: read
+    twice a job it cost a tenth of a busy worker's Python time. A job measured reads it once,
+    at its end; its CPU time is the thread's since the end of its previous job (the pool's
+    loop in between takes a few microseconds)."""
+    reads = _count_cpu_clock_reads(monkeypatch)
     jobs_run = 40
     for _ in range(jobs_run):
         enqueue(Step(plan=("ok",)))
@@ -372,18 +378,6 @@ def test_a_handlers_cpu_time_is_read_once_a_job(monkeypatch):
     threads = set(reads)
     assert len(reads) <= jobs_run + len(threads), (len(reads), threads)
     assert worker._held_run is not None  # and the hand-off still has its figure
-
-
-def _count_cpu_clock_reads(monkeypatch) -> list[int]:
-    reads: list[int] = []
-    thread_time = time.thread_time
-
-    def counted() -> float:
-        reads.append(1)
-        return thread_time()
-
-    monkeypatch.setattr(time, "thread_time", counted)
-    return reads
 
 
 def _drain_steps(count: int, seconds: float, concurrency: int) -> Worker:
