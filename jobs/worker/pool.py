@@ -154,11 +154,12 @@ class HandlerPool:
                     # No task, or no thread left to wake: only a new batch changes that (a
                     # thread that finishes takes a waiting task rather than sleep).
                     ramp = 1
-                    if time.monotonic() < looking_until:
+                    now = time.monotonic()
+                    if now < looking_until:
                         # A batch soon is not worth a wake-up. The process's CPU share is
                         # measured over this wait: over the moment after it, only the watch
                         # runs, and the process would count as busy.
-                        checked_at, cpu_at = time.monotonic(), time.process_time()
+                        checked_at, cpu_at = now, time.process_time()
                         self._stalls.wait(STALL_AFTER)
                     else:
                         self._watch_idle = True

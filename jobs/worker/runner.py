@@ -834,10 +834,10 @@ class Worker(Draining):
                 completed = Outcome.succeeded(running.job)
                 self._history.count_completed(running, completed)
                 self._log_outcome(running, completed, counted)
-        fenced = report is not None and bool(report.fenced)  # else no token to look up
         for running, outcome in outcomes:
             job = running.job
-            if fenced and report is not None and report.was_fenced(outcome):
+            # Nothing fenced: no token to look up.
+            if report is not None and report.fenced and report.was_fenced(outcome):
                 metrics.fenced_outcomes.labels(job.name).inc()
                 logger.warning(
                     "outcome of job %s (%s) discarded: this worker no longer holds it",

@@ -80,6 +80,24 @@ def test_tasks_behind_a_blocked_thread_start_on_the_idle_ones():
         assert pool.shutdown(timeout=5)
 
 
+def draw_batches(
+    data: st.DataObject, size: int, count: st.SearchStrategy[int], *, max_tasks: int
+) -> list[tuple[list[bool], int]]:
+    """Batches for a pool of ``size`` threads: each a mix of blocking (True) and quick tasks,
+    fewer blocking in all than threads, and a number of threads to wake for it."""
+    blocking_left = size - 1
+    batches = []
+    for _ in range(data.draw(count, label="batches")):
+        kinds = data.draw(st.lists(st.booleans(), min_size=1, max_size=max_tasks), label="tasks")
+        kept = []
+        for blocks in kinds:
+            blocks = blocks and blocking_left > 0
+            blocking_left -= blocks
+            kept.append(blocks)
+        batches.append((kept, data.draw(st.integers(1, len(kept)), label="wake")))
+    return batches
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     size=st.integers(2, 6),
@@ -88,17 +106,7 @@ def test_tasks_behind_a_blocked_thread_start_on_the_idle_ones():
 def test_no_task_waits_for_a_busy_thread_while_one_sleeps(size, data):
     """Any mix of blocking and quick tasks, in any batches, waking any number of threads:
     with fewer blocking tasks than threads, every quick task finishes while they block."""
-    blocking_left = size - 1
-    batches = []
-    for _ in range(data.draw(st.integers(1, 3), label="batches")):
-        kinds = data.draw(st.lists(st.booleans(), min_size=1, max_size=8), label="tasks")
-        kept = []
-        for blocks in kinds:
-            blocks = blocks and blocking_left > 0
-            blocking_left -= blocks
-            kept.append(blocks)
-        wake = data.draw(st.integers(1, len(kept)), label="wake")
-        batches.append((kept, wake))
+    batches = draw_batches(data, size, st.integers(1, 3), max_tasks=8)
     pool = HandlerPool(size)
     try:
         run_batches(pool, batches)

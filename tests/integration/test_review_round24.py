@@ -49,7 +49,7 @@ from jobs.worker import runner as runner_module
 from jobs.worker.config import WorkerConfig
 from jobs.worker.pool import STALL_AFTER, HandlerPool
 from jobs.worker.runner import CPU_SAMPLE_INTERVAL, Worker
-from tests.integration.test_handoff import run_batches
+from tests.integration.test_handoff import draw_batches, run_batches
 from tests.worker_support import Step, running_worker, wait_for
 
 # -- the stall watch on a simulated clock ---------------------------------------------------------
@@ -254,19 +254,11 @@ def test_no_task_waits_for_a_busy_thread_while_one_sleeps_whenever_its_batch_com
     (the linger made 20 ms, pauses around it), any mix, any number woken: with fewer
     blocking tasks than threads, every quick task finishes while they block."""
     monkeypatch.setattr(pool_module, "WATCH_LINGER", 0.02)
-    blocking_left = size - 1
-    batches = []
-    pauses = []
-    for _ in range(data.draw(st.integers(1, 4), label="batches")):
-        pause = data.draw(st.sampled_from([0.0, 0.004, 0.012, 0.019, 0.021, 0.035]), "pause")
-        kinds = data.draw(st.lists(st.booleans(), min_size=1, max_size=6), label="tasks")
-        kept = []
-        for blocks in kinds:
-            blocks = blocks and blocking_left > 0
-            blocking_left -= blocks
-            kept.append(blocks)
-        batches.append((kept, data.draw(st.integers(1, len(kept)), label="wake")))
-        pauses.append(pause)
+    batches = draw_batches(data, size, st.integers(1, 4), max_tasks=6)
+    pauses = [
+        data.draw(st.sampled_from([0.0, 0.004, 0.012, 0.019, 0.021, 0.035]), label="pause")
+        for _ in batches
+    ]
     pool = HandlerPool(size)
     try:
         run_batches(pool, batches, pauses)
