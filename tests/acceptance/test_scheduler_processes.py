@@ -130,6 +130,12 @@ def test_sigterm_hands_over_at_once_and_both_report_health(spawn):
         lambda: metric(standby_port, "jobs_schedule_next_due_timestamp_seconds", labels),
         what="the standby exports schedule status too",
     )
+    # The leader exports a schedule's status once its gauges pass has run, which may come
+    # after the standby's on a busy machine.
+    wait_for(
+        lambda: metric(leader_port, "jobs_schedule_overdue_seconds", labels) is not None,
+        what="the leader exports schedule status",
+    )
     assert metric(leader_port, "jobs_schedule_overdue_seconds", labels) == 0.0
 
     leader.signal(signal.SIGTERM)
