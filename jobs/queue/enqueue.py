@@ -10,7 +10,7 @@ whose window has passed still holds its key until someone needs it: enqueue then
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any
@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from jobs import databases
 from jobs.conf import NOTIFY_CHANNEL, jobs_settings
-from jobs.models import PRIORITY_MAX, PRIORITY_MIN, new_job_id
+from jobs.models import PRIORITY_MAX, PRIORITY_MIN, new_job_id, new_job_ids
 from jobs.policy import MAX_ATTEMPTS_MAX
 from jobs.queue import _db, dependencies, flow, keys, text
 from jobs.queue.flow import FAIR_AT_ENQUEUE as _FAIR
@@ -72,7 +72,8 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str | None = None) -> list[En
         if copied is not None:
             return copied
     defaults = _defaults()
-    rows = [_row(job, index, defaults) for index, job in enumerate(jobs)]
+    new_id = iter(new_job_ids(sum(getattr(job, "job_id", "") is None for job in jobs))).__next__
+    rows = [_row(job, index, defaults, new_id) for index, job in enumerate(jobs)]
     if not rows:
         return []
     using = databases.route([(index, row["name"]) for index, row in enumerate(rows)], using)
@@ -135,7 +136,8 @@ def _enqueue_by_copy(jobs: Sequence[NewJob], using: str | None) -> list[Enqueued
         return None
     with transaction.atomic(using=using), _db.bound_cursor(using) as cur:
         defaults = _defaults()
-        checked = (_row(job, index, defaults) for index, job in enumerate(jobs))
+        new_id = iter(new_job_ids(len(jobs))).__next__  # every job is keyless (_copyable)
+        checked = (_row(job, index, defaults, new_id) for index, job in enumerate(jobs))
         _base, rows = _copy(cur, checked, len(jobs))
     return [
         Enqueued(row["id"], row["job_id"], row["tenant"], row["name"], "queued", True, using)
@@ -218,9 +220,13 @@ def _defaults() -> tuple[str, str, int]:
 
 
 def _row(
-    job: NewJob, index: int | None, defaults: tuple[str, str, int] | None = None
+    job: NewJob,
+    index: int | None,
+    defaults: tuple[str, str, int] | None = None,
+    new_id: Callable[[], str] = new_job_id,
 ) -> dict[str, Any]:
-    """Validate one job and turn it into column values (raises InvalidJob)."""
+    """Validate one job and turn it into column values (raises InvalidJob). A keyless job
+    takes ``new_id()``: a batch's ids are drawn together (:func:`jobs.models.new_job_ids`)."""
     default_tenant, default_queue, default_max_attempts = defaults or _defaults()
     if not isinstance(job, NewJob):
         raise InvalidJob(f"expected a NewJob, got {type(job).__name__}", index=index)
@@ -230,7 +236,7 @@ def _row(
             index=index,
         )
     if job.job_id is None:
-        job_id = new_job_id()  # hex digits: nothing to check
+        job_id = new_id()  # hex digits: nothing to check
     else:
         job_id = job.job_id
         if not isinstance(job_id, str) or not job_id or len(job_id) > 255:

@@ -8,7 +8,9 @@ hold the two paths to the same rows, the same ids in input order and the same no
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 from datetime import timedelta
 
 import pytest
@@ -258,3 +260,21 @@ def test_with_autocommit_off_a_batch_is_checked_whole_as_inside_atomic():
     assert refused.captured_queries == []
     assert not any("SAVEPOINT" in q["sql"] for q in copied.captured_queries), copied
     assert Job.objects.count() == COPY_AT_LEAST
+
+
+@pytest.mark.parametrize(
+    "size, inside", [(COPY_AT_LEAST, False), (COPY_AT_LEAST, True), (5, False), (5, True)]
+)
+def test_a_batch_of_keyless_jobs_draws_its_random_ids_at_once(monkeypatch, size, inside):
+    """Each keyless job's id has 74 random bits: read from the system once a batch (one
+    call), not once a job (a third of drawing an id, 0.3 µs of a bulk enqueue's 10)."""
+    calls = []
+    real = os.urandom
+    monkeypatch.setattr(os, "urandom", lambda n: calls.append(n) or real(n))
+    keyed = [NewJob(NAMES[0], {"n": -n}, job_id=f"key-{n}") for n in range(1, 3)]
+    with transaction.atomic() if inside else contextlib.nullcontext():
+        results = queue.enqueue_many([*batch(size), *([] if size >= COPY_AT_LEAST else keyed)])
+
+    assert len(calls) == 1, calls
+    assert len({r.job_id for r in results}) == len(results)
+    assert Job.objects.count() == len(results)
