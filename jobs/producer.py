@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobs import databases
 from jobs.conf import as_timedelta
+from jobs.frozen import direct_init
 from jobs.payloads import InvalidPayload, Payload, checked_json
 from jobs.registry import Policy, catalogue
 
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
     from jobs.queue import Enqueued, NewJob
 
 
-@dataclass(frozen=True, kw_only=True)
+@direct_init
+@dataclass(frozen=True, kw_only=True, slots=True)
 class JobSpec:
     """A payload with its own enqueue options, for batches whose jobs differ.
 

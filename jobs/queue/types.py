@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+from jobs.frozen import direct_init
 from jobs.queue import text
 from jobs.runs import ErrorCode, RunState
 
@@ -46,6 +47,7 @@ def validate_key(value: object, what: str) -> str:
     return value
 
 
+@direct_init
 @dataclass(frozen=True, slots=True)
 class NewJob:
     """A job to enqueue. Omitted fields take the ``JOBS`` defaults.
@@ -113,6 +115,7 @@ class BatchFailure:
     finished_at: datetime | None
 
 
+@direct_init
 @dataclass(frozen=True, slots=True)
 class Enqueued:
     """What enqueue did for one job: ``created`` is False when an existing job was returned."""
@@ -126,6 +129,7 @@ class Enqueued:
     using: str = "default"  # the database alias it is in: row ids are counted per database
 
 
+@direct_init
 @dataclass(frozen=True, slots=True)
 class ClaimedJob:
     """A job this worker holds a lease on; ``claim_token`` fences every outcome write."""
@@ -228,6 +232,7 @@ class AllTenants(Scope):
         return "TRUE", {}
 
 
+@direct_init
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """The result of one claimed attempt, written only while ``token`` still holds the job.
