@@ -158,6 +158,12 @@ class Worker(Draining):
             for name in self._names
             if (limits := flow.limits_of(registry[name].policy)) is not None
         }
+        # Prefetch holds thread-run jobs in front of the threads, which start them as they
+        # free up, whatever async handlers run meanwhile: beside async types it would run
+        # more than ``concurrency`` handlers at once, so such a worker does not prefetch.
+        self._prefetch = (
+            0 if any(registry[name].is_async for name in self._names) else self.config.prefetch
+        )
         self._gates_made = not self._limits
         self._cursors: dict[str, str] = {}
         self._held_back: dict[str, tuple[float, int, float]] = {}  # (next try, empty tries, last)
@@ -961,8 +967,8 @@ class Worker(Draining):
     def _capacity(self) -> int:
         """How many jobs the worker may hold now (called under ``self._lock``): one a handler
         thread, plus what the threads finish within :data:`PREFETCH_HORIZON`, up to the
-        prefetch limit, once its handlers have been measured."""
-        limit = self.config.prefetch
+        prefetch limit, once its handlers have been measured (none beside async types)."""
+        limit = self._prefetch
         if not limit or self._mean_run is None:
             return self.config.concurrency
         finishing = self.config.concurrency * PREFETCH_HORIZON / max(self._mean_run, 1e-6)
@@ -990,3 +996,12 @@ class Worker(Draining):
             ", ".join(types) or "(none)",
             extra={"action": "started"},
         )
+        if self.config.prefetch and not self._prefetch:
+            logger.warning(
+                "prefetch %d is off: this worker runs async def types (%s), and jobs held in "
+                "front of the threads would run beside them beyond the %d slots",
+                self.config.prefetch,
+                ", ".join(name for name in self._names if self.registry[name].is_async),
+                self.config.concurrency,
+                extra={"action": "prefetch_off"},
+            )

@@ -133,28 +133,69 @@ def test_a_type_under_a_fleet_wide_limit_is_not_prefetched(own_limit):
     assert most == 2
 
 
+def async_worker(recorder: Recorder, **config) -> tuple[Worker, threading.Thread]:
+    """A worker of the scripted thread-run type and an ``async def`` one (Echo: its text is
+    the seconds it waits), recording the async handlers' entries too."""
+
+    async def wait(payload: Echo, ctx) -> None:
+        recorder.enter(payload, ctx)
+        try:
+            await asyncio.sleep(float(payload.text))
+        finally:
+            recorder.leave(ctx)
+
+    types = Registry([JobType(Step, scripted(recorder), Policy()), JobType(Echo, wait, Policy())])
+    worker = Worker(
+        types, WorkerConfig(install_signal_handlers=False, poll_interval=0.05, **config)
+    )
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    return worker, thread
+
+
 def test_async_handlers_are_not_prefetched():
     # They start on the event loop as soon as they are dispatched: held beyond the threads,
     # they would run beyond them.
     recorder = Recorder()
-
-    async def wait(payload: Echo, ctx) -> None:
-        await asyncio.sleep(0.1)
-
-    types = Registry([JobType(Step, scripted(recorder), Policy()), JobType(Echo, wait, Policy())])
-    worker = Worker(
-        types,
-        WorkerConfig(install_signal_handlers=False, poll_interval=0.05, concurrency=2, prefetch=6),
-    )
-    thread = threading.Thread(target=worker.run)
-    thread.start()
+    worker, thread = async_worker(recorder, concurrency=2, prefetch=6)
     try:
         measured_short(worker)  # a thread-run job: the worker has short handlers
-        load = [enqueue(Echo(text=str(n))) for n in range(8)]
+        load = [enqueue(Echo(text="0.1")) for _ in range(8)]
         most = most_held(worker, load)
     finally:
         stop(worker, thread)
     assert most == 2
+
+
+def test_a_worker_that_runs_async_handlers_does_not_prefetch_thread_run_ones(caplog):
+    """Thread-run jobs held in front of the threads start as threads free up, whatever async
+    handlers run meanwhile: with both kinds, prefetch ran 4 handlers at once on
+    ``--concurrency 3``. Such a worker holds no job beyond its concurrency."""
+    recorder = Recorder()
+    worker, thread = async_worker(recorder, concurrency=3, prefetch=9)
+    try:
+        warm = [enqueue(Echo(text="0")), enqueue(Step(plan=("ok",)))]
+        wait_for(lambda: succeeded(warm), what="short jobs of both kinds ran")
+        load = [
+            enqueue(Echo(text="0.2")) if n % 2 else enqueue(Step(plan=("sleep",), seconds=0.2))
+            for n in range(16)
+        ]
+        most = held = 0
+        deadline = time.monotonic() + 20
+        while not succeeded(load):
+            assert time.monotonic() < deadline, "the load did not drain within 20 s"
+            with recorder.lock:
+                most = max(most, sum(recorder.active.values()))
+            held = max(held, held_by(worker))
+            time.sleep(0.002)
+    finally:
+        stop(worker, thread)
+    assert most <= 3  # handlers of both kinds at once: never more than the concurrency
+    assert recorder.peak["test.echo.v1"] >= 1 and recorder.peak[STEP] >= 1
+    assert held <= 3
+    [warning] = [r for r in caplog.records if getattr(r, "action", None) == "prefetch_off"]
+    assert "prefetch 9 is off" in warning.getMessage()
+    assert "test.echo.v1" in warning.getMessage()
 
 
 def test_a_drain_hands_prefetched_jobs_back_at_once():
