@@ -158,12 +158,6 @@ class Worker(Draining):
             for name in self._names
             if (limits := flow.limits_of(registry[name].policy)) is not None
         }
-        # Prefetch holds thread-run jobs in front of the threads, which start them as they
-        # free up, whatever async handlers run meanwhile: beside async types it would run
-        # more than ``concurrency`` handlers at once, so such a worker does not prefetch.
-        self._prefetch = (
-            0 if any(registry[name].is_async for name in self._names) else self.config.prefetch
-        )
         self._gates_made = not self._limits
         self._cursors: dict[str, str] = {}
         self._held_back: dict[str, tuple[float, int, float]] = {}  # (next try, empty tries, last)
@@ -173,8 +167,11 @@ class Worker(Draining):
         self._held: dict[tuple[int, UUID], Running] = {}
         self._in_flight = 0
         self._in_flight_by_name: Counter[str] = Counter()
-        # Handlers started and not finished (jobs_worker_running reads it when scraped).
+        # Handlers started and not finished (jobs_worker_running reads it when scraped). At
+        # most ``concurrency``: a held job that finds every slot taken at its start waits in
+        # _waiting (both kinds, in order) until a handler ends (see _slot_taken).
         self.handlers_running = 0
+        self._waiting: deque[Running] = deque()
         metrics.count_running(self)
         self._acks: list[tuple[Running, Outcome | None]] = []
         # Outcomes whose row was locked by another session, retried from _deferred_at on.
@@ -560,11 +557,11 @@ class Worker(Draining):
                 continue
             job_type = self.registry[name]
             policy = job_type.policy
-            # Prefetch is for thread-run jobs: an async one starts at once, and one under a
-            # fleet-wide limit or rate counts against it from its claim. (Fair order alone
-            # is decided at the claim too; holding a job a few ms more does not change it.)
+            # Not prefetched: a job under a fleet-wide limit or rate, which counts against
+            # it from its claim. (Fair order alone is decided at the claim too; holding a job
+            # a few ms more does not change it.)
             limits = self._limits.get(name)
-            prefetched = not job_type.is_async and (limits is None or not limits.gated)
+            prefetched = limits is None or not limits.gated
             room = free if prefetched else min(free, idle)
             if policy.concurrency is not None:
                 room = min(room, policy.concurrency - running.get(name, 0))
@@ -705,10 +702,8 @@ class Worker(Draining):
         """On the loop thread: one task per job a drain has not handed back meanwhile."""
         for running in batch:
             with self._lock:
-                if running.handed_back:
+                if running.handed_back or not self._slot_taken(running):
                     continue
-                running.started = True
-                self.handlers_running += 1
             try:
                 task = self._pool.event_loop.loop.create_task(
                     self._execute_on_loop(running), name=f"worker of job {running.job.job_id}"
@@ -717,6 +712,38 @@ class Worker(Draining):
             except BaseException as exc:
                 logger.exception("worker error starting job %s", running.job.job_id)
                 self._finished(running, self._worker_failure(running, exc))
+
+    def _slot_taken(self, running: Running) -> bool:
+        """Count ``running``'s handler as started if a slot is free (under ``self._lock``).
+
+        A prefetched job, held beyond the slots, can reach its start while every slot is
+        taken: a thread-run one while async handlers hold slots the threads do not see, an
+        async one while the slots are full. It then waits in ``_waiting`` until a handler
+        ends (:meth:`_finished` resumes it), so handlers of both kinds never run more than
+        ``concurrency`` at once.
+        """
+        if self.handlers_running >= self.config.concurrency:
+            self._waiting.append(running)
+            return False
+        running.started = True  # a handler's start: a prefetched job is held, not running
+        self.handlers_running += 1
+        return True
+
+    def _next_waiting(self) -> Running | None:
+        """The first job waiting for a slot, if a slot is free (under ``self._lock``); jobs a
+        drain handed back meanwhile are dropped."""
+        while self._waiting and self.handlers_running < self.config.concurrency:
+            running = self._waiting.popleft()
+            if not running.handed_back:
+                return running
+        return None
+
+    def _resume(self, running: Running) -> None:
+        """Start a job that waited for a slot, where its kind runs."""
+        if running.job_type.is_async:
+            self._to_loop([running])
+        else:
+            self._pool.submit(partial(self._execute, running))
 
     def _never_started(self, running: Running, task: asyncio.Task[None]) -> None:
         """A job's task cancelled before its first step (the loop's close cancels every task
@@ -727,6 +754,7 @@ class Worker(Draining):
     async def _execute_on_loop(self, running: Running) -> None:
         """An async job's task. Whatever happens in it, the slot is freed."""
         outcome: Outcome | None = None
+        began = time.monotonic()
         try:
             outcome = await execute_on_loop(
                 running,
@@ -739,7 +767,7 @@ class Worker(Draining):
                 logger.exception("worker error running job %s", running.job.job_id)
             outcome = self._worker_failure(running, exc)
         finally:
-            self._finished(running, outcome)
+            self._finished(running, outcome, ran=time.monotonic() - began)
 
     @staticmethod
     def _worker_failure(running: Running, exc: BaseException) -> Outcome | None:
@@ -752,10 +780,10 @@ class Worker(Draining):
     def _execute(self, running: Running) -> None:
         """Runs on a handler thread. Whatever happens in it, the slot is freed."""
         with self._lock:
-            if running.handed_back:
-                return  # a drain released the job before this thread took it
-            running.started = True  # a handler's start: a prefetched job is held, not running
-            self.handlers_running += 1
+            # Not when a drain released the job before this thread took it, nor while async
+            # handlers hold the slots this thread would take (it then waits in _waiting).
+            if running.handed_back or not self._slot_taken(running):
+                return
         outcome: Outcome | None = None
         began = time.monotonic()
         # Whether to measure this job's CPU time (CPU_SAMPLE_INTERVAL): from the thread's CPU
@@ -798,9 +826,9 @@ class Worker(Draining):
         ran: float | None = None,
         held: float | None = None,
     ) -> None:
-        """Free the job's slot and queue its outcome; ``ran``: a thread-run handler's time,
-        ``held``: how long it counts as holding its thread (:func:`thread_held`; None: not
-        measured, see CPU_SAMPLE_INTERVAL)."""
+        """Free the job's slot, start a job that waited for one, and queue the outcome;
+        ``ran``: the handler's time, ``held``: how long a thread-run one counts as holding
+        its thread (:func:`thread_held`; None: not measured, see CPU_SAMPLE_INTERVAL)."""
         if outcome is not None:  # the last progress report goes with the outcome
             outcome = with_last_report(running, outcome)
         with self._lock:
@@ -812,6 +840,7 @@ class Worker(Draining):
             running.finished = True
             if running.started:  # counted in at its handler's start
                 self.handlers_running -= 1
+            resumed = self._next_waiting() if self._waiting else None
             self._in_flight -= 1
             self._in_flight_by_name[running.job.name] -= 1
             self._acks.append((running, outcome))
@@ -822,6 +851,8 @@ class Worker(Draining):
             wake = self._first_ack_at is None or self._acks_due(now)
             if self._first_ack_at is None:
                 self._first_ack_at = now
+        if resumed is not None:
+            self._resume(resumed)
         if wake:
             self._wake.set()
 
@@ -967,8 +998,8 @@ class Worker(Draining):
     def _capacity(self) -> int:
         """How many jobs the worker may hold now (called under ``self._lock``): one a handler
         thread, plus what the threads finish within :data:`PREFETCH_HORIZON`, up to the
-        prefetch limit, once its handlers have been measured (none beside async types)."""
-        limit = self._prefetch
+        prefetch limit, once its handlers have been measured."""
+        limit = self.config.prefetch
         if not limit or self._mean_run is None:
             return self.config.concurrency
         finishing = self.config.concurrency * PREFETCH_HORIZON / max(self._mean_run, 1e-6)
@@ -996,12 +1027,3 @@ class Worker(Draining):
             ", ".join(types) or "(none)",
             extra={"action": "started"},
         )
-        if self.config.prefetch and not self._prefetch:
-            logger.warning(
-                "prefetch %d is off: this worker runs async def types (%s), and jobs held in "
-                "front of the threads would run beside them beyond the %d slots",
-                self.config.prefetch,
-                ", ".join(name for name in self._names if self.registry[name].is_async),
-                self.config.concurrency,
-                extra={"action": "prefetch_off"},
-            )

@@ -153,24 +153,27 @@ def async_worker(recorder: Recorder, **config) -> tuple[Worker, threading.Thread
     return worker, thread
 
 
-def test_async_handlers_are_not_prefetched():
-    # They start on the event loop as soon as they are dispatched: held beyond the threads,
-    # they would run beyond them.
+def test_async_handlers_are_prefetched_but_never_run_beyond_the_concurrency():
+    """Held in front of the slots, an async job starts as soon as another one ends: the slot
+    does not wait for the pass that writes the outcome and claims the next job."""
     recorder = Recorder()
     worker, thread = async_worker(recorder, concurrency=2, prefetch=6)
     try:
-        measured_short(worker)  # a thread-run job: the worker has short handlers
-        load = [enqueue(Echo(text="0.1")) for _ in range(8)]
-        most = most_held(worker, load)
+        first = enqueue(Echo(text="0"))
+        wait_for(lambda: succeeded([first]), what="a short async job ran")
+        load = [enqueue(Echo(text="0.3")) for _ in range(10)]
+        wait_for(lambda: held_by(worker) == 8, what="8 jobs held by a worker of 2 slots")
+        wait_for(lambda: succeeded(load), timeout=20, what="every job succeeded")
     finally:
         stop(worker, thread)
-    assert most == 2
+    assert recorder.peak["test.echo.v1"] == 2  # handlers at once: never more than the slots
+    assert set(Job.objects.values_list("attempts", flat=True)) == {1}
 
 
-def test_a_worker_that_runs_async_handlers_does_not_prefetch_thread_run_ones(caplog):
-    """Thread-run jobs held in front of the threads start as threads free up, whatever async
-    handlers run meanwhile: with both kinds, prefetch ran 4 handlers at once on
-    ``--concurrency 3``. Such a worker holds no job beyond its concurrency."""
+def test_prefetched_handlers_of_both_kinds_never_run_beyond_the_concurrency():
+    """Thread-run jobs held in front of the threads started as threads freed up, whatever
+    async handlers ran meanwhile: prefetch ran 4 handlers at once on ``--concurrency 3``. A
+    held job now starts only into a free slot, and waits for one otherwise."""
     recorder = Recorder()
     worker, thread = async_worker(recorder, concurrency=3, prefetch=9)
     try:
@@ -192,10 +195,7 @@ def test_a_worker_that_runs_async_handlers_does_not_prefetch_thread_run_ones(cap
         stop(worker, thread)
     assert most <= 3  # handlers of both kinds at once: never more than the concurrency
     assert recorder.peak["test.echo.v1"] >= 1 and recorder.peak[STEP] >= 1
-    assert held <= 3
-    [warning] = [r for r in caplog.records if getattr(r, "action", None) == "prefetch_off"]
-    assert "prefetch 9 is off" in warning.getMessage()
-    assert "test.echo.v1" in warning.getMessage()
+    assert held > 3  # prefetched: held beyond the slots
 
 
 def test_a_drain_hands_prefetched_jobs_back_at_once():
@@ -217,6 +217,34 @@ def test_a_drain_hands_prefetched_jobs_back_at_once():
                 == 4
             ),
             what="the prefetched jobs handed back",
+        )
+        assert Job.objects.get(pk=long.id).state == "running"
+    finally:
+        thread.join(20)
+    assert not thread.is_alive()
+    assert Job.objects.get(pk=long.id).state == "succeeded"
+    assert len(recorder.calls) == 2  # the handed-back jobs never ran here
+
+
+def test_a_drain_hands_prefetched_async_jobs_back_at_once():
+    recorder = Recorder()
+    worker, thread = async_worker(recorder, concurrency=1, prefetch=5)
+    try:
+        first = enqueue(Echo(text="0"))
+        wait_for(lambda: succeeded([first]), what="a short async job ran")
+        long = enqueue(Echo(text="1.5"))  # claimed first: the older job
+        waiting = [enqueue(Echo(text="0")) for _ in range(4)]
+        wait_for(lambda: held_by(worker) == 5, what="the long job and 4 prefetched held")
+        wait_for(lambda: len(recorder.calls) == 2, what="the long job started")
+        worker.request_stop()
+        wait_for(
+            lambda: (
+                Job.objects.filter(
+                    pk__in=[j.id for j in waiting], state="queued", attempts=0, claim_token=None
+                ).count()
+                == 4
+            ),
+            what="the prefetched async jobs handed back",
         )
         assert Job.objects.get(pk=long.id).state == "running"
     finally:
