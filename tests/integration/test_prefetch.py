@@ -198,13 +198,25 @@ def test_prefetched_handlers_of_both_kinds_never_run_beyond_the_concurrency():
     assert held > 3  # prefetched: held beyond the slots
 
 
-def test_a_drain_hands_prefetched_jobs_back_at_once():
+def thread_run(seconds: float) -> Step:
+    return Step(plan=("sleep",), seconds=seconds) if seconds else Step(plan=("ok",))
+
+
+def run_async(seconds: float) -> Echo:
+    return Echo(text=str(seconds))  # async_worker's Echo handler waits that long
+
+
+@pytest.mark.parametrize(
+    "worker_of, job", [(start, thread_run), (async_worker, run_async)], ids=["thread", "async"]
+)
+def test_a_drain_hands_prefetched_jobs_back_at_once(worker_of, job):
     recorder = Recorder()
-    worker, thread = start(recorder, concurrency=1, prefetch=5)
+    worker, thread = worker_of(recorder, concurrency=1, prefetch=5)
     try:
-        measured_short(worker)
-        long = enqueue(Step(plan=("sleep",), seconds=1.5))  # claimed first: the older job
-        waiting = [enqueue(Step(plan=("ok",))) for _ in range(4)]
+        first = enqueue(job(0))
+        wait_for(lambda: succeeded([first]), what="a short job ran")
+        long = enqueue(job(1.5))  # claimed first: the older job
+        waiting = [enqueue(job(0)) for _ in range(4)]
         wait_for(lambda: held_by(worker) == 5, what="the long job and 4 prefetched held")
         wait_for(lambda: len(recorder.calls) == 2, what="the long job started")
         worker.request_stop()
@@ -217,34 +229,6 @@ def test_a_drain_hands_prefetched_jobs_back_at_once():
                 == 4
             ),
             what="the prefetched jobs handed back",
-        )
-        assert Job.objects.get(pk=long.id).state == "running"
-    finally:
-        thread.join(20)
-    assert not thread.is_alive()
-    assert Job.objects.get(pk=long.id).state == "succeeded"
-    assert len(recorder.calls) == 2  # the handed-back jobs never ran here
-
-
-def test_a_drain_hands_prefetched_async_jobs_back_at_once():
-    recorder = Recorder()
-    worker, thread = async_worker(recorder, concurrency=1, prefetch=5)
-    try:
-        first = enqueue(Echo(text="0"))
-        wait_for(lambda: succeeded([first]), what="a short async job ran")
-        long = enqueue(Echo(text="1.5"))  # claimed first: the older job
-        waiting = [enqueue(Echo(text="0")) for _ in range(4)]
-        wait_for(lambda: held_by(worker) == 5, what="the long job and 4 prefetched held")
-        wait_for(lambda: len(recorder.calls) == 2, what="the long job started")
-        worker.request_stop()
-        wait_for(
-            lambda: (
-                Job.objects.filter(
-                    pk__in=[j.id for j in waiting], state="queued", attempts=0, claim_token=None
-                ).count()
-                == 4
-            ),
-            what="the prefetched async jobs handed back",
         )
         assert Job.objects.get(pk=long.id).state == "running"
     finally:
