@@ -172,6 +172,7 @@ class Worker(Draining):
         # _waiting (both kinds, in order) until a handler ends (see _slot_taken).
         self.handlers_running = 0
         self._waiting: deque[Running] = deque()
+        self._resuming = threading.local()  # jobs _resume starts on this thread, in turn
         metrics.count_running(self)
         self._acks: list[tuple[Running, Outcome | None]] = []
         # Outcomes whose row was locked by another session, retried from _deferred_at on.
@@ -739,11 +740,25 @@ class Worker(Draining):
         return None
 
     def _resume(self, running: Running) -> None:
-        """Start a job that waited for a slot, where its kind runs."""
-        if running.job_type.is_async:
-            self._to_loop([running])
-        else:
-            self._pool.submit(partial(self._execute, running))
+        """Start a job that waited for a slot, where its kind runs.
+
+        An async job the loop cannot take (it is gone: a bug of ours) ends at once, and its
+        end resumes the next waiting job: those are started here in turn, not by recursion.
+        """
+        resuming = self._resuming
+        if getattr(resuming, "pending", None) is not None:
+            resuming.pending.append(running)
+            return
+        resuming.pending = [running]
+        try:
+            while resuming.pending:
+                job = resuming.pending.pop(0)
+                if job.job_type.is_async:
+                    self._to_loop([job])
+                else:
+                    self._pool.submit(partial(self._execute, job))
+        finally:
+            resuming.pending = None
 
     def _never_started(self, running: Running, task: asyncio.Task[None]) -> None:
         """A job's task cancelled before its first step (the loop's close cancels every task

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
@@ -17,8 +18,10 @@ from prometheus_client import REGISTRY
 
 from jobs import enqueue
 from jobs.models import Job
+from jobs.queue import ClaimedJob
 from jobs.registry import JobType, Policy, Registry
 from jobs.worker.config import WorkerConfig
+from jobs.worker.execution import Running, make_context
 from jobs.worker.runner import PREFETCH_HORIZON, Worker
 from tests.worker_support import Echo, Recorder, Step, registry, scripted
 
@@ -251,3 +254,50 @@ def test_prefetch_is_off_by_default_and_checked():
     assert most == 2
     with pytest.raises(ImproperlyConfigured, match="prefetch must be from 0 to 10000, got -1"):
         WorkerConfig(prefetch=-1)
+
+
+def test_async_jobs_waiting_for_a_slot_end_in_turn_when_the_loop_is_gone():
+    """The loop gone (a bug of ours), each waiting async job ends as the worker's failure,
+    and each end resumes the next: in turn, not one call deeper each (3,000 jobs waiting
+    went past Python's recursion limit)."""
+    recorder = Recorder()
+
+    async def wait(payload: Echo, ctx) -> None:
+        await asyncio.sleep(0)
+
+    echo = JobType(Echo, wait, Policy())
+    worker = Worker(
+        Registry([JobType(Step, scripted(recorder), Policy()), echo]),
+        WorkerConfig(install_signal_handlers=False, concurrency=1, prefetch=5000),
+    )
+
+    class GoneLoop:
+        def call_soon_threadsafe(self, *args):
+            raise RuntimeError("Event loop is closed")
+
+    worker._pool = type("Pool", (), {"event_loop": type("L", (), {"loop": GoneLoop()})()})()
+    token = uuid.uuid4()
+    waiting = [
+        Running(
+            ClaimedJob(n, f"j{n}", echo.name, {"text": "0"}, "", "default", 0, 1, 3, token, 0.0),
+            echo,
+            make_context(
+                ClaimedJob(n, f"j{n}", echo.name, {}, "", "default", 0, 1, 3, token, 0.0), echo
+            ),
+        )
+        for n in range(3_001)
+    ]
+    running, *rest = waiting
+    with worker._lock:
+        worker._in_flight = len(waiting)
+        worker._in_flight_by_name[echo.name] = len(waiting)
+        assert worker._slot_taken(running)
+        for job in rest:
+            assert not worker._slot_taken(job)
+
+    worker._finished(running, None)
+
+    assert worker._in_flight == 0 and worker.handlers_running == 0 and not worker._waiting
+    failed = [outcome for _, outcome in worker._acks if outcome is not None]
+    assert len(failed) == len(rest)
+    assert {o.code for o in failed} == {"handler_error"}
