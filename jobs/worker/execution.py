@@ -140,6 +140,8 @@ def execute(
     while True:
         if running.lost:  # given up before this call (the watch does not wait for us)
             return None
+        if running.cancel_requested:  # an operator's cancel while it was held, unstarted
+            return Outcome.cancelled(job)
         mark_running(running)
         error, result, duration = _call(job_type, decoded.payload, ctx)
         metrics.for_type(job.name).handler_duration.observe(duration)

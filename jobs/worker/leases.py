@@ -144,7 +144,13 @@ class LeaseKeeper:
         for running in self._held():
             ctx = running.ctx
             try:  # a handler may have assigned nonsense to its context's fields
-                overran = not running.finished and not ctx.cancelled.is_set() and now > ctx.deadline
+                # A held job's clock starts with its handler (Worker._start), not its claim.
+                overran = (
+                    running.started
+                    and not running.finished
+                    and not ctx.cancelled.is_set()
+                    and now > ctx.deadline
+                )
             except Exception:
                 continue
             if overran:

@@ -120,6 +120,8 @@ async def execute_on_loop(
         # awaits) go to the job's thread.
         async with ThreadSensitiveContext(executor=thread):
             while True:
+                if running.lost:  # given up while it was held (or between attempts)
+                    return None
                 if job_type.policy.run_model is not None:
                     await loop.run_in_executor(thread, mark_running, running)
                 error, result, duration = await _call(current, running, decoded.payload, name)

@@ -703,7 +703,8 @@ class Worker(Draining):
         """On the loop thread: one task per job a drain has not handed back meanwhile."""
         for running in batch:
             with self._lock:
-                if running.handed_back or not self._slot_taken(running):
+                # A job resumed from _waiting holds its slot already.
+                if running.handed_back or not (running.started or self._slot_taken(running)):
                     continue
             try:
                 task = self._pool.event_loop.loop.create_task(
@@ -726,16 +727,24 @@ class Worker(Draining):
         if self.handlers_running >= self.config.concurrency:
             self._waiting.append(running)
             return False
-        running.started = True  # a handler's start: a prefetched job is held, not running
-        self.handlers_running += 1
+        self._start(running)
         return True
 
+    def _start(self, running: Running) -> None:
+        """Count ``running``'s handler in (under ``self._lock``): a prefetched job is held, not
+        running, until now, and its timeout runs from now, not from its claim."""
+        running.started = True
+        running.ctx.started = time.monotonic()
+        self.handlers_running += 1
+
     def _next_waiting(self) -> Running | None:
-        """The first job waiting for a slot, if a slot is free (under ``self._lock``); jobs a
-        drain handed back meanwhile are dropped."""
+        """The first job waiting for a slot, counted in if a slot is free (under
+        ``self._lock``): the slot is its own before it reaches its thread or the loop, and a
+        drain leaves it to run. Jobs a drain handed back meanwhile are dropped."""
         while self._waiting and self.handlers_running < self.config.concurrency:
             running = self._waiting.popleft()
             if not running.handed_back:
+                self._start(running)
                 return running
         return None
 
@@ -796,8 +805,9 @@ class Worker(Draining):
         """Runs on a handler thread. Whatever happens in it, the slot is freed."""
         with self._lock:
             # Not when a drain released the job before this thread took it, nor while async
-            # handlers hold the slots this thread would take (it then waits in _waiting).
-            if running.handed_back or not self._slot_taken(running):
+            # handlers hold the slots this thread would take (it then waits in _waiting); a
+            # job resumed from _waiting holds its slot already.
+            if running.handed_back or not (running.started or self._slot_taken(running)):
                 return
         outcome: Outcome | None = None
         began = time.monotonic()

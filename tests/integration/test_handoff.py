@@ -170,12 +170,12 @@ def test_handlers_that_wait_a_few_milliseconds_on_io_each_get_a_thread_at_once()
     """Handlers that block briefly (a 3 ms query, a call to a nearby service) hold their
     thread without using the CPU: once such jobs have run, a pass's jobs start side by side,
     not one after another on one thread until the stall watch wakes more."""
-    starts: list[tuple[float, int]] = []  # (when a handler started, the pass it came in)
+    starts: list[tuple[float, int]] = []  # (when a handler started, its job's id)
     lock = threading.Lock()
 
     def waits_on_io(payload: Step, ctx) -> None:
         with lock:
-            starts.append((time.monotonic(), ctx.started))
+            starts.append((time.monotonic(), ctx.id))
         time.sleep(0.003)
 
     passes = drain_in_passes(waits_on_io, starts, concurrency=10)
@@ -188,9 +188,9 @@ def test_handlers_that_wait_a_few_milliseconds_on_io_each_get_a_thread_at_once()
 def drain_in_passes(
     handler, starts, *, concurrency: int, jobs: int = 80, **config
 ) -> list[list[float]]:
-    """Run ``jobs`` Step jobs with ``handler`` (which appends to ``starts``) and return the
-    handler start times of each pass's jobs, the first two passes left out (no handler had
-    run before them)."""
+    """Run ``jobs`` Step jobs with ``handler`` (which appends its start time and its job's id
+    to ``starts``) and return the handler start times of each pass's jobs, the first two
+    passes left out (no handler had run before them)."""
     worker = Worker(
         Registry([JobType(Step, handler, Policy(concurrency=None))]),
         WorkerConfig(
@@ -200,16 +200,12 @@ def drain_in_passes(
     for _ in range(jobs):
         enqueue(Step(plan=("sleep",), seconds=0.003))
     worker.run(until=lambda w: len(starts) >= jobs and w.idle)
-    # Jobs dispatched together got their contexts within a few µs of each other (a context's
-    # start is its making): a pass is a run of them with no gap of half a millisecond.
-    passes: list[list[float]] = []
-    last = None
-    for dispatched, started in sorted((d, s) for s, d in starts):
-        if last is None or dispatched - last > 0.0005:
-            passes.append([])
-        passes[-1].append(started)
-        last = dispatched
-    return passes[2:]
+    # A pass's claim is one statement: the jobs it claimed share its clock (started_at).
+    claimed_at = dict(Job.objects.values_list("id", "started_at"))
+    passes: dict[object, list[float]] = {}
+    for started, job in starts:
+        passes.setdefault(claimed_at[job], []).append(started)
+    return [passes[at] for at in sorted(passes)][2:]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -217,12 +213,12 @@ def test_with_few_slots_a_pass_waits_for_short_handlers_to_claim_every_slot():
     """Ten slots, handlers of a few ms that barely use the CPU: when half the slots are free,
     the other half will be in a moment, so the pass waits for them (up to ack_interval) and
     claims for all ten; passes of five cost two passes' fixed cost for ten jobs."""
-    starts: list[tuple[float, float]] = []
+    starts: list[tuple[float, int]] = []  # (when a handler started, its job's id)
     lock = threading.Lock()
 
     def short(payload: Step, ctx) -> None:
         with lock:
-            starts.append((time.monotonic(), ctx.started))
+            starts.append((time.monotonic(), ctx.id))
         time.sleep(0.0005)
 
     # A wait of up to 50 ms: long enough for ten such handlers on a busy machine.

@@ -49,7 +49,13 @@ def test_enqueue_many_still_takes_a_generator(size):
 def _fake_running(job_id: int) -> SimpleNamespace:
     job = SimpleNamespace(name=NAME, id=job_id, claim_token=uuid.uuid4(), job_id=f"j{job_id}")
     return SimpleNamespace(
-        job=job, handed_back=False, started=False, lost=False, finished=False, completed=False
+        job=job,
+        ctx=SimpleNamespace(),  # its handler's start sets the timeout's clock here
+        handed_back=False,
+        started=False,
+        lost=False,
+        finished=False,
+        completed=False,
     )
 
 

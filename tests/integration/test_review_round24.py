@@ -375,7 +375,13 @@ def fake_running(work) -> SimpleNamespace:
     """What ``_execute`` and ``_finished`` read of a held job; ``work`` is its handler."""
     job = SimpleNamespace(job_id=str(uuid4()), id=1, claim_token=uuid4(), name="test.step.v1")
     return SimpleNamespace(
-        job=job, work=work, handed_back=False, started=False, finished=False, lost=False
+        job=job,
+        ctx=SimpleNamespace(),  # its handler's start sets the timeout's clock here
+        work=work,
+        handed_back=False,
+        started=False,
+        finished=False,
+        lost=False,
     )
 
 
