@@ -38,6 +38,9 @@ printed as a share of it; with ``--check`` every row must reach 80 %::
 
     .venv/bin/python bench/drain.py --type asleep --processes 1 --concurrency 100 --jobs 10000
     .venv/bin/python bench/drain.py --type asleep --processes 5 --concurrency 100 --jobs 25000
+
+With ``-- --prefetch 100`` the workers hold jobs beyond their slots, so a slot that frees
+starts the next at once rather than after the next pass (docs/worker.md#prefetch).
 """
 
 from __future__ import annotations
