@@ -415,7 +415,9 @@ def test_a_thread_only_worker_never_parks_a_job():
 
 
 def test_a_parked_job_resumed_by_a_handler_s_end_takes_that_slot():
-    """The docs say a handler that ends starts the next held job: ``_finished`` hands the
+    """FIXED (this round).
+
+    The docs say a handler that ends starts the next held job: ``_finished`` hands the
     freed slot to the first parked job. But ``_next_waiting`` only pops it; it is counted in
     by ``_slot_taken`` only when it reaches its thread (through the pool's queue, behind held
     jobs already there) or the loop, and another held job that gets there first takes the
@@ -453,7 +455,9 @@ BEHIND = {
 
 @pytest.mark.parametrize("case", list(BEHIND))
 def test_a_parked_job_s_timeout_runs_from_its_start_not_its_claim(case):
-    """A job of a type with a 0.4 s timeout waits 1.2 s for the slot, then its handler
+    """FIXED (this round).
+
+    A job of a type with a 0.4 s timeout waits 1.2 s for the slot, then its handler
     returns at once: it succeeded. It ends ``failed``/``deadline_exceeded`` instead, its one
     attempt spent: the timeout clock ran from its claim (ctx.started), and the lease keeper
     told it to stop before it ever started."""
@@ -480,7 +484,9 @@ def test_a_parked_job_s_timeout_runs_from_its_start_not_its_claim(case):
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_an_operator_cancel_stops_a_parked_job_before_its_handler(kind):
-    """An operator cancels a job parked behind a long handler; the worker learns it at the
+    """FIXED (this round).
+
+    An operator cancels a job parked behind a long handler; the worker learns it at the
     next renewal, while the job still waits. When the slot frees, the job must end
     ``cancelled`` without its handler being called (its side effects would happen after the
     operator said stop). The async one's task is cancelled before its first step; the sync
@@ -533,7 +539,9 @@ def test_a_parked_job_whose_lease_is_lost_never_runs_and_its_fresh_claim_runs_on
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_parked_job_whose_lease_is_lost_leaves_its_run_row_alone(kind):
-    """A parked job bound to a run row is taken away while it waits (requeued, due in an
+    """FIXED (this round).
+
+    A parked job bound to a run row is taken away while it waits (requeued, due in an
     hour). When the slot frees, the stale attempt must write nothing for the job: its run
     row stays ``queued`` with no attempt. The sync path checks ``running.lost`` first; the
     async one marks the row ``running`` (attempt 1) for an attempt it no longer holds."""
@@ -711,7 +719,9 @@ def test_a_forced_stop_with_a_stubborn_async_handler_hands_parked_jobs_back():
 
 
 def test_a_drain_as_a_parked_job_is_resumed_does_not_wait_for_a_lost_one():
-    """SIGTERM lands between a slot's hand-over to the first parked job and that job's start
+    """FIXED (this round).
+
+    SIGTERM lands between a slot's hand-over to the first parked job and that job's start
     (forced here by a hook on ``Worker._resume``, which the worker calls right after
     ``_next_waiting`` gave the job the freed slot). The drain hands the job back, so it
     never takes the slot, and nothing passes the slot on: a lost job parked behind it (not
