@@ -65,9 +65,9 @@ class Command(BaseCommand):
             "--prefetch",
             type=int,
             default=_env_number("WORKER_PREFETCH", int, 0),
-            help="Jobs held beyond the handler threads while handlers run short, so a thread "
-            "that finishes starts the next at once; for many very short jobs (env "
-            "WORKER_PREFETCH; default 0: the worker claims at most its free threads).",
+            help="Jobs held beyond the slots while handlers run short, so a handler that ends "
+            "starts the next at once; for many very short jobs, or handlers that wait on I/O "
+            "(env WORKER_PREFETCH; default 0: the worker claims at most its free slots).",
         )
         parser.add_argument(
             "--shutdown-timeout",
