@@ -117,10 +117,7 @@ class Payload:
         plain = _plain_fields(typing.cast(type, cls))
         if plain is not None and type(data) is dict and len(data) == len(plain):
             for name, tp in plain:
-                value = data.get(name, _MISSING)
-                if type(value) is not tp or (
-                    tp is float and not math.isfinite(typing.cast(float, value))
-                ):
+                if not _exactly(data.get(name, _MISSING), tp):
                     break
             else:
                 return cls(**data)
@@ -128,6 +125,12 @@ class Payload:
 
 
 _MISSING = object()
+
+
+def _exactly(value: object, tp: type) -> bool:
+    """Whether ``value`` is of the plain type ``tp`` itself (a finite one, for float): what
+    the full decoding takes as it is (see :func:`_plain_fields`)."""
+    return type(value) is tp and (tp is not float or math.isfinite(typing.cast(float, value)))
 
 
 def checked_json(payload: Payload) -> dict[str, Any]:
@@ -145,9 +148,7 @@ def checked_json(payload: Payload) -> dict[str, Any]:
         data = {}
         for name, tp in plain:
             value = getattr(payload, name)
-            if type(value) is not tp or (
-                tp is float and not math.isfinite(typing.cast(float, value))
-            ):
+            if not _exactly(value, tp):
                 break
             data[name] = value
         else:
