@@ -5,10 +5,12 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from types import SimpleNamespace
 
 from jobs import JobContext, Payload, Reject, RetryAfter
 from jobs.registry import Backoff, JobType, Policy, Registry
@@ -270,3 +272,18 @@ def run_on(pool, task: Callable[[], object]) -> object:
     if not ok:
         raise value
     return value
+
+
+def fake_held_job(name: str, id: int = 1, **fields: object) -> SimpleNamespace:
+    """What ``Worker._execute`` and ``Worker._finished`` read of a held job, for tests that
+    call them directly, with no row behind it; ``fields`` adds or replaces attributes."""
+    job = SimpleNamespace(name=name, id=id, claim_token=uuid.uuid4(), job_id=f"j{id}")
+    held = {
+        "ctx": SimpleNamespace(),  # its handler's start sets the timeout's clock here
+        "handed_back": False,
+        "started": False,
+        "lost": False,
+        "finished": False,
+        "completed": False,
+    }
+    return SimpleNamespace(job=job, **{**held, **fields})

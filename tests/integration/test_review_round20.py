@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import threading
 import time
-import uuid
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +18,7 @@ import jobs
 from jobs import JobSpec, Payload
 from jobs.models import Job
 from jobs.queue import InvalidJob, NewJob
+from tests.worker_support import fake_held_job
 
 enqueue_module = importlib.import_module("jobs.queue.enqueue")
 runner_module = importlib.import_module("jobs.worker.runner")
@@ -47,16 +47,7 @@ def test_enqueue_many_still_takes_a_generator(size):
 
 
 def _fake_running(job_id: int) -> SimpleNamespace:
-    job = SimpleNamespace(name=NAME, id=job_id, claim_token=uuid.uuid4(), job_id=f"j{job_id}")
-    return SimpleNamespace(
-        job=job,
-        ctx=SimpleNamespace(),  # its handler's start sets the timeout's clock here
-        handed_back=False,
-        started=False,
-        lost=False,
-        finished=False,
-        completed=False,
-    )
+    return fake_held_job(NAME, job_id)
 
 
 def _burn(seconds: float) -> None:

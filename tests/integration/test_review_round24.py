@@ -35,7 +35,6 @@ import threading
 import time
 from collections import deque
 from types import SimpleNamespace
-from uuid import uuid4
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -50,7 +49,7 @@ from jobs.worker.config import WorkerConfig
 from jobs.worker.pool import STALL_AFTER, HandlerPool
 from jobs.worker.runner import CPU_SAMPLE_INTERVAL, Worker
 from tests.integration.test_handoff import draw_batches, run_batches
-from tests.worker_support import Step, running_worker, wait_for
+from tests.worker_support import Step, fake_held_job, running_worker, wait_for
 
 # -- the stall watch on a simulated clock ---------------------------------------------------------
 
@@ -373,16 +372,7 @@ def bare_worker() -> Worker:
 
 def fake_running(work) -> SimpleNamespace:
     """What ``_execute`` and ``_finished`` read of a held job; ``work`` is its handler."""
-    job = SimpleNamespace(job_id=str(uuid4()), id=1, claim_token=uuid4(), name="test.step.v1")
-    return SimpleNamespace(
-        job=job,
-        ctx=SimpleNamespace(),  # its handler's start sets the timeout's clock here
-        work=work,
-        handed_back=False,
-        started=False,
-        finished=False,
-        lost=False,
-    )
+    return fake_held_job("test.step.v1", work=work)
 
 
 def recorded(worker: Worker, monkeypatch) -> list[tuple[float | None, float | None]]:
