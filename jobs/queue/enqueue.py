@@ -117,27 +117,29 @@ def _copyable(job: object) -> bool:
 
 
 def _enqueue_by_copy(jobs: Sequence[NewJob], using: str | None) -> list[Enqueued] | None:
-    """A large batch of keyless jobs, outside any transaction: checked while COPY streams it.
+    """A large batch of keyless jobs: no key to look up, so no rounds, and COPY writes it.
 
-    The server stores the first rows while the client still checks the last ones, instead of
-    starting once every job is checked. An invalid job ends the COPY and the batch's own
-    transaction rolls back: nothing of it is ever committed or seen. None when the checked
-    path must take the batch: inside the caller's transaction, ``atomic()`` or autocommit
-    turned off (it would need a savepoint, a subtransaction of the caller's, and there the
-    batch is checked whole before anything is sent), or when its database is in question
-    (that path reports the batch's first problem in the batch's order).
+    Outside any transaction the batch is checked while COPY streams it: the server stores
+    the first rows while the client still checks the last ones, and an invalid job ends the
+    COPY, so the batch's own transaction rolls back and nothing of it is ever seen. Inside the
+    caller's transaction (``atomic()``, or autocommit turned off) the batch is checked whole
+    before anything is sent: streaming would need a savepoint, a subtransaction of the
+    caller's, to leave it usable after a refused job. None when the batch's database is in
+    question: the general path reports the batch's first problem in the batch's order.
     """
     try:
         using = databases.route([(index, job.name) for index, job in enumerate(jobs)], using)
     except InvalidJob:
         return None
     connection = connections[using]
+    defaults = _defaults()
+    new_id = iter(new_job_ids(len(jobs))).__next__  # every job is keyless (_copyable)
+    checked: Iterable[dict[str, Any]] = (
+        _row(job, index, defaults, new_id) for index, job in enumerate(jobs)
+    )
     if connection.in_atomic_block or not connection.get_autocommit():
-        return None
-    with transaction.atomic(using=using), _db.bound_cursor(using) as cur:
-        defaults = _defaults()
-        new_id = iter(new_job_ids(len(jobs))).__next__  # every job is keyless (_copyable)
-        checked = (_row(job, index, defaults, new_id) for index, job in enumerate(jobs))
+        checked = list(checked)
+    with transaction.atomic(using=using, savepoint=False), _db.bound_cursor(using) as cur:
         _base, rows = _copy(cur, checked, len(jobs))
     return [
         Enqueued(row["id"], row["job_id"], row["tenant"], row["name"], "queued", True, using)

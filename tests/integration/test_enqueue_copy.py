@@ -278,3 +278,21 @@ def test_a_batch_of_keyless_jobs_draws_its_random_ids_at_once(monkeypatch, size,
     assert len(calls) == 1, calls
     assert len({r.job_id for r in results}) == len(results)
     assert Job.objects.count() == len(results)
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_large_keyless_batch_works_out_its_database_once(monkeypatch, inside):
+    """The alias a batch goes to is one lookup a type, but a pass over every job. Inside the
+    caller's transaction a batch used to work it out, find the transaction open and take the
+    general path, which worked it out again and built every result twice."""
+    calls = []
+    real = enqueue_module.databases.route
+    monkeypatch.setattr(
+        enqueue_module.databases, "route", lambda jobs, using: calls.append(1) or real(jobs, using)
+    )
+    with transaction.atomic() if inside else contextlib.nullcontext():
+        results = queue.enqueue_many(batch(COPY_AT_LEAST * 2))
+
+    assert len(calls) == 1
+    assert [r.id for r in results] == sorted(r.id for r in results)
+    assert Job.objects.count() == COPY_AT_LEAST * 2
