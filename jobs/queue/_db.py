@@ -15,7 +15,6 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.postgresql.psycopg_any import register_tzloader
 from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from psycopg.pq import Format
-from psycopg.types.json import set_json_dumps
 
 from jobs.queue import _arrays
 
@@ -35,8 +34,6 @@ def cursor(using: str | None) -> Iterator[CursorWrapper]:
 class _BoundCursor(psycopg.Cursor):
     """Server-side binding, never prepared: a pooler in transaction mode keeps no statements."""
 
-    # False once the cursor's adapters were changed for one use (a COPY's): not kept.
-    reusable = True
     # The time zone its timestamps load in (the connection's when it was made).
     timezone: Any = None
 
@@ -71,7 +68,7 @@ def bound_cursor(using: str | None) -> Iterator[CursorWrapper]:
     wrappers (query logging, ``execute_wrapper``).
 
     The cursor is kept for the connection's next use unless the statement failed, its result
-    was large (:data:`KEEP_ROWS`) or it ran a COPY; a use inside another gets its own.
+    was large (:data:`KEEP_ROWS`); a use inside another gets its own.
     """
     conn = connections[using or DEFAULT_DB_ALIAS]
     conn.close_if_health_check_failed()
@@ -95,12 +92,7 @@ def bound_cursor(using: str | None) -> Iterator[CursorWrapper]:
         _close(raw)
         raise
     result = raw.pgresult
-    if (
-        raw.reusable
-        and (result is None or result.ntuples <= KEEP_ROWS)
-        and conn not in _idle
-        and _released(raw)
-    ):
+    if (result is None or result.ntuples <= KEEP_ROWS) and conn not in _idle and _released(raw):
         _idle[conn] = raw
     else:
         _close(raw)
@@ -145,28 +137,30 @@ def copy_rows(
     """Run ``COPY … FROM STDIN (FORMAT BINARY)`` with ``rows`` on the cursor's connection.
 
     Rows stream to the server while they are written, and each column is sent in binary as
-    ``types`` names it; text given for a ``jsonb`` column is stored as the JSON it holds. The
-    COPY goes through Django's execute wrappers and query log as a statement does.
+    ``types`` names it (:data:`JSONB_AS_TEXT` for a ``jsonb`` column). The COPY goes
+    through Django's execute wrappers and query log as a statement does.
     """
     raw = cur.cursor
-    set_json_dumps(_as_encoded, raw)  # payloads arrive encoded (jobs.queue.text.dumps)
-    if isinstance(raw, _BoundCursor):
-        raw.reusable = False  # its JSON dumper is this COPY's
 
     def run(sql: str, params: Any, many: bool, context: dict[str, Any]) -> None:
         cur.db.validate_no_broken_transaction()
         with cur.db.wrap_database_errors, raw.copy(sql) as copy:
             copy.set_types(list(types))
+            write_row = copy.write_row
             for row in rows:
-                copy.write_row(row)
+                write_row(row)
 
     logged = cur.debug_sql(sql) if isinstance(cur, CursorDebugWrapper) else nullcontext()
     with logged:
         cur._execute_with_wrappers(sql, None, False, run)
 
 
-def _as_encoded(value: str) -> str:
-    return value
+#: How :func:`copy_rows` takes a ``jsonb`` column: name this type, and give each value as
+#: ``JSONB_VERSION + text``, jsonb's binary form. COPY reads a field by its column's type,
+#: whatever the client names; named ``text``, the string goes as UTF-8 through psycopg's C
+#: adapter, instead of through its JSON adapter, two Python calls a row.
+JSONB_AS_TEXT = "text"
+JSONB_VERSION = "\x01"
 
 
 def server_version(using: str | None) -> int:

@@ -483,19 +483,26 @@ def _copy(
     fair = frozenset(ordered)
     due: set[str] = set()
     copied: list[dict[str, Any]] = []
+    due_in = {0.0: base}  # due times by delay: most jobs of a batch share one
+    jsonb = _db.JSONB_VERSION
 
     def values() -> Iterator[tuple[Any, ...]]:
         for row, id_ in zip(rows, ids, strict=True):
             row["id"] = id_
             copied.append(row)
-            run_after = row["run_after"] or base + timedelta(seconds=row["delay"])
+            run_after = row["run_after"]
+            if run_after is None:
+                delay = row["delay"]
+                run_after = due_in.get(delay)
+                if run_after is None:
+                    run_after = due_in[delay] = base + timedelta(seconds=delay)
             if run_after <= base:
                 due.add(row["name"])
             yield (
                 id_,
                 row["job_id"],
                 row["name"],
-                row["payload"],
+                jsonb + row["payload"],
                 row["tenant"],
                 row["queue"],
                 row["priority"],
@@ -528,7 +535,7 @@ _COPY_COLUMNS = (
     ("id", "int8"),
     ("job_id", "text"),
     ("name", "text"),
-    ("payload", "jsonb"),
+    ("payload", _db.JSONB_AS_TEXT),
     ("tenant", "text"),
     ("queue", "text"),
     ("priority", "int2"),

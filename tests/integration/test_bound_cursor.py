@@ -1,6 +1,6 @@
 """The queue's bound cursors: one kept per connection between statements, never shared by two
-uses at once, never kept with a COPY's adapters or a large result, and never reused on a
-connection other than its own."""
+uses at once, never kept with a large result, and never reused on a connection other than its
+own."""
 
 from __future__ import annotations
 
@@ -57,18 +57,26 @@ def test_a_use_inside_another_gets_a_cursor_of_its_own(monkeypatch):
     assert len(cursors) == 1
 
 
-def test_a_copy_cursor_is_not_kept(monkeypatch):
+def test_a_copy_cursor_is_kept_with_the_connections_adapters(monkeypatch):
+    """COPY sends a jsonb column's binary form as text (``JSONB_AS_TEXT``), so it changes
+    no adapter of the cursor: kept, the cursor still sends a Python string given as Json as
+    JSON. (A COPY that set the cursor's JSON dumper to pass text through could not keep it.)
+    """
+    select_json(0)
+    cursors = made(monkeypatch)
     with _db.bound_cursor(None) as cur:
         cur.execute("CREATE TEMPORARY TABLE copied (doc jsonb)")
         _db.copy_rows(
-            cur, "COPY copied (doc) FROM STDIN (FORMAT BINARY)", ["jsonb"], [['{"a": 1}']]
+            cur,
+            "COPY copied (doc) FROM STDIN (FORMAT BINARY)",
+            [_db.JSONB_AS_TEXT],
+            [[_db.JSONB_VERSION + '{"a": 1, "b": "é"}']],
         )
-    # Its JSON adapter passes text through as it is: kept, it would send a Python string
-    # given as Json as the string's repr instead of JSON.
     assert select_json("text") == "text"
+    assert len(cursors) == 0
     with connection.cursor() as cur:
         cur.execute("SELECT doc FROM copied")
-        assert cur.fetchone()[0] == '{"a": 1}'
+        assert cur.fetchone()[0] == '{"a": 1, "b": "é"}'
 
 
 def test_a_large_result_is_not_kept(monkeypatch):
