@@ -28,6 +28,9 @@ measurement runs on each transport before the next), ``--runs`` times (default 3
 
 - ``single``: ``--single`` jobs (2,000) enqueued one by one, each its own transaction
   (``jobs.enqueue`` and pgqueuer's ``Queries.enqueue``, each one autocommitted statement);
+- ``single_prepared``: the same, with ``jobs``' connection set to prepare its statements
+  (``OPTIONS["prepare_threshold"] = 0``, for a project that connects directly), as asyncpg
+  always does for pgqueuer;
 - ``bulk``: ``--jobs`` (10,000) in one call (``jobs.enqueue_many``; ``Queries.enqueue`` of
   lists), jobs/s and client + PostgreSQL CPU µs per job;
 - ``drain``: ``--jobs`` jobs queued beforehand (in batches of 1,000, then VACUUM ANALYZE), run by
@@ -108,7 +111,7 @@ PGQ_UNFINISHED = "SELECT EXISTS (SELECT 1 FROM pgqueuer)"
 # warm-up to take the path of a large batch (COPY, from 64 jobs on).
 WARM_UP = 100
 
-MEASUREMENTS = ("single", "bulk", "drain1", "drain2", "latency")
+MEASUREMENTS = ("single", "single_prepared", "bulk", "drain1", "drain2", "latency")
 JOBS_DEFAULT: list[str] = []  # runworker at its defaults: 20 handler threads
 JOBS_BEST = ["--concurrency", "100"]
 
@@ -384,7 +387,12 @@ class Context:
 # --- jobs -------------------------------------------------------------------------------------
 
 
-def jobs_enqueue(ctx: Context, count: int, bulk: bool, ready: Callable | None = None) -> dict:
+def jobs_enqueue(
+    ctx: Context, count: int, bulk: bool, ready: Callable | None = None, prepared: bool = False
+) -> dict:
+    if prepared:
+        with prepared_statements():
+            return jobs_enqueue(ctx, count, bulk, ready)
     import jobs
     from bench.benchapp.jobs import Append
 
@@ -417,6 +425,23 @@ def jobs_enqueue(ctx: Context, count: int, bulk: bool, ready: Callable | None = 
     if found != count:
         raise SystemExit(f"jobs enqueue: expected {count} queued jobs, found {found}")
     return {"rate": count / elapsed, "own": client * 1e6 / count, "pg": pg * 1e6 / count}
+
+
+@contextmanager
+def prepared_statements() -> Iterator[None]:
+    """Django's connection set to prepare every statement from its first use, meanwhile."""
+    from django.db import connection
+
+    options = connection.settings_dict["OPTIONS"]
+    saved = dict(options)
+    connection.close()
+    options["prepare_threshold"] = 0
+    try:
+        yield
+    finally:
+        options.clear()
+        options.update(saved)
+        connection.close()
 
 
 def jobs_drain(
@@ -605,6 +630,12 @@ def _measurements(args: argparse.Namespace) -> list[Measurement]:
             "single",
             f"enqueue one by one, own transaction ({single:,})",
             lambda ctx: jobs_enqueue(ctx, single, bulk=False),
+            lambda ctx: pgq_enqueue(ctx, single, bulk=False),
+        ),
+        Measurement(
+            "single_prepared",
+            f"enqueue one by one, prepared statements ({single:,})",
+            lambda ctx: jobs_enqueue(ctx, single, bulk=False, prepared=True),
             lambda ctx: pgq_enqueue(ctx, single, bulk=False),
         ),
         Measurement(

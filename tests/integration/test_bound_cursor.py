@@ -131,3 +131,32 @@ def test_any_sequence_of_uses_answers_as_fresh_cursors_would(ops, value):
         else:
             connection.close()
     assert select_json(value) == value
+
+
+@pytest.mark.parametrize("threshold, prepared", [(None, False), (0, True)])
+def test_statements_are_prepared_as_the_databases_options_say(threshold, prepared):
+    """Django leaves ``prepare_threshold`` None: nothing is prepared, which a pooler in
+    transaction mode needs unless it keeps prepared statements itself (PgBouncer 1.21+ with
+    ``max_prepared_statements``). A project that connects directly sets it in ``OPTIONS``,
+    and the queue's statements are prepared then too: the server parses and plans a single
+    enqueue once a connection, not once a job."""
+    options = connection.settings_dict["OPTIONS"]
+    saved = dict(options)
+    options["prepare_threshold"] = threshold
+    connection.close()
+    try:
+        from jobs import queue
+
+        for n in range(3):
+            queue.enqueue(queue.NewJob("prepared.v1", {"n": n}))
+        with connection.cursor() as cur:
+            cur.execute(
+                "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE %s",
+                ["%jobs_enqueue_one(%"],
+            )
+            found = cur.fetchone()[0]
+    finally:
+        options.clear()
+        options.update(saved)
+        connection.close()
+    assert found == (1 if prepared else 0)
