@@ -27,7 +27,8 @@ from prometheus_client.utils import floatToGoString
 claimed = Counter("jobs_claimed_total", "Jobs claimed by this worker.", ["job_type"])
 outcomes = Counter(
     "jobs_outcomes_total",
-    "Attempt outcomes written: succeeded, retried (back to the queue) or failed (terminal).",
+    "Attempt outcomes written: succeeded, retried (back to the queue), failed (terminal) "
+    "or cancelled (as an operator asked).",
     ["job_type", "outcome"],
 )
 terminal_failures = Counter(
@@ -170,6 +171,7 @@ class TypeMetrics:
     succeeded: Counter
     retried: Counter
     failed: Counter
+    cancelled: Counter
 
     def outcome(self, kind: str) -> Counter:
         counter: Counter = getattr(self, kind)
@@ -185,6 +187,7 @@ def for_type(name: str) -> TypeMetrics:
         succeeded=outcomes.labels(name, "succeeded"),
         retried=outcomes.labels(name, "retried"),
         failed=outcomes.labels(name, "failed"),
+        cancelled=outcomes.labels(name, "cancelled"),
     )
 
 

@@ -61,7 +61,11 @@ from jobs.worker.wakeup import NotifyListener
 logger = logging.getLogger("jobs.worker")
 
 # The outcome label of jobs_outcomes_total for a state an attempt ended in (else "retried").
-_OUTCOME_KINDS: dict[str, str] = {RunState.SUCCEEDED: "succeeded", RunState.FAILED: "failed"}
+_OUTCOME_KINDS: dict[str, str] = {
+    RunState.SUCCEEDED: "succeeded",
+    RunState.FAILED: "failed",
+    RunState.CANCELLED: "cancelled",
+}
 
 #: Called with (job type name, job_id, error code, detail) when a job becomes failed.
 TerminalHook = Callable[[str, str, str, str], None]
@@ -947,6 +951,9 @@ class Worker(Draining):
         }
         if kind == "succeeded":
             logger.debug("job %s (%s) succeeded", job.job_id, job.name, extra=extra)
+            return
+        if kind == "cancelled":  # as an operator asked: nothing went wrong
+            logger.info("job %s (%s) cancelled", job.job_id, job.name, extra=extra)
             return
         logger.warning(
             "job %s (%s) %s: %s",

@@ -12,6 +12,7 @@ import pytest
 from django.db import connection
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import REGISTRY
 
 from jobs import enqueue, queue
 from jobs.conf import NOTIFY_CHANNEL
@@ -23,6 +24,12 @@ from jobs.worker.runner import Worker
 from tests.acceptance.conftest import wait_for
 from tests.factories import JobFactory
 from tests.worker_support import Recorder, Step, registry
+
+
+def outcomes_counted(job_type: str, kind: str) -> float:
+    labels = {"job_type": job_type, "outcome": kind}
+    return REGISTRY.get_sample_value("jobs_outcomes_total", labels) or 0.0
+
 
 NOOP = "test.noop.v1"
 
@@ -395,6 +402,33 @@ class TestWorker:
         row = Job.objects.get(pk=job.id)
         assert (row.attempts, row.last_error, row.claim_token) == (1, "cancelled", None)
         assert [a.outcome for a in attempts.of(row)] == ["cancelled"]
+
+    def test_a_cancelled_attempt_is_logged_and_counted_as_cancelled_not_as_a_retry(self, caplog):
+        """The worker counted a cancelled outcome in ``jobs_outcomes_total`` as ``retried`` and
+        logged it as "will retry: cancelled", though the job is over for good."""
+        recorder = Recorder()
+        job = enqueue(Step(plan=("slow",), seconds=30))
+        counted = {kind: outcomes_counted(Step.job_name, kind) for kind in ("retried", "cancelled")}
+        config = WorkerConfig(lease=timedelta(seconds=0.6), install_signal_handlers=False)
+        worker = Worker(registry(recorder), config)
+        thread = threading.Thread(target=worker.run)
+        caplog.set_level("INFO", logger="jobs.worker")
+        thread.start()
+        try:
+            wait_for(lambda: recorder.calls, what="the handler started")
+            queue.cancel_running([job.id], by="alice")
+            wait_for(
+                lambda: outcomes_counted(Step.job_name, "cancelled") > counted["cancelled"],
+                timeout=10,
+                what="the cancelled outcome counted",
+            )
+        finally:
+            worker.request_stop()
+            thread.join(10)
+        assert outcomes_counted(Step.job_name, "retried") == counted["retried"]
+        said = [r.getMessage() for r in caplog.records if job.job_id in r.getMessage()]
+        assert any("cancelled" in line for line in said), said
+        assert not any("will retry" in line for line in said), said
 
     def test_resume_notifies_the_resumed_types_at_commit(self):
         queue.enqueue(NewJob(NOOP, queue="q1"))
