@@ -22,7 +22,7 @@ from django.db import IntegrityError, connection, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from jobs import queue
+from jobs import dbbounds, queue
 from jobs.models import Job, TenantOverride
 from jobs.queue import (
     AllTenants,
@@ -136,25 +136,32 @@ def test_guard_a_refused_statement_on_the_binding_cursor_is_djangos_integrity_er
 
 
 @pytest.mark.django_db(transaction=True)
-def test_guard_nothing_is_prepared_even_when_the_connection_prepares_everything():
-    """PgBouncer in transaction mode: no statement of the queue may be prepared, whatever
-    prepare_threshold the project sets (0 prepares every statement at once)."""
+def test_guard_nothing_is_prepared_on_a_bounded_connection_whatever_options_say():
+    """PgBouncer in transaction mode: no statement the worker or the scheduler sends on a
+    connection of their own (``dbbounds.bounded``) may be prepared, whatever
+    ``prepare_threshold`` the project's ``OPTIONS`` set (0 prepares every statement at once)
+    for its own connections, where the queue's statements follow it."""
     enqueue(40)
-    connection.ensure_connection()
-    connection.connection.prepare_threshold = 0
+    options = connection.settings_dict["OPTIONS"]
+    saved = dict(options)
+    options["prepare_threshold"] = 0
     try:
-        for _ in range(8):
-            [job] = claim(1)
-            queue.record([Outcome.succeeded(job)])
-            [job] = claim(1)
-            queue.renew([job])
-            queue.next_attempt(job)
-            queue.record_and_claim([Outcome.succeeded(job)], [ClaimRequest(NAME, 1)], scope=SCOPE)
-            queue.enqueue(NewJob(name=NAME, payload={}))
-            queue.enqueue_many([NewJob(name=NAME, payload={})] * 2)
-        connection.connection.prepare_threshold = None
-        assert prepared_statements() == 0
+        with dbbounds.bounded(connection):
+            for _ in range(8):
+                [job] = claim(1)
+                queue.record([Outcome.succeeded(job)])
+                [job] = claim(1)
+                queue.renew([job])
+                queue.next_attempt(job)
+                queue.record_and_claim(
+                    [Outcome.succeeded(job)], [ClaimRequest(NAME, 1)], scope=SCOPE
+                )
+                queue.enqueue(NewJob(name=NAME, payload={}))
+                queue.enqueue_many([NewJob(name=NAME, payload={})] * 2)
+            assert prepared_statements() == 0
     finally:
+        options.clear()
+        options.update(saved)
         connection.close()
 
 
