@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # A \u0000 escape in json.dumps output: a backslash preceded by an even number of backslashes
@@ -47,15 +49,19 @@ def clean(value: str) -> str:
 # One encoder for every call: json.dumps builds a new one whenever an option is given.
 _ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
-# _ENCODER's own C encoding function, made once: JSONEncoder.encode makes it again on every
-# call, so a small payload took 1.15 µs to encode instead of 0.3. Made without the dict
-# that finds cycles, it keeps no state between calls, so threads can share it; a value it
-# fails on (a cycle recurses until RecursionError) is encoded again by _ENCODER, whose error
-# is the one raised.
+# _ENCODER's own C encoding function, made once a thread: JSONEncoder.encode makes it again
+# on every call, so a small payload took 1.15 µs to encode instead of 0.3. It is the function
+# encode() would make, with its dict of the containers being written (how it finds a cycle),
+# so it writes and refuses exactly as encode() does. That dict is its state: one a thread,
+# and one made anew after a refusal, which may leave entries behind.
 _C_MAKE_ENCODER = getattr(json.encoder, "c_make_encoder", None)  # None without CPython's _json
-_ENCODE = (
-    _C_MAKE_ENCODER(
-        None,  # markers: no dict of the containers open, no cycle check
+_encoders = threading.local()
+
+
+def _new_encoding_function() -> Callable[[Any, int], Sequence[str]]:
+    assert _C_MAKE_ENCODER is not None
+    function: Callable[[Any, int], Sequence[str]] = _C_MAKE_ENCODER(
+        {},  # markers: the containers open, to refuse a cycle
         _ENCODER.default,
         json.encoder.encode_basestring,  # what ensure_ascii=False writes strings with
         None,  # indent
@@ -65,9 +71,7 @@ _ENCODE = (
         _ENCODER.skipkeys,
         _ENCODER.allow_nan,
     )
-    if _C_MAKE_ENCODER is not None
-    else None
-)
+    return function
 
 
 def dumps(value: Any) -> str:
@@ -86,13 +90,18 @@ def dumps(value: Any) -> str:
 
 
 def _encode(value: Any) -> str:
-    """``_ENCODER.encode(value)``, by the encoding function made once where there is one."""
-    if _ENCODE is None or type(value) is str:
+    """``_ENCODER.encode(value)``, by this thread's encoding function where there is one."""
+    if _C_MAKE_ENCODER is None or isinstance(value, str):
         return _ENCODER.encode(value)
     try:
-        return "".join(_ENCODE(value, 0))
-    except Exception:
-        return _ENCODER.encode(value)  # raises as it always did
+        encode = _encoders.function
+    except AttributeError:
+        encode = _encoders.function = _new_encoding_function()
+    try:
+        return "".join(encode(value, 0))
+    except BaseException:
+        del _encoders.function  # its dict of open containers may keep this value's
+        raise
 
 
 def check_json_text(text: str) -> str | None:
