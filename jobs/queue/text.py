@@ -19,7 +19,7 @@ import json
 import math
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 # A \u0000 escape in json.dumps output: a backslash preceded by an even number of backslashes
@@ -114,19 +114,37 @@ def check_json_text(text: str) -> str | None:
 
 
 def _locate(value: Any, path: str = "$") -> str:
-    """The path of the first string (key or value) the database would refuse."""
-    if isinstance(value, str):
-        return path if problem(value) else ""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if isinstance(key, str) and problem(key):
-                return f"key {key!r} of {path}"
-            found = _locate(item, f"{path}.{key}")
-            if found:
-                return found
-    if isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            found = _locate(item, f"{path}[{index}]")
-            if found:
-                return found
+    """The path of the first string (key or value) the database would refuse, in the order
+    the text is written. A loop, not recursion: the encoder writes values nested deeper
+    than Python's recursion limit."""
+    pending: list[Iterator[tuple[str, Any]]] = [iter([(path, value)])]
+    while pending:
+        for at, item in pending[-1]:
+            if item is _REFUSED_KEY or (isinstance(item, str) and problem(item)):
+                return at
+            if isinstance(item, dict):
+                pending.append(_entries(item, at))
+                break
+            if isinstance(item, list | tuple):
+                pending.append(_elements(item, at))
+                break
+        else:
+            pending.pop()
     return ""
+
+
+_REFUSED_KEY = object()
+
+
+def _elements(sequence: list[Any] | tuple[Any, ...], path: str) -> Iterator[tuple[str, Any]]:
+    for index, item in enumerate(sequence):
+        yield f"{path}[{index}]", item
+
+
+def _entries(mapping: dict[Any, Any], path: str) -> Iterator[tuple[str, Any]]:
+    """A mapping's entries for :func:`_locate`: a key the database would refuse comes as
+    ``_REFUSED_KEY`` at its own path, before its value."""
+    for key, item in mapping.items():
+        if isinstance(key, str) and problem(key):
+            yield f"key {key!r} of {path}", _REFUSED_KEY
+        yield f"{path}.{key}", item

@@ -175,3 +175,53 @@ def test_a_small_payload_is_encoded_by_the_function_made_once():
     once = min(timeit.repeat(lambda: text.dumps(payload), number=2_000, repeat=7))
     every_call = min(timeit.repeat(lambda: encoded_as_before(payload), number=2_000, repeat=7))
     assert once < 0.75 * every_call, (once, every_call)
+
+
+@pytest.mark.parametrize("box", [list, dict])
+def test_a_bad_string_nested_deeper_than_pythons_limit_is_refused_with_its_path(box):
+    """The encoder writes 5,000 levels (its limit is the C stack's), then the search for
+    the string the database would refuse recursed in Python and raised RecursionError, not
+    the ValueError that enqueue turns into InvalidJob."""
+    value: object = "a\x00b"
+    for _ in range(5_000):
+        value = [value] if box is list else {"d": value}
+    with pytest.raises(ValueError, match="NUL character") as refused:
+        text.dumps(value)
+    step = "[0]" if box is list else ".d"
+    assert str(refused.value).endswith("$" + step * 5_000)
+
+
+def located_as_before(value: object, path: str = "$") -> str:
+    """``text._locate`` as it was: recursive (and so bounded by Python's recursion limit)."""
+    if isinstance(value, str):
+        return path if text.problem(value) else ""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and text.problem(key):
+                return f"key {key!r} of {path}"
+            found = located_as_before(item, f"{path}.{key}")
+            if found:
+                return found
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            found = located_as_before(item, f"{path}[{index}]")
+            if found:
+                return found
+    return ""
+
+
+STORABLE_OR_NOT = st.recursive(
+    st.none() | st.integers() | st.sampled_from(["ok", "a\x00b", "\udcff", "é"]),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.sampled_from(["k", "k\x00", "\ud800", 1]), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+@given(STORABLE_OR_NOT)
+def test_the_first_refused_string_is_found_where_the_recursive_search_found_it(value):
+    """The search runs as a loop now; for any value it names the same place, or none."""
+    assert text._locate(value) == located_as_before(value)
