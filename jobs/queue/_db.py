@@ -81,14 +81,28 @@ def bound_cursor(using: str | None) -> Iterator[CursorWrapper]:
     wrapped = make(raw)  # type: ignore[arg-type]  # (the stubs expect a wrapper here)
     try:
         yield wrapped
-    except BaseException:
+    except BaseException as exc:
         _close(raw)
+        if _stale_plan(exc) and conn.get_autocommit() and not conn.in_atomic_block:
+            # psycopg would run the same prepared statement on every later call; the next
+            # use connects afresh instead (in a transaction, the rollback forgets them).
+            conn.close()
         raise
     result = raw.pgresult
     if (result is None or result.ntuples <= KEEP_ROWS) and conn not in _idle and _released(raw):
         _idle[conn] = raw
     else:
         _close(raw)
+
+
+def _stale_plan(exc: BaseException) -> bool:
+    """Whether PostgreSQL refused a prepared statement because a schema change altered what
+    it returns ("cached plan must not change result type")."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, psycopg.Error) else exc
+    return (
+        isinstance(cause, psycopg.errors.FeatureNotSupported)
+        and cause.diag.source_function == "RevalidateCachedQuery"
+    )
 
 
 def _take_idle(conn: BaseDatabaseWrapper) -> _BoundCursor | None:

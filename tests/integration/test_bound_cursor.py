@@ -4,14 +4,17 @@ own."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
+import psycopg
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg.types.json import Jsonb
 
+from jobs import dbbounds
 from jobs.queue import _db
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -160,3 +163,50 @@ def test_statements_are_prepared_as_the_databases_options_say(threshold, prepare
         options.update(saved)
         connection.close()
     assert found == (1 if prepared else 0)
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_statement_prepared_before_a_schema_change_fails_once_then_works(inside):
+    """With statements prepared, a migration from another session that changes a column a
+    statement returns makes PostgreSQL refuse the prepared statement ("cached plan must not
+    change result type"), and would on every later call on that connection. It fails once:
+    in autocommit the connection is closed (its next use connects afresh); in a transaction
+    the rollback discards what psycopg prepared."""
+    from jobs import queue
+
+    request = [queue.ClaimRequest("prepared.v1", 1)]
+
+    def claim() -> None:
+        queue.claim(request, scope=queue.AllTenants(), worker="w")
+        claims.append(1)
+
+    options = connection.settings_dict["OPTIONS"]
+    saved = dict(options)
+    options["prepare_threshold"] = 0
+    connection.close()
+    claims: list[int] = []
+    failures = []
+    try:
+        queue.enqueue_many([queue.NewJob("prepared.v1", {"n": n}) for n in range(5)])
+        claim()
+        with other_session() as other:
+            other.execute("ALTER TABLE jobs_job ALTER COLUMN priority TYPE integer")
+        for _ in range(3):
+            try:
+                with transaction.atomic() if inside else contextlib.nullcontext():
+                    claim()
+            except Exception as exc:
+                failures.append(str(exc))
+    finally:
+        connection.close()
+        with other_session() as other:
+            other.execute("ALTER TABLE jobs_job ALTER COLUMN priority TYPE smallint")
+        options.clear()
+        options.update(saved)
+    assert len(failures) == 1 and "cached plan" in failures[0], failures
+    assert len(claims) == 3
+
+
+def other_session() -> psycopg.Connection:
+    """A connection of its own, as a deploy's migration has."""
+    return psycopg.connect(**dbbounds.connect_params(connection), autocommit=True)
