@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import Any
 
@@ -479,7 +479,12 @@ def _copy(
     may be a generator that validates each job as the COPY asks for it: what it raises ends
     the COPY, and the caller's transaction (or savepoint) drops what was sent.
     """
-    ids, (base, ordered) = _draw_ids(cur, count, also=flow.TENANT_ORDERED_NAMES)
+    # The clock read in UTC: COPY sends timestamptz in binary, which takes only aware times,
+    # and with USE_TZ = False the statement's own clock comes back naive.
+    ids, (_now, ordered, utc) = _draw_ids(
+        cur, count, also=f"{flow.TENANT_ORDERED_NAMES}, statement_timestamp() AT TIME ZONE 'UTC'"
+    )
+    base = utc.replace(tzinfo=UTC)
     fair = frozenset(ordered)
     due: set[str] = set()
     copied: list[dict[str, Any]] = []
