@@ -7,15 +7,14 @@ from __future__ import annotations
 import contextlib
 import json
 
-import psycopg
 import pytest
 from django.db import connection, transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg.types.json import Jsonb
 
-from jobs import dbbounds
 from jobs.queue import _db
+from tests.prepared import other_session, prepare_threshold
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -143,13 +142,9 @@ def test_statements_are_prepared_as_the_databases_options_say(threshold, prepare
     ``max_prepared_statements``). A project that connects directly sets it in ``OPTIONS``,
     and the queue's statements are prepared then too: the server parses and plans a single
     enqueue once a connection, not once a job."""
-    options = connection.settings_dict["OPTIONS"]
-    saved = dict(options)
-    options["prepare_threshold"] = threshold
-    connection.close()
-    try:
-        from jobs import queue
+    from jobs import queue
 
+    with prepare_threshold(threshold):
         for n in range(3):
             queue.enqueue(queue.NewJob("prepared.v1", {"n": n}))
         with connection.cursor() as cur:
@@ -158,10 +153,6 @@ def test_statements_are_prepared_as_the_databases_options_say(threshold, prepare
                 ["%jobs_enqueue_one(%"],
             )
             found = cur.fetchone()[0]
-    finally:
-        options.clear()
-        options.update(saved)
-        connection.close()
     assert found == (1 if prepared else 0)
 
 
@@ -175,38 +166,28 @@ def test_a_statement_prepared_before_a_schema_change_fails_once_then_works(insid
     from jobs import queue
 
     request = [queue.ClaimRequest("prepared.v1", 1)]
+    claims: list[int] = []
+    failures = []
 
     def claim() -> None:
         queue.claim(request, scope=queue.AllTenants(), worker="w")
         claims.append(1)
 
-    options = connection.settings_dict["OPTIONS"]
-    saved = dict(options)
-    options["prepare_threshold"] = 0
-    connection.close()
-    claims: list[int] = []
-    failures = []
-    try:
-        queue.enqueue_many([queue.NewJob("prepared.v1", {"n": n}) for n in range(5)])
-        claim()
-        with other_session() as other:
-            other.execute("ALTER TABLE jobs_job ALTER COLUMN priority TYPE integer")
-        for _ in range(3):
-            try:
-                with transaction.atomic() if inside else contextlib.nullcontext():
-                    claim()
-            except Exception as exc:
-                failures.append(str(exc))
-    finally:
-        connection.close()
-        with other_session() as other:
-            other.execute("ALTER TABLE jobs_job ALTER COLUMN priority TYPE smallint")
-        options.clear()
-        options.update(saved)
+    with prepare_threshold(0):
+        try:
+            queue.enqueue_many([queue.NewJob("prepared.v1", {"n": n}) for n in range(5)])
+            claim()
+            with other_session() as other:
+                other.execute("ALTER TABLE jobs_job ALTER COLUMN priority TYPE integer")
+            for _ in range(3):
+                try:
+                    with transaction.atomic() if inside else contextlib.nullcontext():
+                        claim()
+                except Exception as exc:
+                    failures.append(str(exc))
+        finally:
+            connection.close()
+            with other_session() as other:
+                other.execute("ALTER TABLE jobs_job ALTER COLUMN priority TYPE smallint")
     assert len(failures) == 1 and "cached plan" in failures[0], failures
     assert len(claims) == 3
-
-
-def other_session() -> psycopg.Connection:
-    """A connection of its own, as a deploy's migration has."""
-    return psycopg.connect(**dbbounds.connect_params(connection), autocommit=True)

@@ -33,6 +33,7 @@ from jobs.queue import (
     Outcome,
     claim_sql,
 )
+from tests.prepared import prepare_threshold
 
 NAME = "test.noop.v1"
 SCOPE = AllTenants()
@@ -142,27 +143,17 @@ def test_guard_nothing_is_prepared_on_a_bounded_connection_whatever_options_say(
     ``prepare_threshold`` the project's ``OPTIONS`` set (0 prepares every statement at once)
     for its own connections, where the queue's statements follow it."""
     enqueue(40)
-    options = connection.settings_dict["OPTIONS"]
-    saved = dict(options)
-    options["prepare_threshold"] = 0
-    try:
-        with dbbounds.bounded(connection):
-            for _ in range(8):
-                [job] = claim(1)
-                queue.record([Outcome.succeeded(job)])
-                [job] = claim(1)
-                queue.renew([job])
-                queue.next_attempt(job)
-                queue.record_and_claim(
-                    [Outcome.succeeded(job)], [ClaimRequest(NAME, 1)], scope=SCOPE
-                )
-                queue.enqueue(NewJob(name=NAME, payload={}))
-                queue.enqueue_many([NewJob(name=NAME, payload={})] * 2)
-            assert prepared_statements() == 0
-    finally:
-        options.clear()
-        options.update(saved)
-        connection.close()
+    with prepare_threshold(0), dbbounds.bounded(connection):
+        for _ in range(8):
+            [job] = claim(1)
+            queue.record([Outcome.succeeded(job)])
+            [job] = claim(1)
+            queue.renew([job])
+            queue.next_attempt(job)
+            queue.record_and_claim([Outcome.succeeded(job)], [ClaimRequest(NAME, 1)], scope=SCOPE)
+            queue.enqueue(NewJob(name=NAME, payload={}))
+            queue.enqueue_many([NewJob(name=NAME, payload={})] * 2)
+        assert prepared_statements() == 0
 
 
 @pytest.mark.django_db

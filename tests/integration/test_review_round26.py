@@ -56,7 +56,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
-import math
 import subprocess
 import sys
 import threading
@@ -74,7 +73,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from psycopg.types.json import Jsonb
 
-from jobs import dbbounds, enqueue, queue
+from jobs import enqueue, queue
 from jobs.conf import NOTIFY_CHANNEL
 from jobs.models import FlowGate, Job
 from jobs.queue import AllTenants, ClaimRequest, InvalidJob, NewJob, Outcome, _db, text
@@ -82,6 +81,8 @@ from jobs.registry import Registry, catalogue, get_registry
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
 from tests.dbapp.types import OTHER, ReportV1, job_types
+from tests.prepared import other_session, prepare_threshold
+from tests.unit.test_storable import encoded_as_before
 from tests.worker_support import Echo, Recorder, registry
 
 enqueue_module = importlib.import_module("jobs.queue.enqueue")
@@ -93,21 +94,6 @@ QUIET = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def encoded_as_before(value: object) -> str:
-    """``text.dumps`` as it was at cc63f6c: ``JSONEncoder.encode`` on every call."""
-    kind = type(value)
-    try:
-        if kind is int or (kind is float and math.isfinite(value)):
-            return repr(value)
-        encoded = text._ENCODER.encode(value)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise ValueError(str(exc) or type(exc).__name__) from None
-    bad = text.check_json_text(encoded)
-    if bad:
-        raise ValueError(f"{bad}: {text._locate(value)}")
-    return encoded
 
 
 def outcome(encode, value: object) -> tuple[str, str]:
@@ -123,26 +109,6 @@ def prepared() -> list[str]:
     with connection.cursor() as cur:
         cur.execute("SELECT statement FROM pg_prepared_statements")
         return [row[0] for row in cur.fetchall()]
-
-
-@contextlib.contextmanager
-def prepare_threshold(value: int | None):
-    """The default alias's ``OPTIONS["prepare_threshold"]``, from the next connect on."""
-    options = connection.settings_dict["OPTIONS"]
-    saved = dict(options)
-    options["prepare_threshold"] = value
-    connection.close()
-    try:
-        yield
-    finally:
-        options.clear()
-        options.update(saved)
-        connection.close()
-
-
-def other_session() -> psycopg.Connection:
-    """A connection of its own to the test database, as a deploy's migration has."""
-    return psycopg.connect(**dbbounds.connect_params(connection), autocommit=True)
 
 
 def claim(limit: int = 1) -> list:
