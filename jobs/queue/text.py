@@ -50,7 +50,7 @@ def clean(value: str) -> str:
 _ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 # _ENCODER's own C encoding function, made once a thread: JSONEncoder.encode makes it again
-# on every call, so a small payload took 1.15 µs to encode instead of 0.3. It is the function
+# on every call, so dumps() of a small payload took 1.15 µs instead of 0.56. It is the function
 # encode() would make, with its dict of the containers being written (how it finds a cycle),
 # so it writes and refuses exactly as encode() does. That dict is its state: one a thread,
 # and one made anew after a refusal, which may leave entries behind.
