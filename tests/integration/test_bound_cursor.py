@@ -150,7 +150,7 @@ def test_statements_are_prepared_as_the_databases_options_say(threshold, prepare
         with connection.cursor() as cur:
             cur.execute(
                 "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE %s",
-                ["%jobs_enqueue_one(%"],
+                ["%jobs_enqueue_job(%"],
             )
             found = cur.fetchone()[0]
     assert found == (1 if prepared else 0)

@@ -795,7 +795,7 @@ def test_with_threshold_0_any_sequence_of_queue_calls_works(ops):
                         cur.execute(f"SELECT %(v)s::int + {n}", {"v": 1})
                         assert cur.fetchone() == (n + 1,)
         queue.enqueue(NewJob(NAME, {}))
-        assert any("jobs_enqueue_one(" in s for s in prepared())
+        assert any("jobs_enqueue_job(" in s for s in prepared())
 
 
 @pytest.mark.django_db(transaction=True)

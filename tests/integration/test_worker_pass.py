@@ -156,7 +156,7 @@ def test_the_pass_leaves_paused_names_queues_and_tenants_alone():
     [
         ("jobs_worker_pass", pass_function),
         ("jobs_worker_fair_pass", fair_pass_function),
-        ("jobs_enqueue_one", enqueue_function),
+        ("jobs_enqueue_job", enqueue_function),
     ],
 )
 def test_the_latest_migration_holds_the_function_the_code_calls(function, built):
