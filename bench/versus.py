@@ -35,10 +35,10 @@ measurement runs on each transport before the next), ``--runs`` times (default 3
   lists), jobs/s and client + PostgreSQL CPU µs per job;
 - ``drain``: ``--jobs`` jobs queued beforehand (in batches of 1,000, then VACUUM ANALYZE), run by
   1 worker process at its defaults (``runworker``: 20 handler threads; pgqueuer: ``batch_size``
-  10, no task cap) and by 2 at the best configuration found (``runworker --concurrency 100``;
-  pgqueuer: ``BEST_PGQ``, see ``--pgq-sweep``). jobs/s from the workers' "started" lines until
-  a poll (every 10 ms) finds no job left; worker and PostgreSQL CPU µs per job as in
-  ``drain.py``, for the backends of both databases;
+  10, no task cap) and by 2 at the best configuration found (``JOBS_BEST``, see
+  ``--jobs-sweep``; pgqueuer: ``BEST_PGQ``, see ``--pgq-sweep``). jobs/s from the workers'
+  "started" lines until a poll (every 10 ms) finds no job left; worker and PostgreSQL CPU µs
+  per job as in ``drain.py``, for the backends of both databases;
 - ``latency``: idle pickup, one job at a time into 1 worker at its defaults, with
   LISTEN/NOTIFY, as ``latency.py``: the handler's ``time.time()`` at start minus the
   producer's right after its commit; p50 and p99 over ``--latency-jobs`` (200).
@@ -50,7 +50,9 @@ worker process is stopped (SIGTERM, then SIGKILL after 30 s) whatever happens. `
 500 jobs, 200 single, 50 latency jobs, 1 run (a smoke run).
 
 ``--pgq-sweep`` drains ``--jobs`` jobs with 2 pgqueuer workers in each configuration of
-``SWEEP`` (batch size, task cap, one connection or a pool), ``--runs`` times, and prints them.
+``SWEEP`` (batch size, task cap, one connection or a pool), ``--runs`` times, and prints them;
+``--jobs-sweep`` does the same with 2 ``runworker`` processes in each of ``JOBS_SWEEP``
+(handler threads, ``--prefetch``).
 ``--statements`` starts the server with pg_stat_statements (``track_planning`` on; own server
 only) and prints, for each system, the statements behind enqueues one by one and a 2-process
 drain: calls per job, rows and plans per call, planning and execution µs per call, µs per job
@@ -75,6 +77,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -113,7 +116,23 @@ WARM_UP = 100
 
 MEASUREMENTS = ("single", "single_prepared", "bulk", "drain1", "drain2", "latency")
 JOBS_DEFAULT: list[str] = []  # runworker at its defaults: 20 handler threads
-JOBS_BEST = ["--concurrency", "100"]
+#: The best of ``JOBS_SWEEP`` with 2 processes on a 2-core machine (``--jobs-sweep``): 200
+#: handler threads and up to 200 jobs held beyond them. In three sweeps of 5 and 3 runs it
+#: drained 21,200-26,300 jobs/s, against 19,000-23,000 at ``--concurrency 100``; the larger
+#: configurations below were within the noise of it.
+JOBS_BEST = ["--concurrency", "200", "--prefetch", "200"]
+#: ``runworker`` configurations for ``--jobs-sweep``: handler threads, and jobs held beyond
+#: them (``--prefetch``).
+JOBS_SWEEP = [
+    ["--concurrency", "20"],
+    ["--concurrency", "100"],
+    ["--concurrency", "200"],
+    ["--concurrency", "100", "--prefetch", "100"],
+    ["--concurrency", "200", "--prefetch", "200"],
+    ["--concurrency", "400", "--prefetch", "200"],
+    ["--concurrency", "200", "--prefetch", "800"],
+    ["--concurrency", "400", "--prefetch", "400"],
+]
 
 
 @dataclass(frozen=True)
@@ -142,11 +161,12 @@ class PgqConfig:
 
 
 PGQ_DEFAULT = PgqConfig()
-#: The best of ``SWEEP`` with 2 processes on a 2-core machine (``--pgq-sweep``): batches of 50
-#: and at most 200 picked jobs per worker, on one connection. Without a cap a worker claims the
-#: whole backlog ahead of its handlers, its acknowledgements waiting behind the claims for the
-#: one connection; with a pool its three statement kinds go in parallel but cost more CPU.
-BEST_PGQ = PgqConfig(batch_size=50, max_concurrent_tasks=200)
+#: The best of ``SWEEP`` with 2 processes on a 2-core machine (``--pgq-sweep``): batches of 500,
+#: no task cap, on one connection (27,100-32,400 jobs/s in sweeps of 5 and 3 runs; batches of
+#: 200, 26,700-29,200; batches of 50 with 200 tasks, the best of an earlier sweep without the
+#: larger batches, 21,200-22,600). The larger the batch, the fewer claims and acknowledgements
+#: per job: PostgreSQL's CPU a job fell from 40 to 24 µs.
+BEST_PGQ = PgqConfig(batch_size=500)
 SWEEP = [
     PGQ_DEFAULT,
     PgqConfig(batch_size=50),
@@ -156,6 +176,10 @@ SWEEP = [
     PgqConfig(batch_size=50, max_concurrent_tasks=200),
     PgqConfig(batch_size=100, max_concurrent_tasks=200),
     PgqConfig(batch_size=100, max_concurrent_tasks=500),
+    PgqConfig(batch_size=500),
+    PgqConfig(batch_size=200, max_concurrent_tasks=500),
+    PgqConfig(batch_size=200, max_concurrent_tasks=1000),
+    PgqConfig(batch_size=500, max_concurrent_tasks=1000),
     PgqConfig(batch_size=50, max_concurrent_tasks=200, driver="pool"),
 ]
 
@@ -781,9 +805,9 @@ def print_table(results: dict, args: argparse.Namespace, transports: list[str], 
     plan = measurements(args)
     print(info)
     print(
-        "jobs: runworker at its defaults (20 handler threads) for 1 process, --concurrency 100 "
-        f"for 2; pgqueuer: QueueManager defaults ({PGQ_DEFAULT.label()}) for 1, "
-        f"{BEST_PGQ.label()} for 2"
+        "jobs: runworker at its defaults (20 handler threads) for 1 process, "
+        f"{' '.join(JOBS_BEST)} for 2; pgqueuer: QueueManager defaults "
+        f"({PGQ_DEFAULT.label()}) for 1, {BEST_PGQ.label()} for 2"
     )
     print(
         "CPU: client (enqueue) or worker processes (drain) + PostgreSQL, µs per job; jobs/pgq "
@@ -804,18 +828,31 @@ def print_table(results: dict, args: argparse.Namespace, transports: list[str], 
 
 
 def run_sweep(ctx: Context, args: argparse.Namespace, transport: str) -> None:
+    """Drain with 2 processes of each configuration of one system, in turns, and print the
+    medians: how ``BEST_PGQ`` and ``JOBS_BEST`` were chosen."""
     ctx.use(transport)
+    if args.pgq_sweep:
+        system = "pgqueuer"
+        configs = {
+            config.label(): partial(pgq_drain, ctx, args.jobs, 2, config) for config in SWEEP
+        }
+    else:
+        system = "jobs (runworker)"
+        configs = {
+            " ".join(config): partial(jobs_drain, ctx, args.jobs, 2, config)
+            for config in JOBS_SWEEP
+        }
     results: dict = defaultdict(list)
     for run in range(args.runs):
-        for config in SWEEP:
-            result = pgq_drain(ctx, args.jobs, 2, config)
-            results[config].append(result)
-            progress(transport, f"run {run + 1}", config.label(), result)
+        for label, drain in configs.items():
+            result = drain()
+            results[label].append(result)
+            progress(transport, f"run {run + 1}", label, result)
     rows = [
-        [config.label(), median(runs, "rate"), median(runs, "own"), median(runs, "pg")]
-        for config, runs in results.items()
+        [label, median(runs, "rate"), median(runs, "own"), median(runs, "pg")]
+        for label, runs in results.items()
     ]
-    print(f"pgqueuer, 2 processes draining {args.jobs:,} jobs, {transport}, median of {args.runs}")
+    print(f"{system}, 2 processes draining {args.jobs:,} jobs, {transport}, median of {args.runs}")
     print(table(["configuration", "jobs/s", "worker CPU µs/job", "PG CPU µs/job"], rows))
 
 
@@ -917,6 +954,7 @@ def main() -> int:
     parser.add_argument("--latency-jobs", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="500 jobs, 1 run: a smoke run")
     parser.add_argument("--pgq-sweep", action="store_true", help="pgqueuer's configurations")
+    parser.add_argument("--jobs-sweep", action="store_true", help="runworker's configurations")
     parser.add_argument("--statements", action="store_true", help="pg_stat_statements per job")
     parser.add_argument(
         "--only",
@@ -974,7 +1012,7 @@ def main() -> int:
         info = f"PostgreSQL {version} ({where}); {venv_versions()}"
         if args.statements:
             statements(ctx, args, transports[-1])
-        elif args.pgq_sweep:
+        elif args.pgq_sweep or args.jobs_sweep:
             run_sweep(ctx, args, transports[-1])
         else:
             results = run_table(ctx, args, transports)
