@@ -684,5 +684,5 @@ def _insert_one(cur: CursorWrapper, row: dict[str, Any]) -> int | None:
     params = {key: row.get(key) for key in _ONE_ARGUMENTS}
     params["channel"] = NOTIFY_CHANNEL if jobs_settings.NOTIFY else None
     cur.execute(_INSERT_ONE_CALL, params)
-    (id_,) = cur.fetchone()
+    id_: int | None = cur.fetchone()[0]
     return id_
