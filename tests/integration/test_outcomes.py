@@ -139,3 +139,28 @@ def test_long_error_detail_is_truncated():
     job = claim_one()
     queue.fail(job, code="handler_error", detail="x" * 20000)
     assert len(Job.objects.get(pk=job.id).error_detail) == 8000
+
+
+@pytest.mark.parametrize("path", ["record", "pass"])
+def test_of_two_outcomes_for_one_attempt_the_later_is_written(path):
+    """A batch may name one attempt twice (a flush sent again): the row is written once,
+    with the later outcome's values, and the report counts both as applied."""
+    JobFactory()
+    job = claim_one()
+    batch = [Outcome.succeeded(job, {"first": 1}), Outcome.failed(job, code="late", detail="x")]
+
+    if path == "record":
+        report = queue.record(batch)
+    else:  # the worker's pass: the function with its kept plan
+        report, _claimed = queue.record_and_claim(
+            batch, [ClaimRequest("test.noop.v1", 1)], scope=AllTenants(), count=False
+        )
+
+    row = Job.objects.get(pk=job.id)
+    assert (row.state, row.last_error, row.error_detail, row.result) == (
+        "failed",
+        "late",
+        "x",
+        None,
+    )
+    assert report.applied == (job.id, job.id) and report.fenced == ()
