@@ -53,12 +53,6 @@ BEGIN
             ) AS o(id, token, state, code, detail, delay, at, attempts_delta, result, report)
         ),
         free AS (
-            -- Each outcome whose row is still held under its token (a stale attempt's outcome in the
-            -- same batch as the fresh one's matches nothing), with what the write needs of it: the
-            -- write then joins these rows to the table by key alone. Joined to the outcomes again,
-            -- under a plan made when few rows were running, it compared every outcome with every
-            -- held row, a cost in the square of the batch: passes of 1,000 took 150 µs of
-            -- PostgreSQL's CPU a job instead of 23.
             -- An attempt an operator asked to stop is not retried or handed back: it ends cancelled.
             SELECT j.id, o.token, o.code, o.detail, o.delay, o.at, o.attempts_delta, o.result,
                    o.report,
