@@ -5,7 +5,8 @@ made once a connection from the table's statistics: made when few rows were runn
 compared every outcome with every held row, a cost in the square of the pass. A pass of
 1,000 jobs cost PostgreSQL 150 µs of CPU a job instead of 23, and a worker with hundreds of
 slots spent most of its passes there. The rows held now carry the outcome's values with
-them (``jobs.queue.outcomes``).
+them (``jobs.queue.outcomes``). Of two outcomes for one attempt the pass keeps the later,
+whoever calls it: the join could write the later's state with the earlier's error.
 
 ``SQL`` is what ``jobs.queue.cycle.pass_function()`` returned when this migration was written;
 a test compares them, so a change to the pass's SQL comes with a migration. Reversed, the
@@ -45,11 +46,14 @@ BEGIN
         RETURN QUERY
         WITH
         o AS (
-            SELECT * FROM unnest(
+            -- Of two outcomes for one attempt, the later.
+            SELECT DISTINCT ON (o.id, o.token) * FROM unnest(
                 p_ids::bigint[], p_tokens::uuid[], p_states::text[], p_codes::text[],
                 p_details::text[], p_delays::float8[], p_ats::timestamptz[], p_deltas::int[],
                 p_results::jsonb[], p_reports::jsonb[]
-            ) AS o(id, token, state, code, detail, delay, at, attempts_delta, result, report)
+            ) WITH ORDINALITY AS o(id, token, state, code, detail, delay, at, attempts_delta, result,
+                                   report, ord)
+            ORDER BY o.id, o.token, o.ord DESC
         ),
         free AS (
             -- An attempt an operator asked to stop is not retried or handed back: it ends cancelled.
@@ -182,11 +186,14 @@ BEGIN
         RETURN QUERY
         WITH
         o AS (
-            SELECT * FROM unnest(
+            -- Of two outcomes for one attempt, the later.
+            SELECT DISTINCT ON (o.id, o.token) * FROM unnest(
                 p_ids::bigint[], p_tokens::uuid[], p_states::text[], p_codes::text[],
                 p_details::text[], p_delays::float8[], p_ats::timestamptz[], p_deltas::int[],
                 p_results::jsonb[], p_reports::jsonb[]
-            ) AS o(id, token, state, code, detail, delay, at, attempts_delta, result, report)
+            ) WITH ORDINALITY AS o(id, token, state, code, detail, delay, at, attempts_delta, result,
+                                   report, ord)
+            ORDER BY o.id, o.token, o.ord DESC
         ),
         free AS (
             -- An attempt an operator asked to stop is not retried or handed back: it ends cancelled.

@@ -1,4 +1,5 @@
-"""The fair types' pass joins its outcomes to their rows by key alone (as 0022).
+"""The fair types' pass joins its outcomes to their rows by key alone, and keeps the later of
+two outcomes for one attempt (as 0022).
 
 ``SQL`` is what ``jobs.queue.cycle.fair_pass_function()`` returned when this migration was
 written; a test compares them, so a change to the pass's SQL comes with a migration.
@@ -46,11 +47,14 @@ BEGIN
     RETURN QUERY
         WITH
         o AS (
-            SELECT * FROM unnest(
+            -- Of two outcomes for one attempt, the later.
+            SELECT DISTINCT ON (o.id, o.token) * FROM unnest(
                 p_ids::bigint[], p_tokens::uuid[], p_states::text[], p_codes::text[],
                 p_details::text[], p_delays::float8[], p_ats::timestamptz[], p_deltas::int[],
                 p_results::jsonb[], p_reports::jsonb[]
-            ) AS o(id, token, state, code, detail, delay, at, attempts_delta, result, report)
+            ) WITH ORDINALITY AS o(id, token, state, code, detail, delay, at, attempts_delta, result,
+                                   report, ord)
+            ORDER BY o.id, o.token, o.ord DESC
         ),
         free AS (
             -- An attempt an operator asked to stop is not retried or handed back: it ends cancelled.

@@ -35,21 +35,27 @@ _STOPPED_DETAIL = "('cancelled while running, asked by ' || j.cancel_requested_b
 # comparison of every outcome with every written one was 6 % of PostgreSQL's CPU.
 # {FIGURES} and {COUNTED} are where the rollup's figures go when the statement counts.
 #
-# ``free`` holds each outcome whose row is still held under its token (a stale attempt's
-# outcome in the same batch as the fresh one's matches nothing) with the values the write
-# needs, so the write joins those rows to the table by key alone. Joined to the outcomes
-# again, under a plan made when few rows were running, it compared every outcome with every
-# held row, a cost in the square of the batch: passes of 1,000 took 150 µs of PostgreSQL's
-# CPU a job instead of 23. (Comments here go to the server with every statement, and its
-# activity view shows only a statement's first 1,024 bytes: keep them short.)
+# ``o`` keeps the later of two outcomes for one attempt (a batch sent again), for any caller:
+# each row is then held and written once, with one outcome's values (the join that wrote it
+# before could take the later's state with the earlier's error). ``free`` holds each outcome
+# whose row is still held under its token (a stale attempt's outcome in the same batch as the
+# fresh one's matches nothing) with the values the write needs, so the write joins those rows
+# to the table by key alone. Joined to the outcomes again, under a plan made when few rows
+# were running, it compared every outcome with every held row, a cost in the square of the
+# batch: passes of 1,000 took 150 µs of PostgreSQL's CPU a job instead of 23. (Comments here
+# go to the server with every statement, and its activity view shows only a statement's first
+# 1,024 bytes: keep them short.)
 _OUTCOME_CTES = (
     """
 o AS (
-    SELECT * FROM unnest(
+    -- Of two outcomes for one attempt, the later.
+    SELECT DISTINCT ON (o.id, o.token) * FROM unnest(
         %(ids)b::bigint[], %(tokens)b::uuid[], %(states)b::text[], %(codes)b::text[],
         %(details)b::text[], %(delays)b::float8[], %(ats)b::timestamptz[], %(deltas)b::int[],
         %(results)b::jsonb[], %(reports)b::jsonb[]
-    ) AS o(id, token, state, code, detail, delay, at, attempts_delta, result, report)
+    ) WITH ORDINALITY AS o(id, token, state, code, detail, delay, at, attempts_delta, result,
+                           report, ord)
+    ORDER BY o.id, o.token, o.ord DESC
 ),
 free AS (
     -- An attempt an operator asked to stop is not retried or handed back: it ends cancelled.
@@ -211,9 +217,9 @@ def outcome_params(outcomes: Sequence[Outcome], using: str) -> dict[str, Any]:
 
 def _last_of_each_attempt(outcomes: Sequence[Outcome]) -> Sequence[Outcome]:
     """One outcome an attempt: of two for the same row and token (a batch sent again, or one
-    built by hand), the later, which the write's join to the outcomes had picked. Each row
-    is then held and written once, with one outcome's values; the report still names every
-    outcome given."""
+    built by hand), the later, as the statement keeps it for any caller (processes of the
+    previous release too); not sending the other saves its bytes. The report still names
+    every outcome given."""
     last = {(o.id, o.token): o for o in outcomes}
     return outcomes if len(last) == len(outcomes) else list(last.values())
 
