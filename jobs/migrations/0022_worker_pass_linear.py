@@ -6,7 +6,9 @@ compared every outcome with every held row, a cost in the square of the pass. A 
 1,000 jobs cost PostgreSQL 150 µs of CPU a job instead of 23, and a worker with hundreds of
 slots spent most of its passes there. The rows held now carry the outcome's values with
 them (``jobs.queue.outcomes``). Of two outcomes for one attempt the pass keeps the later,
-whoever calls it: the join could write the later's state with the earlier's error.
+whoever calls it: the join could write the later's state with the earlier's error. And it
+finds its rows by key: under the same plan it read every running row of the fleet, every
+pass.
 
 ``SQL`` is what ``jobs.queue.cycle.pass_function()`` returned when this migration was written;
 a test compares them, so a change to the pass's SQL comes with a migration. Reversed, the
@@ -64,7 +66,7 @@ BEGIN
                    j.cancel_requested_at IS NOT NULL
                        AND (o.state IN ('queued', 'cancelled')) AS stopped
             FROM jobs_job j JOIN o ON j.id = o.id
-            WHERE j.claim_token = o.token AND j.state = 'running'
+            WHERE j.claim_token = o.token AND j.state || '' = 'running'
             FOR UPDATE OF j SKIP LOCKED
         ),
         written AS (
@@ -112,7 +114,7 @@ BEGIN
               AND NOT EXISTS (SELECT 1 FROM written w WHERE w.token = o.token)
               AND EXISTS (
                   SELECT 1 FROM jobs_job j
-                  WHERE j.id = o.id AND j.claim_token = o.token AND j.state = 'running'
+                  WHERE j.id = o.id AND j.claim_token = o.token AND j.state || '' = 'running'
               )
         )
         ,
@@ -204,7 +206,7 @@ BEGIN
                    j.cancel_requested_at IS NOT NULL
                        AND (o.state IN ('queued', 'cancelled')) AS stopped
             FROM jobs_job j JOIN o ON j.id = o.id
-            WHERE j.claim_token = o.token AND j.state = 'running'
+            WHERE j.claim_token = o.token AND j.state || '' = 'running'
             FOR UPDATE OF j SKIP LOCKED
         ),
         written AS (
@@ -252,7 +254,7 @@ BEGIN
               AND NOT EXISTS (SELECT 1 FROM written w WHERE w.token = o.token)
               AND EXISTS (
                   SELECT 1 FROM jobs_job j
-                  WHERE j.id = o.id AND j.claim_token = o.token AND j.state = 'running'
+                  WHERE j.id = o.id AND j.claim_token = o.token AND j.state || '' = 'running'
               )
         )
         ,

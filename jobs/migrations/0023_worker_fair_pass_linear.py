@@ -1,5 +1,5 @@
 """The fair types' pass joins its outcomes to their rows by key alone, and keeps the later of
-two outcomes for one attempt (as 0022).
+two outcomes for one attempt, finding its rows by key (as 0022).
 
 ``SQL`` is what ``jobs.queue.cycle.fair_pass_function()`` returned when this migration was
 written; a test compares them, so a change to the pass's SQL comes with a migration.
@@ -65,7 +65,7 @@ BEGIN
                    j.cancel_requested_at IS NOT NULL
                        AND (o.state IN ('queued', 'cancelled')) AS stopped
             FROM jobs_job j JOIN o ON j.id = o.id
-            WHERE j.claim_token = o.token AND j.state = 'running'
+            WHERE j.claim_token = o.token AND j.state || '' = 'running'
             FOR UPDATE OF j SKIP LOCKED
         ),
         written AS (
@@ -113,7 +113,7 @@ BEGIN
               AND NOT EXISTS (SELECT 1 FROM written w WHERE w.token = o.token)
               AND EXISTS (
                   SELECT 1 FROM jobs_job j
-                  WHERE j.id = o.id AND j.claim_token = o.token AND j.state = 'running'
+                  WHERE j.id = o.id AND j.claim_token = o.token AND j.state || '' = 'running'
               )
         )
         ,

@@ -13,10 +13,11 @@ import time
 
 import pytest
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, transaction
 
 from jobs import queue
 from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome
+from tests.integration.test_review_round22 import explained_nested_statements
 
 NAME = "test.pass.scale.v1"
 SIZE = 1_500  # the large pass
@@ -94,3 +95,45 @@ def test_the_migrations_put_the_passes_back_both_ways():
     finally:
         call_command("migrate", "jobs", verbosity=0)
     assert functions() == now
+
+
+OTHERS = 300  # jobs other workers hold while this one writes its outcomes
+
+
+def _scans(node: dict) -> list[dict]:
+    """Every node of ``node``'s plan that reads the jobs table."""
+    own = [node] if node.get("Relation Name") == "jobs_job" else []
+    return own + [scan for child in node.get("Plans", []) for scan in _scans(child)]
+
+
+@pytest.mark.parametrize("path", ["record", "pass"])
+def test_an_outcome_write_reads_its_own_rows_however_many_others_run(path):
+    """Other workers' running jobs are none of a pass's business: the write finds its rows by
+    key. Under a plan made when few rows were running it read every running row of the
+    fleet instead, every pass: with 2,000 held elsewhere, 8 µs more of PostgreSQL's CPU a
+    job in passes of 50."""
+    queue.enqueue_many([NewJob(NAME, {"n": n}) for n in range(BACKLOG)])
+    with connection.cursor() as cur:
+        cur.execute("VACUUM ANALYZE jobs_job")  # statistics of a queue with nothing running
+    connection.close()  # the pass's plan is made afresh from them
+    scope = AllTenants()
+    queue.claim([ClaimRequest(NAME, OTHERS)], scope=scope, limit=OTHERS, worker="other")
+    mine = queue.claim([ClaimRequest(NAME, 5)], scope=scope, limit=5, worker="w")
+    batch = [Outcome.succeeded(job, None) for job in mine]
+
+    with transaction.atomic(), explained_nested_statements() as plans:
+        if path == "record":
+            report = queue.record(batch, count=False)
+        else:
+            report, _claimed = queue.record_and_claim(
+                batch, [ClaimRequest("test.pass.none.v1", 1)], scope=scope, count=False
+            )
+        transaction.set_rollback(True)
+
+    assert len(report.applied) == 5
+    [plan] = [p for p in plans if "written AS" in p.get("Query Text", "")]
+    read = [
+        (scan.get("Index Name", scan["Node Type"]), scan["Actual Rows"] * scan["Actual Loops"])
+        for scan in _scans(plan["Plan"])
+    ]
+    assert max(rows for _, rows in read) <= 5, read
