@@ -499,8 +499,11 @@ def renew_leases(
                     AS l(id, token, report)
             ),
             free AS (
+                -- By key: ``state || ''`` keeps the planner off the running index, which under
+                -- statistics taken with few rows running it read whole, every job the fleet
+                -- holds (as the outcome write did, jobs.queue.outcomes).
                 SELECT j.id, held.token, held.report FROM jobs_job j JOIN held ON j.id = held.id
-                WHERE j.claim_token = held.token AND j.state = 'running'
+                WHERE j.claim_token = held.token AND j.state || '' = 'running'
                 FOR UPDATE OF j SKIP LOCKED
             ),
             renewed AS (
@@ -516,7 +519,7 @@ def renew_leases(
             SELECT held.token, j.id IS NULL, j.cancel_requested_at IS NOT NULL, FALSE
             FROM held
             LEFT JOIN jobs_job j
-              ON j.id = held.id AND j.claim_token = held.token AND j.state = 'running'
+              ON j.id = held.id AND j.claim_token = held.token AND j.state || '' = 'running'
             WHERE j.id IS NULL OR j.cancel_requested_at IS NOT NULL
             -- A beat that found no row: one row with no token says so.
             UNION ALL

@@ -101,34 +101,59 @@ def _scans(node: dict) -> list[dict]:
     return own + [scan for child in node.get("Plans", []) for scan in _scans(child)]
 
 
+def mine_among_others() -> list:
+    """5 jobs this worker holds while another holds ``OTHERS``, with statistics taken when
+    nothing was running and plans made afresh from them (a new connection)."""
+    queue.enqueue_many([NewJob(NAME, {"n": n}) for n in range(BACKLOG)])
+    with connection.cursor() as cur:
+        cur.execute("VACUUM ANALYZE jobs_job")
+    connection.close()
+    scope = AllTenants()
+    queue.claim([ClaimRequest(NAME, OTHERS)], scope=scope, limit=OTHERS, worker="other")
+    return queue.claim([ClaimRequest(NAME, 5)], scope=scope, limit=5, worker="w")
+
+
+def most_rows_read(plan: dict) -> tuple[float, list]:
+    """The most rows any read of the jobs table in ``plan`` returned, and every read's."""
+    read = [
+        (scan.get("Index Name", scan["Node Type"]), scan["Actual Rows"] * scan["Actual Loops"])
+        for scan in _scans(plan["Plan"])
+    ]
+    return max(rows for _, rows in read), read
+
+
 @pytest.mark.parametrize("path", ["record", "pass"])
 def test_an_outcome_write_reads_its_own_rows_however_many_others_run(path):
     """Other workers' running jobs are none of a pass's business: the write finds its rows by
     key. Under a plan made when few rows were running it read every running row of the
     fleet instead, every pass: with 2,000 held elsewhere, 8 µs more of PostgreSQL's CPU a
     job in passes of 50."""
-    queue.enqueue_many([NewJob(NAME, {"n": n}) for n in range(BACKLOG)])
-    with connection.cursor() as cur:
-        cur.execute("VACUUM ANALYZE jobs_job")  # statistics of a queue with nothing running
-    connection.close()  # the pass's plan is made afresh from them
-    scope = AllTenants()
-    queue.claim([ClaimRequest(NAME, OTHERS)], scope=scope, limit=OTHERS, worker="other")
-    mine = queue.claim([ClaimRequest(NAME, 5)], scope=scope, limit=5, worker="w")
-    batch = [Outcome.succeeded(job, None) for job in mine]
+    batch = [Outcome.succeeded(job, None) for job in mine_among_others()]
 
     with transaction.atomic(), explained_nested_statements() as plans:
         if path == "record":
             report = queue.record(batch, count=False)
         else:
             report, _claimed = queue.record_and_claim(
-                batch, [ClaimRequest("test.pass.none.v1", 1)], scope=scope, count=False
+                batch, [ClaimRequest("test.pass.none.v1", 1)], scope=AllTenants(), count=False
             )
         transaction.set_rollback(True)
 
     assert len(report.applied) == 5
     [plan] = [p for p in plans if "written AS" in p.get("Query Text", "")]
-    read = [
-        (scan.get("Index Name", scan["Node Type"]), scan["Actual Rows"] * scan["Actual Loops"])
-        for scan in _scans(plan["Plan"])
-    ]
-    assert max(rows for _, rows in read) <= 5, read
+    most, read = most_rows_read(plan)
+    assert most <= 5, read
+
+
+def test_a_lease_renewal_reads_its_own_rows_however_many_others_run():
+    """The same for the worker's lease renewal, which writes every held job's lease."""
+    mine = mine_among_others()
+
+    with transaction.atomic(), explained_nested_statements() as plans:
+        renewal = queue.renew_leases(mine)
+        transaction.set_rollback(True)
+
+    assert not renewal.lost and not renewal.skipped
+    [plan] = [p for p in plans if "renewed AS" in p.get("Query Text", "")]
+    most, read = most_rows_read(plan)
+    assert most <= 5, read
