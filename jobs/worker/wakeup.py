@@ -130,14 +130,17 @@ class NotifyListener:
 
         From another connection, as enqueue's notices come: behind a pooler, a probe sent
         on the listening connection could run on the very backend that listens and come
-        back, while no one else's would.
+        back, while no one else's would. And nothing is sent on ``conn`` once the probe is
+        out: behind a pooler, that statement could land on the backend that listens and
+        bring the probe's notice back with its answer, which a listener waiting for work,
+        sending nothing, never gets.
         """
+        if _backend(conn) != backend:
+            return False  # the session moved between two statements: transaction pooling
         token = f"probe {secrets.token_hex(8)}"  # a space: no job type has this name
         probe_params = {**params, "application_name": "jobs-worker listener probe"}
         with _connect(probe_params) as probe:
             probe.execute("SELECT pg_notify(%s, %s)", [NOTIFY_CHANNEL, token])
-        if _backend(conn) != backend:
-            return False  # the session moved between two statements: transaction pooling
         deadline = time.monotonic() + PROBE_TIMEOUT
         while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
             for notice in conn.notifies(timeout=min(left, _STOP_CHECK)):

@@ -11,6 +11,8 @@ for the next client it is lent to.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from datetime import timedelta
@@ -360,3 +362,36 @@ def test_the_listeners_connections_never_prepare_a_statement(pgbouncer):
         assert wakeup._unlisten(conn, backend=0) is False
         assert conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone() == (0,)
     assert pgbouncer.leftovers() == {}
+
+
+def test_a_notice_brought_back_by_the_proofs_own_statement_is_no_proof(monkeypatch):
+    """The probe's notice, held on the listening backend, comes back with a later statement.
+
+    Behind a transaction-mode pooler the listener's connection is linked to no server while
+    it waits, so real notices never reach it. A statement it sends after the probe may land
+    on the backend that listens, though, and a notice queued there comes back with the answer:
+    the flaky "proof" seen with two workers through PgBouncer. Here that backend is stopped
+    (SIGSTOP) until the statement reaches it, so the notice is surely pending. A proof that
+    sends nothing on the listening connection between probe and wait is not fooled.
+    """
+    if skip_reason():
+        pytest.skip(skip_reason())
+    monkeypatch.setattr(wakeup, "PROBE_TIMEOUT", 1.0)
+    direct = _connect_params()  # the probe reaches PostgreSQL itself: it runs beside the stop
+    listener = NotifyListener(["x"], lambda name: None)
+    with PgBouncer(pool_size=1) as single, single.routing():
+        with wakeup._connect(_connect_params()) as conn:
+            with conn.transaction():
+                conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                backend = _backend(conn)
+            os.kill(backend, signal.SIGSTOP)
+            resume = threading.Timer(0.5, os.kill, [backend, signal.SIGCONT])
+            resume.start()
+            try:
+                proved = listener._prove(conn, backend, direct)
+            finally:
+                resume.cancel()
+                os.kill(backend, signal.SIGCONT)
+            wakeup._unlisten(conn, backend)
+        assert single.leftovers() == {}
+    assert proved is False
