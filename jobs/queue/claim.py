@@ -490,6 +490,10 @@ def renew_leases(
     # Rows another session has locked (an operator's open transaction) are skipped, not
     # waited for: their renewal waits for the next round, and they are not reported lost
     # (``Renewal.skipped``: their leases run on from the last renewal that wrote them).
+    # Rows are found by key: ``state || ''`` keeps the planner off the running index, which,
+    # under statistics taken with few rows running, it read whole, every job the fleet holds
+    # (as the outcome write did, jobs.queue.outcomes). The comment stays out of the SQL, whose
+    # first 1,024 bytes are all pg_stat_activity shows.
     with _db.bound_cursor(using) as cur:
         cur.execute(
             f"""
@@ -499,9 +503,6 @@ def renew_leases(
                     AS l(id, token, report)
             ),
             free AS (
-                -- By key: ``state || ''`` keeps the planner off the running index, which under
-                -- statistics taken with few rows running it read whole, every job the fleet
-                -- holds (as the outcome write did, jobs.queue.outcomes).
                 SELECT j.id, held.token, held.report FROM jobs_job j JOIN held ON j.id = held.id
                 WHERE j.claim_token = held.token AND j.state || '' = 'running'
                 FOR UPDATE OF j SKIP LOCKED
