@@ -573,6 +573,7 @@ def next_attempt(
     lease was lost or an operator asked the job to stop (the handler must not run again; a
     renewal tells the two apart).
     """
+    # The row by key (``state || ''``), as renew_leases finds its rows.
     with _db.bound_cursor(using) as cur:
         cur.execute(
             f"""
@@ -589,7 +590,7 @@ def next_attempt(
             }
             -- The row before the update, for the ended attempt's figures in the rollup.
             FROM jobs_job was
-            WHERE j.id = %(id)s AND j.claim_token = %(token)s AND j.state = 'running'
+            WHERE j.id = %(id)s AND j.claim_token = %(token)s AND j.state || '' = 'running'
               AND j.cancel_requested_at IS NULL AND was.id = j.id
             RETURNING j.attempts, j.name,
                 GREATEST(0, EXTRACT(EPOCH FROM statement_timestamp() - was.started_at))::float8
