@@ -164,7 +164,7 @@ def reckon(cur: CursorWrapper, ids: Iterable[int]) -> None:
         SET waiting_on = w.n,
             run_after = CASE WHEN w.n > 0 THEN %s ELSE j.run_after END
         FROM unnest(%s::bigint[], %s::int[]) AS w(id, n)
-        WHERE j.id = w.id AND j.state = 'queued'
+        WHERE j.id = w.id AND j.state || '' = 'queued'
         """,
         [WAITING_UNTIL, list(waiting), list(waiting.values())],
     )

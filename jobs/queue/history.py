@@ -109,7 +109,7 @@ RETURNING id
 UNRESTORE = f"""
 WITH back AS (
     DELETE FROM jobs_job j
-    WHERE j.id = ANY(%(ids)s) AND j.state IN ('failed', 'cancelled') AND NOT j.key_held
+    WHERE j.id = ANY(%(ids)s) AND (j.state || '') IN ('failed', 'cancelled') AND NOT j.key_held
     RETURNING j.*
 )
 INSERT INTO {PARENT} ({COLUMNS}) SELECT {COLUMNS} FROM back

@@ -23,6 +23,15 @@ WINDOW_PASSED = """(
 )"""
 
 
+# The same for rows found by id. A lookup by id that also tests ``key_held`` or ``state`` as a
+# partial index's predicate does can be planned on that index, read whole, when the statistics
+# were taken while it held few rows: ``key_held IS TRUE`` and ``state || ''`` test the same and
+# match no predicate, so the rows are read by key.
+_WINDOW_PASSED_BY_ID = "j.key_held IS TRUE AND " + WINDOW_PASSED.replace(
+    "j.state", "(j.state || '')"
+)
+
+
 def window_params() -> dict[str, float]:
     return {
         "success_window": _db.seconds(jobs_settings.SUCCESS_WINDOW),
@@ -61,7 +70,7 @@ def release(cur: CursorWrapper, ids: list[int]) -> set[int]:
     cur.execute(
         f"""
         UPDATE jobs_job AS j SET key_held = FALSE
-        WHERE j.id = ANY(%(ids)s) AND j.key_held AND {WINDOW_PASSED}
+        WHERE j.id = ANY(%(ids)s) AND {_WINDOW_PASSED_BY_ID}
         RETURNING j.id
         """,
         {"ids": ids, **window_params()},
@@ -70,13 +79,22 @@ def release(cur: CursorWrapper, ids: list[int]) -> set[int]:
 
 
 def release_for(cur: CursorWrapper, ids: list[int]) -> None:
-    """Release expired keys held by *other* rows with the same keys as these rows (replay)."""
+    """Release expired keys held by *other* rows with the same keys as these rows (replay).
+
+    Each row's key is looked up in the key lock, for each row in turn (``LATERAL`` with a
+    ``LIMIT``, which the planner cannot fold into a join that reads the key lock whole); a
+    key has one holder at most.
+    """
     cur.execute(
         f"""
         UPDATE jobs_job AS j SET key_held = FALSE
         FROM jobs_job t
-        WHERE t.id = ANY(%(ids)s) AND j.tenant = t.tenant AND j.job_id = t.job_id
-          AND j.id <> t.id AND j.key_held AND {WINDOW_PASSED}
+        CROSS JOIN LATERAL (
+            SELECT o.id FROM jobs_job o
+            WHERE o.tenant = t.tenant AND o.job_id = t.job_id AND o.key_held AND o.id <> t.id
+            LIMIT 1
+        ) holder
+        WHERE t.id = ANY(%(ids)s) AND j.id = holder.id AND {_WINDOW_PASSED_BY_ID}
         """,
         {"ids": ids, **window_params()},
     )

@@ -17,14 +17,19 @@ from jobs.queue import _db, attempts, dependencies, flow, history, keys, rollup
 from jobs.queue.types import ReplayReport
 from jobs.runs import ErrorCode
 
+# The rows by key: ``state || ''`` matches no partial index's predicate, and ``OFFSET 0`` keeps
+# the key check a look-up in the key lock for each row, which the planner would otherwise turn
+# into a join reading the key lock whole when its statistics were taken while few keys were
+# held (jobs.queue.keys).
 _REPLAY = (
     """
 WITH target AS (
     SELECT j.id FROM jobs_job j
-    WHERE j.id = ANY(%(ids)s) AND j.state IN ('failed', 'cancelled')
+    WHERE j.id = ANY(%(ids)s) AND (j.state || '') IN ('failed', 'cancelled')
       AND NOT EXISTS (
           SELECT 1 FROM jobs_job o
           WHERE o.tenant = j.tenant AND o.job_id = j.job_id AND o.key_held AND o.id <> j.id
+          OFFSET 0
       )
     FOR UPDATE OF j
 )

@@ -16,8 +16,7 @@ from django.core.management import call_command
 from django.db import connection, transaction
 
 from jobs import queue
-from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, effects
-from jobs.queue.claim import next_attempt
+from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome
 from tests.integration.test_review_round22 import (
     _body,
     _migration_sql,
@@ -158,39 +157,3 @@ def test_a_lease_renewal_reads_its_own_rows_however_many_others_run():
     [plan] = [p for p in plans if "renewed AS" in p.get("Query Text", "")]
     most, read = most_rows_read(plan)
     assert most <= 5, read
-
-
-def rows_examined(plan: dict) -> list:
-    """Each read of the jobs table in ``plan``: its index, and the rows it looked at (those
-    it returned and those its filter threw away)."""
-    return [
-        (
-            scan.get("Index Name", scan["Node Type"]),
-            (scan["Actual Rows"] + scan.get("Rows Removed by Filter", 0)) * scan["Actual Loops"],
-        )
-        for scan in _scans(plan["Plan"])
-    ]
-
-
-@pytest.mark.parametrize("path", ["hold", "intent", "done", "next attempt"])
-def test_a_handlers_own_row_is_found_by_key_however_many_others_run(path):
-    """A handler's calls that check its claim (``jobs.complete``, an effect's journal, a
-    retry waited out in the worker) look at its one row. Under statistics taken when few
-    rows were running they read the running index whole, every job the fleet holds, to find
-    it (with 5,000 held, 1.3 ms a call instead of a few µs)."""
-    job = mine_among_others()[0]
-
-    with transaction.atomic(), explained_nested_statements() as plans:
-        if path == "hold":
-            assert effects.hold(job.id, job.claim_token)
-        elif path == "next attempt":
-            assert next_attempt(job) == job.attempts + 1
-        else:
-            key = effects.record_intent(job.id, job.claim_token, "step", "k", job.attempts)
-            assert key == "k"
-            if path == "done":
-                assert effects.record_done(job.id, job.claim_token, "step", "1", job.attempts)
-        transaction.set_rollback(True)
-
-    read = [scan for plan in plans for scan in rows_examined(plan)]
-    assert read and max(rows for _, rows in read) <= 5, read
