@@ -25,6 +25,7 @@ error, which reconnects and proves again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -110,10 +111,18 @@ class NotifyListener:
             with conn.transaction():
                 conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                 backend = _backend(conn)
-            if not self._prove(conn, backend, params):
+            # A LISTEN that is not proved is undone however the proof ended (a stop, an
+            # error): behind a pooler it would stay on a backend lent to other clients.
+            try:
+                proven = self._prove(conn, backend, params)
+            except BaseException:
+                with contextlib.suppress(psycopg.Error):
+                    _unlisten(conn, backend)
+                raise
+            if not proven:
+                undone = _unlisten(conn, backend)
                 if self._stop.is_set():
                     return True
-                undone = _unlisten(conn, backend)
                 self._fall_back(undone)
                 return False
             self._proved()
