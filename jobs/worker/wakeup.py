@@ -142,15 +142,14 @@ class NotifyListener:
         back, while no one else's would. And nothing is sent on ``conn`` once the probe is
         out: behind a pooler, that statement could land on the backend that listens and
         bring the probe's notice back with its answer, which a listener waiting for work,
-        sending nothing, never gets.
+        sending nothing, never gets. The probe and its way back share PROBE_TIMEOUT.
         """
         if _backend(conn) != backend:
             return False  # the session moved between two statements: transaction pooling
         token = f"probe {secrets.token_hex(8)}"  # a space: no job type has this name
-        probe_params = {**params, "application_name": "jobs-worker listener probe"}
-        with _connect(probe_params) as probe:
-            probe.execute("SELECT pg_notify(%s, %s)", [NOTIFY_CHANNEL, token])
         deadline = time.monotonic() + PROBE_TIMEOUT
+        if not self._send_probe(params, token, deadline):
+            return False
         while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
             for notice in conn.notifies(timeout=min(left, _STOP_CHECK)):
                 if notice.payload == token:
@@ -158,6 +157,36 @@ class NotifyListener:
                 if notice.payload in self._names:
                     self._on_work(notice.payload)
         return False
+
+    def _send_probe(self, params: dict[str, Any], token: str, deadline: float) -> bool:
+        """Send the probe from a connection of its own; False if a stop or ``deadline`` came
+        first. Raises what the probe's connection raised.
+
+        A pooler with no free server queues the probe's statement, for minutes
+        (PgBouncer's ``query_wait_timeout``): the probe runs in a thread of its own, so that
+        neither a stop nor the proof waits for it. One left behind ends with the pooler's
+        timeout, or runs once a server frees; its notice is then nobody's.
+        """
+        done = threading.Event()
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                probe_params = {**params, "application_name": "jobs-worker listener probe"}
+                with _connect(probe_params) as probe:
+                    probe.execute("SELECT pg_notify(%s, %s)", [NOTIFY_CHANNEL, token])
+            except BaseException as exc:  # handed to the listener's thread
+                failed.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=send, name="jobs-listener-probe", daemon=True).start()
+        while not done.wait(min(max(deadline - time.monotonic(), 0.0), _STOP_CHECK)):
+            if self._stop.is_set() or time.monotonic() >= deadline:
+                return False
+        if failed:
+            raise failed[0]
+        return True
 
     def _proved(self) -> None:
         if self.unproven.is_set():

@@ -11,7 +11,8 @@ warning is logged once over many failed proofs; after ``REPROVE_AFTER`` the list
 again once the path allows it; a stop during the proof's wait ends the thread at once; a
 listening backend lost during the proof, directly or behind the pooler, is survived.
 
-Defects found, the first two fixed since (the LISTEN is now undone however the proof ends):
+Defects found, all fixed since (the LISTEN is undone however the proof ends; the probe is
+sent from a thread of its own, within the proof's deadline):
 
 * ``test_a_stop_during_the_proof_leaves_no_listen_on_a_pooled_backend``: ``_listen``
   returned at once when the proof ended on a stop and never undid the LISTEN: behind a
@@ -21,14 +22,11 @@ Defects found, the first two fixed since (the LISTEN is now undone however the p
 * ``test_a_probe_that_cannot_connect_leaves_no_listen_on_a_pooled_backend``: the same for
   an error during the proof: a probe the pooler refuses (``max_client_conn`` reached)
   raised out of ``_listen`` past ``_unlisten``, and the LISTEN stayed on the pooled backend.
-
-Still open (``xfail(strict=True)``):
-
 * ``test_a_stop_while_the_probe_waits_for_a_server_returns_promptly``: the probe's
-  connection has no bound of its own: when the pooler has no free server for it (here a
-  session-mode pool of one, which the listener holds), its ``pg_notify`` waits in
+  connection had no bound of its own: when the pooler has no free server for it (here a
+  session-mode pool of one, which the listener holds), its ``pg_notify`` waited in
   PgBouncer's queue (``query_wait_timeout``, 120 s by default) and neither a stop request
-  nor ``PROBE_TIMEOUT`` ends the wait.
+  nor ``PROBE_TIMEOUT`` ended the wait.
 
 Every test runs on real PostgreSQL and a real PgBouncer; waits poll with deadlines.
 """
@@ -394,14 +392,6 @@ def test_a_probe_that_cannot_connect_leaves_no_listen_on_a_pooled_backend(monkey
         assert single.leftovers() == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the probe connection has no bound: with no free server in the pool (a session-mode "
-        "pool of one, held by the listener) its pg_notify waits in PgBouncer's queue up to "
-        "query_wait_timeout (120 s by default) and neither stop() nor PROBE_TIMEOUT ends it"
-    ),
-)
 def test_a_stop_while_the_probe_waits_for_a_server_returns_promptly():
     _skip_without_pgbouncer()
     with PgBouncer(pool_mode="session", pool_size=1) as single:
