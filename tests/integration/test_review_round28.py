@@ -48,21 +48,13 @@ from jobs.conf import NOTIFY_CHANNEL
 from jobs.worker import wakeup
 from jobs.worker.wakeup import NotifyListener
 from tests import pgbouncer as pgbouncer_module
+from tests.integration.test_pgbouncer import wait_for
 from tests.pgbouncer import PgBouncer, pgbouncer_fixture, skip_reason  # noqa: F401
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
 PROBE_APP = "jobs-worker listener probe"
 LISTENER_APP = "jobs-worker listener"
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"{what} not met within {timeout}s")
 
 
 def _params() -> dict[str, Any]:
