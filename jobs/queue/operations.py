@@ -101,13 +101,16 @@ def replay(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> Rep
         if restored - replayed:
             cur.execute(history.UNRESTORE, {"ids": sorted(restored - replayed)})
         rest_ids = [id_ for id_ in wanted if id_ not in replayed]
-        cur.execute(
-            "SELECT id, state IN ('failed', 'cancelled') FROM jobs_job WHERE id = ANY(%(ids)s) "
-            f"UNION ALL SELECT id, state IN ('failed', 'cancelled') FROM {history.PARENT} "
-            "WHERE id = ANY(%(ids)s)",
-            {"ids": rest_ids},
-        )
-        rest = cur.fetchall()
+        rest = []
+        if rest_ids:  # with none, id = ANY('{}') could be planned on a partial index read whole
+            cur.execute(
+                "SELECT id, state IN ('failed', 'cancelled') FROM jobs_job "
+                "WHERE id = ANY(%(ids)s) "
+                f"UNION ALL SELECT id, state IN ('failed', 'cancelled') FROM {history.PARENT} "
+                "WHERE id = ANY(%(ids)s)",
+                {"ids": rest_ids},
+            )
+            rest = cur.fetchall()
     return ReplayReport(
         replayed=tuple(id_ for id_ in wanted if id_ in replayed),
         not_failed=tuple(sorted(id_ for id_, eligible in rest if not eligible)),
@@ -131,7 +134,7 @@ SET state = CASE WHEN state = 'queued' THEN 'cancelled' ELSE state END,
     cancel_requested_at = CASE WHEN state = 'running' THEN statement_timestamp()
                                ELSE cancel_requested_at END,
     cancel_requested_by = CASE WHEN state = 'running' THEN %(by)s ELSE cancel_requested_by END
-WHERE id = ANY(%(ids)s) AND state = ANY(%(states)s)
+WHERE id = ANY(%(ids)s) AND (state || '') = ANY(%(states)s)
   AND (state = 'queued' OR cancel_requested_at IS NULL)
 RETURNING id, state, name
 ),"""
@@ -206,7 +209,8 @@ def run_now(ids: Iterable[int], *, using: str = DEFAULT_DB_ALIAS) -> list[int]:
         cur.execute(
             """
             UPDATE jobs_job SET run_after = statement_timestamp()
-            WHERE id = ANY(%(ids)s) AND state = 'queued' AND run_after > statement_timestamp()
+            WHERE id = ANY(%(ids)s) AND state || '' = 'queued'
+              AND run_after > statement_timestamp()
               AND waiting_on = 0
             RETURNING id
             """,
