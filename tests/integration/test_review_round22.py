@@ -374,7 +374,8 @@ def explained_nested_statements() -> Iterator[list[dict]]:
     with connection.cursor() as cur:
         cur.execute(
             "LOAD 'auto_explain'; SET auto_explain.log_min_duration = 0;"
-            " SET auto_explain.log_analyze = on; SET auto_explain.log_nested_statements = on;"
+            " SET auto_explain.log_analyze = on; SET auto_explain.log_buffers = on;"
+            " SET auto_explain.log_nested_statements = on;"
             " SET auto_explain.log_format = json; SET auto_explain.log_level = notice"
         )
     raw.add_notice_handler(notice)

@@ -56,10 +56,8 @@ Waits poll with a deadline.
 from __future__ import annotations
 
 import importlib
-import json
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -86,6 +84,8 @@ from jobs.queue import (
 )
 from jobs.queue.claim import next_attempt
 from jobs.scheduler.clock import database_now
+from tests.integration.test_pgbouncer import wait_for
+from tests.integration.test_review_round22 import explained_nested_statements
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -309,30 +309,9 @@ def no_autoanalyze():
 def explained() -> Iterator[list[dict]]:
     """The plans, with actual rows and buffers, of every statement (nested ones too) run
     meanwhile, in a transaction rolled back after."""
-    plans: list[dict] = []
-    with transaction.atomic():
-        raw = connection.connection
-
-        def notice(diagnostic) -> None:
-            text = diagnostic.message_primary or ""
-            if "Plan" in text and "{" in text:
-                plans.append(json.loads(text[text.index("{") :]))
-
-        with connection.cursor() as cur:
-            cur.execute(
-                "LOAD 'auto_explain'; SET LOCAL auto_explain.log_min_duration = 0;"
-                " SET LOCAL auto_explain.log_analyze = on;"
-                " SET LOCAL auto_explain.log_buffers = on;"
-                " SET LOCAL auto_explain.log_nested_statements = on;"
-                " SET LOCAL auto_explain.log_format = json;"
-                " SET LOCAL auto_explain.log_level = notice"
-            )
-        raw.add_notice_handler(notice)
-        try:
-            yield plans
-        finally:
-            raw.remove_notice_handler(notice)
-            transaction.set_rollback(True)
+    with transaction.atomic(), explained_nested_statements() as plans:
+        yield plans
+        transaction.set_rollback(True)
 
 
 def _scans(node: dict) -> list[dict]:
@@ -386,15 +365,6 @@ def where(pk: int) -> str:
 # --- Threads held up on a row lock ----------------------------------------------------------
 
 
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"{what} not within {timeout} s")
-
-
 class Session(threading.Thread):
     """``action()`` on a connection of its own; its backend's pid is known before it runs."""
 
@@ -427,7 +397,9 @@ def blocked_behind_me(*actions: Callable[[], Any]) -> list[Session]:
     sessions = [Session(action) for action in actions]
     for session in sessions:
         session.start()
-    wait_for(lambda: all(s.pid or not s.is_alive() for s in sessions), "the sessions' pids")
+    wait_for(
+        lambda: all(s.pid or not s.is_alive() for s in sessions), 15.0, what="the sessions' pids"
+    )
 
     def waiting() -> bool:
         with connection.cursor() as cur:
@@ -437,7 +409,11 @@ def blocked_behind_me(*actions: Callable[[], Any]) -> list[Session]:
             )
             return cur.fetchone()[0] == len(sessions)
 
-    wait_for(lambda: waiting() or any(not s.is_alive() for s in sessions), "both sessions waiting")
+    wait_for(
+        lambda: waiting() or any(not s.is_alive() for s in sessions),
+        15.0,
+        what="both sessions waiting",
+    )
     assert all(s.is_alive() for s in sessions), [s.error for s in sessions]
     return sessions
 
