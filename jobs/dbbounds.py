@@ -349,3 +349,14 @@ def local(using: str = DEFAULT_DB_ALIAS, bounds: Bounds | None = None) -> Iterat
         if settings:
             cur.execute("; ".join(settings))  # one round trip for both
         yield
+
+
+def wait_for_locks(seconds: float, *, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Bound how long the rest of the caller's transaction waits for a lock (``SET LOCAL``).
+
+    Ends with the transaction, so nothing is left on the session or a pooled connection.
+    """
+    if not connections[using].in_atomic_block:
+        raise RuntimeError("wait_for_locks() applies to a transaction: call it inside one")
+    with connections[using].cursor() as cur:
+        cur.execute(f"SET LOCAL lock_timeout = {max(1, _ms(seconds))}")

@@ -723,11 +723,21 @@ class Dependency(models.Model):
         choices=DependencyFailure.choices,
         default=DependencyFailure.CANCEL,
     )
+    # The upstream's outcome has been applied to the waiting job (once, whoever applies it).
+    settled = models.BooleanField(_("settled"), default=False, db_default=False)
 
     class Meta:
         verbose_name = _("dependency")
         verbose_name_plural = _("dependencies")
-        indexes = [models.Index(fields=["upstream"], name="jobs_dependency_upstream")]
+        indexes = [
+            models.Index(fields=["upstream"], name="jobs_dependency_upstream"),
+            # The edges a release has yet to apply, in the order it applies them.
+            models.Index(
+                fields=["upstream", "job"],
+                name="jobs_dependency_unsettled",
+                condition=Q(settled=False),
+            ),
+        ]
         constraints = [
             models.CheckConstraint(
                 condition=Q(on_failure__in=DependencyFailure.values),
@@ -740,6 +750,27 @@ class Dependency(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job} after {self.upstream}"
+
+
+class Settlement(models.Model):
+    """A job others wait for has ended, and the jobs waiting for it are not all released yet.
+
+    The settle trigger inserts one when such a job ends; ``jobs.queue.dependencies.release``
+    applies it to the waiting jobs in bounded steps and deletes it when done.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    upstream = models.BigIntegerField(_("ended job"))
+    state = models.CharField(_("ended as"), max_length=16)
+    created_at = models.DateTimeField(_("ended at"), db_default=Now())
+
+    class Meta:
+        verbose_name = _("settlement")
+        verbose_name_plural = _("settlements")
+        indexes = [models.Index(fields=["upstream", "id"], name="jobs_settlement_upstream")]
+
+    def __str__(self) -> str:
+        return f"job {self.upstream} ended {self.state}"
 
 
 class EffectState(models.TextChoices):

@@ -36,7 +36,7 @@ from jobs.queue.claim import (
 )
 from jobs.queue.flow import FlowLimits
 from jobs.queue.outcomes import (
-    OUTCOME_CTES,
+    PASS_OUTCOME_CTES,
     ROLLUP_CTE,
     outcome_params,
     outcome_report,
@@ -60,6 +60,7 @@ _REPORT_ROW = (
     + ", (SELECT array_agg(token) FROM written), (SELECT array_agg(token) FROM busy)"
     + ", (SELECT array_agg(token) FROM written WHERE stopped IS NOT NULL)"
     + ", (SELECT array_agg(stopped) FROM written WHERE stopped IS NOT NULL)"
+    + ", (SELECT bool_or(settles) FROM written)"
 )
 
 
@@ -95,7 +96,7 @@ _PASS_ARGUMENTS = {
     **_CLAIM_ARGUMENTS,
 }
 # The pass for names that are all fair with no limit (jobs.queue.claim.TIERED_FORM), as
-# jobs_worker_fair_pass: the same outcome write, the fair claim; its arguments are the flow
+# jobs_worker_fair_pass_v2: the same outcome write, the fair claim; its arguments are the flow
 # claim's (jobs.queue.flow.WANTED), most of them unused by this form but kept so the claim's
 # text is the flow claim's own.
 _FAIR_PASS_ARGUMENTS = {
@@ -134,6 +135,7 @@ _PASS_COLUMNS = (
     ("busy", "uuid[]"),
     ("stopped", "uuid[]"),
     ("details", "text[]"),
+    ("settle", "boolean"),
 )
 
 
@@ -149,8 +151,12 @@ def _call(function: str, arguments: dict[str, str], first: str = "") -> str:
     )
 
 
-_PASS_CALL = _call("jobs_worker_pass", _PASS_ARGUMENTS, "%(walk)s, ")
-_FAIR_PASS_CALL = _call("jobs_worker_fair_pass", _FAIR_PASS_ARGUMENTS)
+# The functions' names carry a version: a change of their arguments or columns is a new
+# function, and workers of the previous release keep calling theirs during a rolling deploy.
+PASS_FUNCTION = "jobs_worker_pass_v2"
+FAIR_PASS_FUNCTION = "jobs_worker_fair_pass_v2"
+_PASS_CALL = _call(PASS_FUNCTION, _PASS_ARGUMENTS, "%(walk)s, ")
+_FAIR_PASS_CALL = _call(FAIR_PASS_FUNCTION, _FAIR_PASS_ARGUMENTS)
 
 
 def _argument(parameter: str) -> str:
@@ -164,10 +170,11 @@ def _pass_query(claim_ctes: str) -> str:
     claimed = ", ".join(f"c_{name}" for name, _ in _PASS_COLUMNS[:_CLAIMED_COLUMNS])
     casts = ", ".join(f"c_{name}::{kind}" for name, kind in _PASS_COLUMNS[:_CLAIMED_COLUMNS])
     sql = (
-        f"WITH{OUTCOME_CTES[False]},"
+        f"WITH{PASS_OUTCOME_CTES[False]},"
         f"{claim_ctes}, "
         f"claimed({claimed}) AS ({claim_update()})\n"
-        f"SELECT {casts}, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[] FROM claimed\n"
+        f"SELECT {casts}, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[], NULL::boolean"
+        " FROM claimed\n"
         f"UNION ALL\n{_REPORT_ROW}"
     )
     sql = re.sub(r"%\((\w+)\)[sb]", lambda m: _argument(m[1]), sql)
@@ -177,7 +184,7 @@ def _pass_query(claim_ctes: str) -> str:
 
 
 def pass_function() -> str:
-    """``CREATE OR REPLACE FUNCTION jobs_worker_pass``: :func:`record_and_claim`'s statement
+    """``CREATE OR REPLACE FUNCTION jobs_worker_pass_v2``: :func:`record_and_claim`'s statement
     for names without flow controls, as a function whose plan each connection keeps.
 
     A migration holds the text this returns (a test compares them): a change to the SQL it
@@ -188,7 +195,7 @@ def pass_function() -> str:
     """
     scope = pick_scope_sql("j")
     return _function(
-        "jobs_worker_pass",
+        PASS_FUNCTION,
         {"walk": "boolean", **_PASS_ARGUMENTS},
         "    IF p_walk THEN\n"
         "        RETURN QUERY\n"
@@ -201,13 +208,13 @@ def pass_function() -> str:
 
 
 def fair_pass_function() -> str:
-    """``CREATE OR REPLACE FUNCTION jobs_worker_fair_pass``: the pass for names that are all
+    """``CREATE OR REPLACE FUNCTION jobs_worker_fair_pass_v2``: the pass for names that are all
     fair with no limit (:data:`~jobs.queue.claim.TIERED_FORM`), with a kept plan as
     :func:`pass_function`'s. Planned inline every pass, it cost the fair drain about 26 µs of
     PostgreSQL CPU a job more than the plain one (bench/fairness.py). A migration holds it too.
     """
     return _function(
-        "jobs_worker_fair_pass",
+        FAIR_PASS_FUNCTION,
         _FAIR_PASS_ARGUMENTS,
         f"    RETURN QUERY\n{_pass_query(tiered_claim_ctes())};\n",
     )
@@ -278,8 +285,9 @@ def record_and_claim(
     else:
         counted = (f", {ROLLUP_CTE}", f" WHERE {rollup.reads()}") if count else ("", "")
         sql = (
-            f"WITH {OUTCOME_CTES[count]}{counted[0]},{ctes}, claimed AS ({update}){post}\n"
-            "SELECT *, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[] FROM claimed\n"
+            f"WITH {PASS_OUTCOME_CTES[count]}{counted[0]},{ctes}, claimed AS ({update}){post}\n"
+            "SELECT *, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[], NULL::boolean"
+            " FROM claimed\n"
             f"UNION ALL\n{_REPORT_ROW}{counted[1]}"
         )
     with _db.bound_cursor(using) as cur:
@@ -287,12 +295,13 @@ def record_and_claim(
         rows = cur.fetchall()
     # Claimed rows always have an id; the report row has none.
     [report_row] = [row for row in rows if row[0] is None]
-    written, busy, stopped, details = (value or [] for value in report_row[-4:])
+    written, busy, stopped, details = (value or [] for value in report_row[-5:-1])
     report = outcome_report(
         outcomes,
         applied=set(written),
         busy=set(busy),
         stopped=dict(zip(stopped, details, strict=True)),
+        settle=bool(report_row[-1]),
     )
     claimed = [row[:_CLAIMED_COLUMNS] for row in rows if row[0] is not None]
     return report, claimed_jobs(claimed)

@@ -1,31 +1,41 @@
-"""Jobs that wait for other jobs (``after=`` at enqueue).
+"""Jobs that wait for other jobs (``after=`` at enqueue), and their release.
 
 A waiting job is an ordinary queued row with ``run_after`` at :data:`WAITING_UNTIL` and
 ``waiting_on`` counting the jobs it waits for that have not succeeded. No claim's range scan
 reaches a row due in the year 9000, so a million waiting jobs cost the claim what a million
 jobs scheduled far ahead do: nothing. One edge row per (waiting job, job it waits for) is in
-``jobs_dependency``.
+``jobs_dependency``; ``settled`` says the edge's upstream outcome has been applied.
 
-The jobs waited for are marked ``depended_on``; when such a job's state changes, the settle
-trigger (migration 0010, ``jobs_dependents_settle``) moves each waiting job in the same
-transaction: one fewer to wait for on success, due now when none is left; cancelled or failed
-(its edge's ``on_failure``) when the job it waits for failed or was cancelled. That change of
-the waiting job fires the trigger in turn, so a chain settles to its end at once.
+When a job others wait for (``depended_on``) ends, the settle trigger records a settlement
+(``jobs_settlement``): one insert, whatever the fan-out, so the statement that ends the job
+costs the same for one waiting job or a million. :func:`release` applies settlements after
+it, in bounded steps: each waiting job has one fewer to wait for on success (due now when
+none is left), or ends as its edge says (``on_failure``) when the job it waited for failed
+or was cancelled. A job ended that way fires the trigger in turn, so a chain settles down to
+its end, a step at a time. The worker runs :func:`release` as soon as its pass ends such a
+job, and every worker and the scheduler also look for pending settlements every second.
 
-Enqueue marks the jobs waited for under their row locks before the waiting job's row goes in,
-so a job finishing at that moment either is seen finished here or finds the new edge when its
-own trigger runs: no waiting job misses the change it waits for.
+Enqueue writes nothing on the jobs it waits for: a producer whose transaction stays open
+must not hold a running job's row, or the lease renewal (which skips locked rows) could not
+extend it. It reads their states, and as its transaction commits a deferred check
+(``jobs_dependency_check``) marks each unfinished one ``depended_on`` under a row lock held
+only until that commit, and applies the outcome of any that ended since it was read: that
+job's release ran without seeing the new edges, which were not committed yet. An edge is
+settled once, by whichever of the two comes first.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from django.db import DEFAULT_DB_ALIAS, transaction
 from django.db.backends.utils import CursorWrapper
 
 from jobs.models import WAITING_UNTIL, DependencyFailure
-from jobs.queue import keys
+from jobs.queue import _db, keys, text
 from jobs.queue.types import Enqueued, InvalidJob, NewJob
 
 #: The most jobs one job may wait for.
@@ -73,10 +83,11 @@ def validate(job: NewJob, index: int | None) -> tuple[int | str, ...]:
 
 
 def prepare(cur: CursorWrapper, rows: list[dict[str, Any]]) -> None:
-    """Resolve and lock what each row waits for; set its ``waiting_on`` and ``run_after``.
+    """Resolve what each row waits for; set its ``waiting_on`` and ``run_after``.
 
     Must run in the enqueue's transaction, before the rows are inserted. Each row gets
-    ``upstream``: the row ids it waits for, in order.
+    ``upstream``: the row ids it waits for, in order. Reads the states of those jobs and
+    locks nothing (see the module docstring).
     """
     named = {
         (row["tenant"], item) for row in rows for item in row["after"] if isinstance(item, str)
@@ -95,7 +106,7 @@ def prepare(cur: CursorWrapper, rows: list[dict[str, Any]]) -> None:
                     f"(name a job that let its key go by its row id)"
                 )
         row["upstream"] = list(dict.fromkeys(upstream))
-    states, tenants = _lock(cur, {id_ for row in rows for id_ in row["upstream"]})
+    states, tenants = _states(cur, {id_ for row in rows for id_ in row["upstream"]})
     for row in rows:
         missing = [id_ for id_ in row["upstream"] if id_ not in states]
         if missing:
@@ -116,25 +127,17 @@ def prepare(cur: CursorWrapper, rows: list[dict[str, Any]]) -> None:
 def link(
     cur: CursorWrapper, rows: list[dict[str, Any]], done: Mapping[tuple[str, str], Enqueued]
 ) -> None:
-    """Insert the edges of the rows just inserted, then end those waiting on a failed job."""
+    """Insert the edges of the rows just inserted; end those waiting on a failed job; check
+    the others as the transaction commits."""
     if not rows:
         return
-    jobs, upstreams, policies = [], [], []
-    failed: dict[int, str] = {}
-    for row in rows:
-        for up in row["upstream"]:
-            jobs.append(done[(row["tenant"], row["job_id"])].id)
-            upstreams.append(up)
-            policies.append(row["on_dependency_failure"])
-            state = row["upstream_states"][up]
-            if state in _FAILED:
-                failed[up] = state
-    cur.execute(
-        "INSERT INTO jobs_dependency (job, upstream, on_failure) "
-        "SELECT * FROM unnest(%s::bigint[], %s::bigint[], %s::text[])",
-        [jobs, upstreams, policies],
-    )
-    _settle_failed(cur, failed)
+    edges = [
+        (done[(row["tenant"], row["job_id"])].id, up, row["on_dependency_failure"])
+        for row in rows
+        for up in row["upstream"]
+    ]
+    states = {up: row["upstream_states"][up] for row in rows for up in row["upstream"]}
+    _insert_edges(cur, edges, states)
 
 
 def reckon(cur: CursorWrapper, ids: Iterable[int]) -> None:
@@ -144,20 +147,18 @@ def reckon(cur: CursorWrapper, ids: Iterable[int]) -> None:
     (and ends at once, as its edge says, if one of them has failed or was cancelled).
     """
     cur.execute(
-        "SELECT job, upstream FROM jobs_dependency WHERE job = ANY(%s) ORDER BY job, upstream",
+        "DELETE FROM jobs_dependency WHERE job = ANY(%s) RETURNING job, upstream, on_failure",
         [sorted(set(ids))],
     )
-    edges = cur.fetchall()
+    edges = sorted(cur.fetchall())
     if not edges:
         return
-    states = lock(cur, {up for _job, up in edges})
+    states, _tenants = _states(cur, {up for _job, up, _ in edges})
+    # Gone from both tables: it cannot succeed now.
+    states = {up: states.get(up, "cancelled") for _job, up, _ in edges}
     waiting: dict[int, int] = {}
-    failed: dict[int, str] = {}
-    for job, up in edges:
-        state = states.get(up, "cancelled")  # gone from both tables: it cannot succeed now
-        waiting[job] = waiting.get(job, 0) + (state != "succeeded")
-        if state in _FAILED:
-            failed[up] = state
+    for job, up, _ in edges:
+        waiting[job] = waiting.get(job, 0) + (states[up] != "succeeded")
     cur.execute(
         """
         UPDATE jobs_job j
@@ -168,34 +169,152 @@ def reckon(cur: CursorWrapper, ids: Iterable[int]) -> None:
         """,
         [WAITING_UNTIL, list(waiting), list(waiting.values())],
     )
-    _settle_failed(cur, failed)
+    _insert_edges(cur, edges, states)
 
 
-def lock(cur: CursorWrapper, ids: Iterable[int]) -> dict[int, str]:
-    """Mark ``ids`` as waited for, under their row locks (in id order); their states.
+#: Waiting jobs one :func:`release` step applies a settlement to, in one transaction.
+RELEASE_STEP = 5000
 
-    A job already in the history table has finished for good and needs no mark. Ids found
-    in neither table are left out of the result.
+
+@dataclass(frozen=True)
+class Released:
+    """What one :func:`release` step did: the settlement it worked on (None: none pending
+    that no other session holds), the waiting jobs it settled, and whether it finished it."""
+
+    upstream: int | None = None
+    state: str = ""
+    settled: int = 0
+    finished: bool = False
+
+
+def release(*, step: int = RELEASE_STEP, using: str = DEFAULT_DB_ALIAS) -> Released:
+    """Apply up to ``step`` waiting jobs of the oldest pending settlement, in one transaction.
+
+    Settlements of one job are applied in the order they were made (a job that failed, was
+    replayed and succeeded releases as failed first); sessions running this at once take
+    different jobs' settlements (rows locked by another are skipped). Raises DatabaseError
+    (a lock or statement timeout: try again later, nothing was applied).
     """
-    return _lock(cur, ids)[0]
+    with transaction.atomic(using=using), _db.cursor(using) as cur:
+        cur.execute(_RELEASE_STEP, {"step": step})
+        row = cur.fetchone()
+        if row is None:
+            return Released()
+        settlement, upstream, state, taken, settled = row
+        finished = taken < step
+        if finished:
+            cur.execute("DELETE FROM jobs_settlement WHERE id = %s", [settlement])
+    return Released(upstream, state, settled, finished)
 
 
-def _lock(cur: CursorWrapper, ids: Iterable[int]) -> tuple[dict[int, str], dict[int, str]]:
-    """:func:`lock`, with each job's tenant too."""
+def release_pending(
+    *, budget: float = 0.5, step: int = RELEASE_STEP, using: str = DEFAULT_DB_ALIAS
+) -> int:
+    """Run :func:`release` steps until none is pending or ``budget`` seconds have passed;
+    the number of waiting jobs settled. A service's ``run_once`` (the worker and the
+    scheduler call it); raises DatabaseError, having kept the steps already committed.
+    """
+    with _db.cursor(using) as cur:  # an empty table's answer, without a transaction
+        cur.execute("SELECT EXISTS (SELECT 1 FROM jobs_settlement)")
+        [(any_pending,)] = cur.fetchall()
+    if not any_pending:
+        return 0
+    settled = 0
+    deadline = time.monotonic() + budget
+    while True:
+        done = release(step=step, using=using)
+        settled += done.settled
+        if done.upstream is None or time.monotonic() >= deadline:
+            return settled
+
+
+def pending_settlements(*, using: str = DEFAULT_DB_ALIAS) -> int:
+    """How many settlements wait to be applied (for gauges and tests)."""
+    with _db.cursor(using) as cur:
+        cur.execute("SELECT count(*) FROM jobs_settlement")
+        [(count,)] = cur.fetchall()
+    return int(count)
+
+
+# The oldest settlement no session holds whose job has none older, and the next edges it
+# has not applied, applied (jobs_dependents_release, migration 0025).
+_RELEASE_STEP = """
+WITH s AS (
+    SELECT s.id, s.upstream, s.state FROM jobs_settlement s
+    WHERE NOT EXISTS (
+        SELECT 1 FROM jobs_settlement o WHERE o.upstream = s.upstream AND o.id < s.id
+    )
+    ORDER BY s.id LIMIT 1
+    FOR UPDATE SKIP LOCKED
+),
+next AS (
+    SELECT s.*, ARRAY(
+        SELECT d.job FROM jobs_dependency d
+        WHERE d.upstream = s.upstream AND NOT d.settled
+        ORDER BY d.job LIMIT %(step)s
+    ) AS jobs
+    FROM s
+)
+SELECT id, upstream, state, cardinality(jobs), jobs_dependents_release(upstream, state, jobs)
+FROM next
+"""
+
+_TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def _insert_edges(
+    cur: CursorWrapper, edges: list[tuple[int, int, str]], states: Mapping[int, str]
+) -> None:
+    """Insert edges (waiting job, job waited for, on_failure), given the states read of the
+    jobs waited for.
+
+    An edge to a job that succeeded is settled already (the count left it out). Jobs waiting
+    for one that failed or was cancelled end now, as their edge says. Each job not finished
+    when read is checked again as the transaction commits (``jobs_dependency_check``).
+    """
+    cur.execute(
+        "INSERT INTO jobs_dependency (job, upstream, on_failure, settled) "
+        "SELECT * FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::boolean[])",
+        [
+            [job for job, _, _ in edges],
+            [up for _, up, _ in edges],
+            [policy for _, _, policy in edges],
+            [states[up] == "succeeded" for _, up, _ in edges],
+        ],
+    )
+    ended = [(job, up) for job, up, _ in edges if states[up] in _FAILED]
+    if ended:
+        cur.execute(
+            "SELECT jobs_dependents_release(e.up, %s::jsonb ->> e.up::text, e.jobs) "
+            "FROM (SELECT up, array_agg(job ORDER BY job) AS jobs "
+            "      FROM unnest(%s::bigint[], %s::bigint[]) AS e(job, up) GROUP BY up) e "
+            "ORDER BY e.up",
+            [
+                text.dumps({str(up): states[up] for _, up in ended}),
+                [job for job, _ in ended],
+                [up for _, up in ended],
+            ],
+        )
+    unfinished = [(job, up) for job, up, _ in edges if states[up] not in _TERMINAL]
+    if unfinished:
+        # In upstream order: concurrent commits lock the jobs they wait for in one order.
+        cur.execute(
+            "INSERT INTO jobs_dependency_check (upstream, jobs) "
+            "SELECT up, array_agg(job ORDER BY job) "
+            "FROM unnest(%s::bigint[], %s::bigint[]) AS e(job, up) GROUP BY up ORDER BY up",
+            [[job for job, _ in unfinished], [up for _, up in unfinished]],
+        )
+
+
+def _states(cur: CursorWrapper, ids: Iterable[int]) -> tuple[dict[int, str], dict[int, str]]:
+    """Each job's state and tenant, from the jobs table or its history (read, not locked).
+
+    Ids found in neither table are left out.
+    """
     wanted = sorted(set(ids))
     if not wanted:
         return {}, {}
-    cur.execute(
-        """
-        WITH locked AS (
-            SELECT id FROM jobs_job WHERE id = ANY(%(ids)s) ORDER BY id FOR NO KEY UPDATE
-        )
-        UPDATE jobs_job j SET depended_on = TRUE
-        FROM locked WHERE j.id = locked.id
-        RETURNING j.id, j.state, j.tenant
-        """,
-        {"ids": wanted},
-    )
+    cur.execute("SELECT id, state, tenant FROM jobs_job WHERE id = ANY(%s)", [wanted])
     found = cur.fetchall()
     rest = [id_ for id_ in wanted if id_ not in {id_ for id_, _, _ in found}]
     if rest:
@@ -225,12 +344,3 @@ def _resolve(cur: CursorWrapper, named: set[tuple[str, str]]) -> dict[tuple[str,
         {"tenants": list(tenants), "job_ids": list(job_ids), **keys.window_params()},
     )
     return {(tenant, job_id): id_ for tenant, job_id, id_ in cur.fetchall()}
-
-
-def _settle_failed(cur: CursorWrapper, failed: Mapping[int, str]) -> None:
-    if failed:
-        cur.execute(
-            "SELECT jobs_dependents_settle(f.id, f.state) "
-            "FROM unnest(%s::bigint[], %s::text[]) AS f(id, state)",
-            [list(failed), list(failed.values())],
-        )

@@ -30,7 +30,12 @@ from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay
 _STOPPED_DETAIL = "('cancelled while running, asked by ' || j.cancel_requested_by)"
 
 # The outcome write's CTEs: the outcomes, the rows still held under their tokens (rows another
-# session holds locked are skipped and reported busy, never waited for), and the write. The
+# session holds locked are skipped and reported busy, never waited for), and the write. A job
+# that ends moves its batch's counts (the settle trigger, jobs.queue.batches): ``settling``
+# locks those batch rows first. In the worker's pass it skips the ones another session holds
+# (members being added, a sibling's jobs.complete() in its own transaction), and their members
+# are busy too, so the pass never waits for a lock. The jobs waiting for one that ends are released after it,
+# in bounded steps (jobs.queue.dependencies.release); ``settles`` says one is pending. The
 # busy rows are looked for only when some outcome went unwritten: in passes of 100 the
 # comparison of every outcome with every written one was 6 % of PostgreSQL's CPU.
 # {FIGURES} and {COUNTED} are where the rollup's figures go when the statement counts.
@@ -63,7 +68,7 @@ o AS (
 free AS (
     -- An attempt an operator asked to stop is not retried or handed back: it ends cancelled.
     SELECT j.id, o.token, o.code, o.detail, o.delay, o.at, o.attempts_delta, o.result,
-           o.report,
+           o.report, j.batch_id,
            CASE WHEN j.cancel_requested_at IS NOT NULL AND o.state = 'queued'
                 THEN 'cancelled' ELSE o.state END AS state,
            j.cancel_requested_at IS NOT NULL
@@ -71,6 +76,12 @@ free AS (
     FROM jobs_job j JOIN o ON j.id = o.id
     WHERE j.claim_token = o.token AND j.state || '' = 'running'
     FOR UPDATE OF j SKIP LOCKED
+),
+settling AS MATERIALIZED (
+    -- Batches whose counts an ending member moves, locked without waiting.
+    SELECT b.id FROM jobs_batch b
+    WHERE b.id IN (SELECT f.batch_id FROM free f WHERE f.state <> 'queued')
+    FOR NO KEY UPDATE OF b{SKIP}
 ),
 written AS (
     UPDATE jobs_job j
@@ -107,7 +118,9 @@ written AS (
     + """ ELSE j.attempt_log END
     FROM free f
     WHERE j.id = f.id
+      AND (f.batch_id IS NULL OR f.state = 'queued' OR f.batch_id IN (SELECT id FROM settling))
     RETURNING j.id, f.token, CASE WHEN f.stopped THEN j.error_detail END AS stopped,
+              j.depended_on AND f.state <> 'queued' AS settles,
               j.name AS wname, j.tenant AS wtenant{COUNTED}
 ),
 -- Held under their token but not written: another session holds the row locked. Looked
@@ -132,12 +145,19 @@ _FIGURES = """,
 _COUNTED = """,
               j.name, f.state, j.last_error AS code, f.attempts_delta >= 0 AS ran_attempt,
               CASE WHEN f.attempts_delta >= 0 THEN f.ran END AS ran, f.waited"""
-#: The outcome write's CTEs, ``True`` with the figures the rollup's CTE reads.
+#: The outcome write's CTEs, ``True`` with the figures the rollup's CTE reads. As a statement of
+#: its own (:func:`record`) it waits for a batch row another session holds, as long as the
+#: connection's lock timeout allows; in the worker's pass (``PASS_OUTCOME_CTES``) it never
+#: waits, and the members are busy.
 OUTCOME_CTES = {
-    count: _OUTCOME_CTES.replace("{FIGURES}", _FIGURES if count else "").replace(
-        "{COUNTED}", _COUNTED if count else ""
-    )
+    count: _OUTCOME_CTES.replace("{FIGURES}", _FIGURES if count else "")
+    .replace("{COUNTED}", _COUNTED if count else "")
+    .replace("{SKIP}", "")
     for count in (True, False)
+}
+PASS_OUTCOME_CTES = {
+    count: ctes.replace("FOR NO KEY UPDATE OF b", "FOR NO KEY UPDATE OF b SKIP LOCKED")
+    for count, ctes in OUTCOME_CTES.items()
 }
 # The console's history: the attempts written, per type, outcome and error code, added to
 # this minute's rollup rows in the same statement. A hand-back ran nothing and is not
@@ -150,7 +170,10 @@ ROLLUP_CTE = rollup.cte(
     FROM written WHERE ran_attempt OR state <> 'queued'"""
 )
 
-_REPORT = "SELECT token, TRUE, stopped FROM written{} UNION ALL SELECT token, FALSE, NULL FROM busy"
+_REPORT = (
+    "SELECT token, TRUE, stopped, settles FROM written{} "
+    "UNION ALL SELECT token, FALSE, NULL, FALSE FROM busy"
+)
 _RECORD = {
     True: f"WITH {OUTCOME_CTES[True]}, {ROLLUP_CTE} " + _REPORT.format(f" WHERE {rollup.reads()}"),
     False: f"WITH {OUTCOME_CTES[False]} " + _REPORT.format(""),
@@ -177,11 +200,12 @@ def record(
         rows = cur.fetchall()
     return outcome_report(
         outcomes,
-        applied={token for token, written, _ in rows if written},
-        busy={token for token, written, _ in rows if not written},
+        applied={token for token, written, _, _ in rows if written},
+        busy={token for token, written, _, _ in rows if not written},
         stopped={
-            token: detail for token, written, detail in rows if written and detail is not None
+            token: detail for token, written, detail, _ in rows if written and detail is not None
         },
+        settle=any(settles for _, _, _, settles in rows),
     )
 
 
@@ -252,6 +276,7 @@ def outcome_report(
     applied: set[UUID],
     busy: set[UUID],
     stopped: Mapping[UUID, str] | None = None,
+    settle: bool = False,
 ) -> OutcomeReport:
     """Which outcomes (by claim token) were written, fenced or busy, in the outcomes' order."""
     # One pass, each token looked up once or twice: hashing a UUID is a Python call, and a
@@ -276,6 +301,7 @@ def outcome_report(
         applied_tokens=frozenset(applied),
         busy_tokens=frozenset(busy),
         stopped=dict(stopped or {}),
+        settle=settle,
     )
 
 

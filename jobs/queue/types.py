@@ -369,6 +369,9 @@ class OutcomeReport:
     # Outcomes written as ``cancelled`` because an operator had asked (jobs.queue.cancel):
     # claim token -> the error detail written.
     stopped: Mapping[UUID, str] = field(default_factory=dict)
+    # An outcome written ended a job others wait for: releasing them is pending
+    # (jobs.queue.dependencies.release).
+    settle: bool = False
 
     def was_applied(self, outcome: Outcome) -> bool:
         return outcome.token in self.applied_tokens

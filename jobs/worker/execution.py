@@ -92,6 +92,9 @@ class Running:
     # Passes whose outcome write found the row locked by another session (a renewal of this
     # worker's, usually for a moment; a long transaction on jobs_job, if it goes on).
     busy_passes: int = 0
+    # Its outcome met a lock or statement timeout: it is written alone from then on
+    # (jobs.worker.flush), never again in a pass statement it could hold up.
+    contended: bool = False
 
 
 @cache

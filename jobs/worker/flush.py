@@ -1,11 +1,16 @@
-"""Writing outcomes when the database refuses a batch: one by one, failing only the offender.
+"""Writing outcomes when the pass statement fails: one by one, failing only a refused one.
 
-The run loop writes a pass's outcomes in one statement. If PostgreSQL refuses it (a value a
-trigger or constraint rejects), every outcome is written again in its own transaction, and
-the one still refused becomes a ``failed`` / ``handler_error`` outcome whose detail carries
-the database's message; if even that is refused, the job is given up to its lease. A
-deadlock or serialization failure is not a refusal: that outcome is tried again, and put
-off to the next pass if the conflict persists.
+The run loop writes a pass's outcomes in one statement. If it fails, every outcome is written
+again in its own transaction, with a short lock wait (:data:`LOCK_WAIT`). What happens to one
+that still fails depends on why:
+
+* a **data error** (SQLSTATE class 22 or 23: a value a user's trigger or a constraint rejects,
+  or an exception a user's trigger raises, P0001) is the database refusing this outcome: it
+  becomes a ``failed`` / ``handler_error`` outcome whose detail carries the database's
+  message (and if even that is refused, the job is given up to its lease);
+* anything else, a lock or statement timeout, a deadlock, a serialization failure, is
+  **contention**, never a verdict on the job: the outcome is deferred (``busy``), its lease
+  kept renewed, and written alone, away from the pass statement, until the lock is gone.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from uuid import UUID
 from django.db import Error as DjangoDbError
 from django.db import transaction
 
-from jobs import queue
+from jobs import dbbounds, queue
 from jobs.queue import Outcome, OutcomeReport
 from jobs.runs import ErrorCode
 from jobs.worker.execution import Running, sync_run_rows
@@ -24,10 +29,17 @@ from jobs.worker.execution import Running, sync_run_rows
 logger = logging.getLogger("jobs.worker")
 
 
+#: How long one outcome written alone waits for a lock (seconds) before it is deferred. Short:
+#: the lock that made the pass statement fail may still be held, and the other outcomes and
+#: the next claim must not wait for it.
+LOCK_WAIT = 0.05
+
+
 def write_one_by_one(
     outcomes: list[tuple[Running, Outcome]],
 ) -> tuple[OutcomeReport, list[tuple[Running, Outcome]]]:
-    """Each outcome in its own transaction; one the database refuses becomes a failure.
+    """Each outcome in its own transaction; one the database refuses becomes a failure, one
+    that meets contention is reported busy (and marked ``contended``).
 
     Returns the report and the outcomes as written (a refused one replaced).
     """
@@ -35,35 +47,10 @@ def write_one_by_one(
     tokens: dict[str, set[UUID]] = {"applied": set(), "fenced": set(), "busy": set()}
     written: list[tuple[Running, Outcome]] = []
     for running, outcome in outcomes:
-        job = running.job
-        try:
-            result = _write_one_retrying(running, outcome)
-        except Exception as exc:  # refused by the database, or a bug in a run-row update
-            if unreachable(exc):
-                raise
-            logger.error(
-                "the database refused the outcome of job %s (%s): %s; failing the job",
-                job.job_id,
-                job.name,
-                one_line(exc),
-                extra={"job_id": job.job_id, "job_type": job.name, "action": "refused"},
-            )
-            outcome = Outcome.failed(
-                job,
-                code=ErrorCode.HANDLER_ERROR,
-                detail=f"the database refused this attempt's outcome ({outcome.state}): "
-                f"{one_line(exc)}",
-            )
-            try:
-                result = _write_one(running, outcome)
-            except Exception as again:
-                if unreachable(again):
-                    raise
-                # Not even the failure could be stored: let the lease expire.
-                logger.error("could not fail job %s either: %s", job.job_id, again)
-                running.lost = True
-                continue
-        results[result].append(job.id)
+        result, outcome = _write_or_fail(running, outcome)
+        if result is None:
+            continue
+        results[result].append(running.job.id)
         tokens[result].add(outcome.token)
         written.append((running, outcome))
     report = OutcomeReport(
@@ -74,6 +61,61 @@ def write_one_by_one(
         busy_tokens=frozenset(tokens["busy"]),
     )
     return report, written
+
+
+def _write_or_fail(running: Running, outcome: Outcome) -> tuple[str | None, Outcome]:
+    """Write ``outcome``; if the database refuses its data, write a failure instead.
+
+    Returns what happened (None: not even the failure could be stored, and the job is given
+    up to its lease) and the outcome it happened to. Raises when the database is unreachable.
+    """
+    job = running.job
+    try:
+        return _write_one_retrying(running, outcome), outcome
+    except Exception as exc:  # refused by the database, or a bug in a run-row update
+        if unreachable(exc):
+            raise
+        if isinstance(exc, DjangoDbError) and not refused_data(exc):
+            return _contended(running, exc), outcome
+        logger.error(
+            "the database refused the outcome of job %s (%s): %s; failing the job",
+            job.job_id,
+            job.name,
+            one_line(exc),
+            extra={"job_id": job.job_id, "job_type": job.name, "action": "refused"},
+        )
+    failure = Outcome.failed(
+        job,
+        code=ErrorCode.HANDLER_ERROR,
+        detail=f"the database refused this attempt's outcome ({outcome.state}): {one_line(exc)}",
+    )
+    try:
+        return _write_one_retrying(running, failure), failure
+    except Exception as again:
+        if unreachable(again):
+            raise
+        if isinstance(again, DjangoDbError) and not refused_data(again):
+            return _contended(running, again), failure
+        # Not even the failure could be stored: let the lease expire.
+        logger.error("could not fail job %s either: %s", job.job_id, again)
+        running.lost = True
+        return None, failure
+
+
+def _contended(running: Running, exc: BaseException) -> str:
+    """An outcome that met contention (a lock or statement timeout): deferred, and from now
+    on written alone (:func:`write_one_by_one`), not in the pass statement it held up."""
+    first = not running.contended
+    running.contended = True
+    logger.log(
+        logging.WARNING if first else logging.DEBUG,
+        "the outcome of job %s (%s) met %s; deferred, its lease kept",
+        running.job.job_id,
+        running.job.name,
+        one_line(exc),
+        extra={"job_id": running.job.job_id, "action": "outcome_deferred"},
+    )
+    return "busy"
 
 
 #: Times one outcome is written again after a deadlock or serialization failure before it is
@@ -109,6 +151,7 @@ def _write_one(running: Running, outcome: Outcome) -> str:
     """``applied``, ``fenced`` or ``busy`` (the row is locked by another session)."""
     using = running.ctx.using
     with transaction.atomic(using=using):
+        dbbounds.wait_for_locks(LOCK_WAIT, using=using)
         report = queue.record([outcome], using=using)
         if report.applied:
             sync_run_rows([(running, report.as_written(outcome))])
@@ -118,21 +161,26 @@ def _write_one(running: Running, outcome: Outcome) -> str:
 # SQLSTATEs that mean the server or the path to it is gone, not that a statement was refused:
 # connection exceptions (class 08) and the server shutting down or crashing (57P01-57P03).
 _UNREACHABLE = ("08", "57P01", "57P02", "57P03")
+# SQLSTATEs that refuse the data itself: data exceptions (class 22), integrity constraint
+# violations (class 23), and what a PL/pgSQL trigger raises by default (P0001).
+_DATA_ERRORS = ("22", "23", "P0001")
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    cause = exc.__cause__ if isinstance(exc, DjangoDbError) else exc
+    return getattr(cause, "sqlstate", None)
 
 
 def refused_data(exc: BaseException) -> bool:
-    """True when the database refused a statement, rather than being unreachable.
+    """True when the database refused a statement's data: the only database error that may
+    turn an outcome into a failure.
 
-    Judged by SQLSTATE, not by exception class: psycopg files a lock timeout (55P03), a
-    statement timeout (57014) or a value over a limit (class 54) under OperationalError too,
-    and each of those concerns one statement, not the connection. An error without a
-    SQLSTATE (a failed connect, a broken socket) means the database is unreachable.
+    Judged by SQLSTATE, not by exception class: psycopg files a lock timeout (55P03) or a
+    statement timeout (57014) under OperationalError, as it does a lost connection, and
+    those are contention or an outage, not a verdict on the data.
     """
-    cause = exc.__cause__ if isinstance(exc, DjangoDbError) else exc
-    sqlstate = getattr(cause, "sqlstate", None)
-    if not sqlstate:
-        return False
-    return not sqlstate.startswith(_UNREACHABLE)
+    sqlstate = _sqlstate(exc)
+    return bool(sqlstate) and sqlstate.startswith(_DATA_ERRORS)
 
 
 #: SQLSTATEs of a transaction PostgreSQL rolled back for a conflict with another one (a
@@ -142,13 +190,16 @@ _TRANSIENT = ("40001", "40P01")
 
 def transient(exc: BaseException) -> bool:
     """True for a statement aborted by a conflict with another transaction (try it again)."""
-    cause = exc.__cause__ if isinstance(exc, DjangoDbError) else exc
-    return getattr(cause, "sqlstate", None) in _TRANSIENT
+    return _sqlstate(exc) in _TRANSIENT
 
 
 def unreachable(exc: BaseException) -> bool:
-    """A database error that says the database cannot be reached (retry the whole pass)."""
-    return isinstance(exc, DjangoDbError) and not refused_data(exc)
+    """A database error that says the database cannot be reached (retry the whole pass):
+    no SQLSTATE at all (a failed connect, a broken socket), or one of the connection's end."""
+    if not isinstance(exc, DjangoDbError):
+        return False
+    sqlstate = _sqlstate(exc)
+    return not sqlstate or sqlstate.startswith(_UNREACHABLE)
 
 
 def one_line(exc: BaseException) -> str:

@@ -6,6 +6,7 @@ One control thread owns the loop and its own database connection::
     │   claim up to free slots  ─┘  (rotating over names, each within its concurrency)
     │   dispatch claimed jobs: sync ones to the handler pool, async ones to the event loop
     │   every second: expired leases; every maintenance interval: exhausted jobs
+    │   (a pass that ends a job others wait for wakes the release thread: their release)
     └── wait for: a finished handler, a NOTIFY of new work, the poll interval
         (after a database error: a backoff from the poll interval, doubling, capped)
 
@@ -49,12 +50,13 @@ from jobs.worker.execution import (
     make_context,
     sync_run_rows,
 )
-from jobs.worker.flush import one_line, refused_data, unreachable, write_one_by_one
+from jobs.worker.flush import one_line, unreachable, write_one_by_one
 from jobs.worker.history import History
 from jobs.worker.leases import LeaseKeeper, with_last_report
 from jobs.worker.maintenance import WorkerMaintenance
 from jobs.worker.on_loop import execute_on_loop
 from jobs.worker.pool import HandlerPool
+from jobs.worker.release import DependentsRelease
 from jobs.worker.presence import worker_presence
 from jobs.worker.wakeup import NotifyListener
 
@@ -76,6 +78,10 @@ NOTICE_RETRY = 0.1
 #: An outcome whose row another session holds locked waits and is retried; this many tries
 #: in a row, and the worker warns (one try is usually its own lease renewal, a moment's lock).
 BUSY_WARN_AFTER = 3
+#: After this many busy tries in a row, such an outcome is written alone, with a short wait
+#: for the lock (jobs.worker.flush): a pass statement skips locked rows and never waits, and
+#: a batch whose row siblings' passes keep taking would otherwise keep finding it held.
+CONTENDED_AFTER = 2
 #: The first retry of such an outcome comes this long after (seconds), each next one twice as
 #: long after, up to the poll interval. The lock is mostly held for a moment: by the worker's
 #: own lease renewal, or by another worker's claim, which locks a row it read as queued and
@@ -208,6 +214,7 @@ class Worker(Draining):
         self._errors = 0  # consecutive failed passes
         self._maintenance = WorkerMaintenance(self.config, registry)
         self._listener: NotifyListener | None = None
+        self._dependents: DependentsRelease | None = None
         self.ready = False
         self.alive_at = time.monotonic()
 
@@ -230,6 +237,9 @@ class Worker(Draining):
             beat_missed=presence.forget,
             using=self.config.database,
         )
+        dependents = self._dependents = DependentsRelease(
+            interval=self.config.recovery_interval, using=self.config.database
+        )
         listener = self._listener = NotifyListener(
             self._names,
             self._work_arrived,
@@ -243,6 +253,7 @@ class Worker(Draining):
             ready=lambda: self.ready,
         )
         keeper.start()
+        dependents.start()
         if self.config.notify_enabled and self._names:
             listener.start()
         self._log_start()
@@ -266,6 +277,7 @@ class Worker(Draining):
             self.ready = False
             metrics.ready.set(0)
             keeper.stop()
+            dependents.stop()
             presence.unregister()  # a clean stop; kill -9 leaves the row to show as gone
             listener.stop()
             if server is not None:
@@ -324,6 +336,10 @@ class Worker(Draining):
             self._put_back(acks)
             self._loop_error(exc)
             return
+        if any(r.contended for r, _ in acks):
+            acks = self._write_contended(acks)
+            if acks is None:
+                return
         # Slots freed by outcomes that wait for others are claimed in the pass that writes
         # those outcomes: a claim for each slot as it frees costs a pass a job.
         requests = [] if waiting else self._claim_requests(now)
@@ -363,6 +379,28 @@ class Worker(Draining):
         self._settle(acks, outcomes, report)
         self._dispatch(claimed, leased_at=sent_at)
         self._flush_history(now)
+
+    def _write_contended(
+        self, acks: list[tuple[Running, Outcome | None]]
+    ) -> list[tuple[Running, Outcome | None]] | None:
+        """Write the outcomes that met contention before, each alone with a short lock wait,
+        so a lock still held defers them again without holding up the pass statement.
+
+        Returns the other acks, for the pass; None after a database outage (all put back).
+        """
+        mine = [(r, o) for r, o in acks if r.contended]
+        rest = [(r, o) for r, o in acks if not r.contended]
+        outcomes = [(r, o) for r, o in mine if o is not None and not r.lost]
+        try:
+            report, outcomes = write_one_by_one(outcomes)
+        except Exception as exc:
+            self._put_back(acks)
+            self._loop_error(exc)
+            return None
+        if report.busy:
+            mine, outcomes = self._defer_busy(mine, outcomes, report.busy_tokens)
+        self._settle(mine, outcomes, report)
+        return rest
 
     def _throttle(self, acks: list[tuple[Running, Outcome | None]]) -> None:
         """Pause the types whose handlers said the upstream wants them slower (before the
@@ -417,6 +455,10 @@ class Worker(Draining):
         waiting = [(r, o) for r, o in acks if o is not None and o.token in busy]
         for running, _ in waiting:
             running.busy_passes += 1
+            if running.busy_passes >= CONTENDED_AFTER:
+                # Not a moment's lock (the worker's own renewal): written alone from now on,
+                # waiting for the lock a little (its batch's row, held by a sibling's pass).
+                running.contended = True
             logger.log(
                 logging.WARNING if running.busy_passes == BUSY_WARN_AFTER else logging.DEBUG,
                 "outcome of job %s (%s) waits (try %d): another session holds its row locked",
@@ -487,7 +529,7 @@ class Worker(Draining):
             self._errors,
             delay,
             # A traceback helps with a bug, not with an outage: once, and not for the network.
-            exc_info=self._errors == 1 and (refused_data(exc) or not isinstance(exc, DbError)),
+            exc_info=self._errors == 1 and not unreachable(exc),
             extra={"action": "loop_error", "retry": self._errors, "delay": delay},
         )
         with contextlib.suppress(Exception):
@@ -894,6 +936,8 @@ class Worker(Draining):
         with self._lock:
             for running, _ in acks:
                 self._held.pop((running.job.id, running.job.claim_token), None)
+        if report is not None and report.settle and self._dependents is not None:
+            self._dependents.wake()  # jobs wait for one this pass ended: release them now
         counted: Counter[tuple[str, str]] = Counter()  # one update a type and outcome
         for running, _ in acks:
             if running.completed:  # written by its handler's transaction (jobs.complete)

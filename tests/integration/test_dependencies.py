@@ -10,12 +10,28 @@ from jobs import queue
 from jobs.models import WAITING_UNTIL, Dependency, Job
 from jobs.queue import AllTenants, ClaimRequest, NewJob
 from jobs.queue.types import InvalidJob
+from tests.support.workflows import settle
 
 UP, DOWN = "test.noop.v1", "test.after.v1"
 
 
 def enqueue(name: str = UP, **fields) -> int:
-    return queue.enqueue(NewJob(name=name, **fields)).id
+    """Enqueue one job and settle, as its commit would (the tests run in one transaction)."""
+    id_ = queue.enqueue(NewJob(name=name, **fields)).id
+    settle()
+    return id_
+
+
+def complete(job) -> None:
+    """Complete a claimed job, then release what waits for it, as the worker would."""
+    queue.complete(job)
+    settle()
+
+
+def fail(job, **fields) -> None:
+    """Fail a claimed job, then release what waits for it, as the worker would."""
+    queue.fail(job, **fields)
+    settle()
 
 
 def claim(name: str, count: int = 100):
@@ -34,9 +50,9 @@ def test_a_waiting_job_is_claimed_only_after_every_job_it_waits_for_succeeded():
     assert row(first).depended_on and not row(waiting).depended_on
     a, b = claim(UP)
     assert claim(DOWN) == []
-    queue.complete(a)
+    complete(a)
     assert row(waiting).waiting_on == 1 and claim(DOWN) == []
-    queue.complete(b)
+    complete(b)
     assert row(waiting).waiting_on == 0
     [job] = claim(DOWN)
     assert job.id == waiting
@@ -49,7 +65,7 @@ def test_a_failure_ends_the_waiting_jobs_down_the_chain(policy, state):
     middle = enqueue(DOWN, after=(top,), on_dependency_failure=policy)
     bottom = enqueue(DOWN, after=(middle,))
     [job] = claim(UP)
-    queue.fail(job, code="rejected", detail="no")
+    fail(job, code="rejected", detail="no")
     assert (row(middle).state, row(middle).last_error) == (state, "dependency_failed")
     assert f"job {top}" in row(middle).error_detail
     assert row(bottom).state == "cancelled"
@@ -69,14 +85,14 @@ def test_a_retry_of_the_job_waited_for_keeps_the_waiting_job_waiting():
 def test_jobs_finished_already_are_reckoned_at_enqueue():
     done = enqueue()
     [job] = claim(UP)
-    queue.complete(job)
+    complete(job)
     released = enqueue(DOWN, after=(done,))
     assert row(released).waiting_on == 0
     assert [j.id for j in claim(DOWN)] == [released]
 
     failed = enqueue()
     [job] = claim(UP)
-    queue.fail(job, code="rejected")
+    fail(job, code="rejected")
     ended = enqueue(DOWN, after=(failed,))
     assert (row(ended).state, row(ended).last_error) == ("cancelled", "dependency_failed")
 
@@ -119,15 +135,16 @@ def test_run_now_does_not_release_a_waiting_job_and_replay_waits_again():
     waiting = enqueue(DOWN, after=(top,), on_dependency_failure="fail")
     assert queue.run_now([waiting]) == []
     [job] = claim(UP)
-    queue.fail(job, code="rejected")
+    fail(job, code="rejected")
     assert row(waiting).state == "failed"
     # Replaying the job waited for, then the waiting one: it waits again, then runs.
     queue.replay([top], by="operator")
     queue.replay([waiting], by="operator")
+    settle()
     assert (row(waiting).state, row(waiting).waiting_on) == ("queued", 1)
     assert claim(DOWN) == []
     [job] = claim(UP)
-    queue.complete(job)
+    complete(job)
     assert [j.id for j in claim(DOWN)] == [waiting]
 
 
@@ -136,8 +153,9 @@ def test_replaying_a_waiting_job_whose_dependency_still_failed_ends_it_again():
     top = enqueue()
     waiting = enqueue(DOWN, after=(top,), on_dependency_failure="fail")
     [job] = claim(UP)
-    queue.fail(job, code="rejected")
+    fail(job, code="rejected")
     queue.replay([waiting], by="operator")
+    settle()
     assert (row(waiting).state, row(waiting).last_error) == ("failed", "dependency_failed")
 
 
@@ -158,6 +176,7 @@ def test_no_waiting_job_misses_a_job_that_finishes_while_it_is_enqueued(threads)
             return enqueue(DOWN, after=(tops[index - 4],))
 
         waiting = threads(8, act)[4:]
+        settle()  # what the worker's release thread does after the outcomes
         for id_ in waiting:
             assert row(id_).waiting_on == 0, "a waiting job missed the success it waited for"
         assert sorted(j.id for j in claim(DOWN)) == sorted(waiting)
@@ -191,9 +210,9 @@ def test_a_job_runs_only_after_all_it_waits_for_succeeded(graph, outcomes):
                 outcome = outcomes[step % len(outcomes)]
                 step += 1
                 if outcome == "complete":
-                    queue.complete(job)
+                    complete(job)
                 else:
-                    queue.fail(job, code="rejected")
+                    fail(job, code="rejected")
                 ended[job.id] = "succeeded" if outcome == "complete" else "failed"
             for id_ in ids:
                 job = row(id_)

@@ -1,0 +1,1 @@
+"""Helpers the tests share: imported by test modules, never a test module themselves."""
