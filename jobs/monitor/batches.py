@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import admin
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.http import HttpRequest
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
@@ -144,9 +144,8 @@ def in_workflow(obj: Any) -> bool:
 
     return bool(
         getattr(obj, "batch_id", None) is not None
-        or getattr(obj, "depended_on", False)
         or Batch.objects.filter(successor_pk=obj.pk).exists()
-        or Dependency.objects.filter(job=obj.pk).exists()
+        or Dependency.objects.filter(Q(job=obj.pk) | Q(upstream=obj.pk)).exists()
     )
 
 
@@ -196,7 +195,8 @@ def workflow(obj: Any) -> SafeString | str:
                 else ""
             )
             lines.append(format_html("{} {}{}", _("waits for"), links, still))
-        if obj.depended_on:
-            count = Dependency.objects.filter(upstream=obj.pk).count()
+        # By its edges, not the depended_on mark, which an enqueue sets as it commits.
+        count = Dependency.objects.filter(upstream=obj.pk).count()
+        if count:
             lines.append(format_html("{} {}", count, _("jobs wait for this one")))
     return format_html_join(mark_safe("<br>"), "{}", ((line,) for line in lines))

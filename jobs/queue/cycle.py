@@ -268,7 +268,7 @@ def record_and_claim(
         releasing=bool(outcomes),
     )
     if parts is None:
-        return record(outcomes, count=count, using=using), []
+        return record(outcomes, count=count, wait=False, using=using), []
     ctes, update, params, post = parts
     # The function holds the plain claim only. A name with flow controls needs the flow
     # claim, even one (fair order alone) with nothing to add after the UPDATE.

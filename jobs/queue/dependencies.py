@@ -188,7 +188,7 @@ class Released:
 
 
 def release(*, step: int = RELEASE_STEP, using: str = DEFAULT_DB_ALIAS) -> Released:
-    """Apply up to ``step`` waiting jobs of the oldest pending settlement, in one transaction.
+    """Apply up to ``step`` waiting jobs of a pending settlement, in one transaction.
 
     Settlements of one job are applied in the order they were made (a job that failed, was
     replayed and succeeded releases as failed first); sessions running this at once take
@@ -236,7 +236,8 @@ def pending_settlements(*, using: str = DEFAULT_DB_ALIAS) -> int:
     return int(count)
 
 
-# The oldest settlement no session holds whose job has none older, and the next edges it
+# A settlement no session holds whose job has none older (of those, the lowest job's: a job
+# waiting for two that ended together ends by the lower one's edge), and the next edges it
 # has not applied, applied (jobs_dependents_release, migration 0025).
 _RELEASE_STEP = """
 WITH s AS (
@@ -244,7 +245,7 @@ WITH s AS (
     WHERE NOT EXISTS (
         SELECT 1 FROM jobs_settlement o WHERE o.upstream = s.upstream AND o.id < s.id
     )
-    ORDER BY s.id LIMIT 1
+    ORDER BY s.upstream, s.id LIMIT 1
     FOR UPDATE SKIP LOCKED
 ),
 next AS (

@@ -127,21 +127,22 @@ def hold(job: int, token: UUID, *, using: str = DEFAULT_DB_ALIAS) -> bool:
     Waits for a lock another session holds (a lease renewal, for a moment), then checks the
     token again on the row as committed: the caller's outcome write that follows in the same
     transaction cannot then find the row busy, nor another attempt's. A batch member's batch
-    row is locked too (waiting for it), since the outcome write skips a batch row another
-    session holds and would find the job busy.
+    row is locked first, as an add to the batch locks it before the jobs its members wait
+    for (at its commit): the other way round, the two could deadlock.
     """
     with _db.cursor(using) as cur:  # by key, as _HELD
         cur.execute(
-            "SELECT batch_id FROM jobs_job "
-            "WHERE id = %s AND claim_token = %s AND state || '' = 'running' FOR UPDATE",
+            "SELECT 1 FROM jobs_batch WHERE id = "
+            "(SELECT batch_id FROM jobs_job WHERE id = %s AND claim_token = %s) "
+            "FOR NO KEY UPDATE",
             [job, token],
         )
-        row = cur.fetchone()
-        if row is None:
-            return False
-        if row[0] is not None:
-            cur.execute("SELECT 1 FROM jobs_batch WHERE id = %s FOR NO KEY UPDATE", [row[0]])
-        return True
+        cur.execute(
+            "SELECT 1 FROM jobs_job WHERE id = %s AND claim_token = %s AND state || '' = 'running' "
+            "FOR UPDATE",
+            [job, token],
+        )
+        return cur.fetchone() is not None
 
 
 def prune(

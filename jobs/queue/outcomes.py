@@ -34,10 +34,10 @@ _STOPPED_DETAIL = "('cancelled while running, asked by ' || j.cancel_requested_b
 # that ends moves its batch's counts (the settle trigger, jobs.queue.batches): ``settling``
 # locks those batch rows first. In the worker's pass it skips the ones another session holds
 # (members being added, a sibling's jobs.complete() in its own transaction), and their members
-# are busy too, so the pass never waits for a lock. The jobs waiting for one that ends are released after it,
-# in bounded steps (jobs.queue.dependencies.release); ``settles`` says one is pending. The
-# busy rows are looked for only when some outcome went unwritten: in passes of 100 the
-# comparison of every outcome with every written one was 6 % of PostgreSQL's CPU.
+# are busy too, so the pass never waits for a lock. The jobs waiting for one that ends are
+# released after it, in bounded steps (jobs.queue.dependencies.release); ``settles`` says one
+# is pending. The busy rows are looked for only when some outcome went unwritten: in passes
+# of 100 the comparison of every outcome with every written one was 6 % of PostgreSQL's CPU.
 # {FIGURES} and {COUNTED} are where the rollup's figures go when the statement counts.
 #
 # ``o`` keeps the later of two outcomes for one attempt (a batch sent again), for any caller:
@@ -178,25 +178,37 @@ _RECORD = {
     True: f"WITH {OUTCOME_CTES[True]}, {ROLLUP_CTE} " + _REPORT.format(f" WHERE {rollup.reads()}"),
     False: f"WITH {OUTCOME_CTES[False]} " + _REPORT.format(""),
 }
+# The same, never waiting for a batch row (the worker's pass when it claims nothing).
+_RECORD_SKIPPING = {
+    True: f"WITH {PASS_OUTCOME_CTES[True]}, {ROLLUP_CTE} "
+    + _REPORT.format(f" WHERE {rollup.reads()}"),
+    False: f"WITH {PASS_OUTCOME_CTES[False]} " + _REPORT.format(""),
+}
 
 # Error details are for people reading the admin; keep a runaway traceback from bloating rows.
 MAX_DETAIL = 8000
 
 
 def record(
-    outcomes: Sequence[Outcome], *, count: bool = True, using: str = DEFAULT_DB_ALIAS
+    outcomes: Sequence[Outcome],
+    *,
+    count: bool = True,
+    wait: bool = True,
+    using: str = DEFAULT_DB_ALIAS,
 ) -> OutcomeReport:
     """Write many outcomes in one statement; report which were applied, fenced or busy.
 
     *Busy* outcomes were not written because another session holds their row locked (an
     operator's open transaction, say): the caller tries them again later. With ``count``
     the attempts written are added to the console's history in the same statement; a caller
-    that counts them itself (the worker) passes False.
+    that counts them itself (the worker) passes False. An ending batch member waits for its
+    batch's row, unless ``wait`` is False: then it is busy while another session holds it.
     """
     if not outcomes:
         return OutcomeReport((), ())
+    statement = (_RECORD if wait else _RECORD_SKIPPING)[count]
     with _db.bound_cursor(using) as cur:
-        cur.execute(_RECORD[count], outcome_params(outcomes, using))
+        cur.execute(statement, outcome_params(outcomes, using))
         rows = cur.fetchall()
     return outcome_report(
         outcomes,

@@ -6,8 +6,8 @@ own thread and connection, and a stall guard watches the loop from a third::
     ┌─▶ standby: try the lock every standby interval; export schedule status gauges
     │            (and withdraw the backlog and table gauges: only the leader counts)
     │   leader:  read the database clock once, then for each due duty
-    │              (cron every tick, watchdog, retention, gauges): prove leadership →
-    │              run_once(now)
+    │              (cron and the release of waiting jobs every tick, watchdog,
+    │              retention, archive, gauges): prove leadership → run_once(now)
     │            export schedule status gauges after each cron tick
     │   both:    every third of the leader timeout, and when leadership changes: beat the
     │            process's row in jobs_process (registered at start, deleted on a clean stop)
@@ -57,7 +57,7 @@ from jobs.scheduler.gauges import Gauges
 from jobs.scheduler.leader import Leadership, LeadershipLost
 from jobs.scheduler.per_database import Outages, PerDatabase, RecordedGauges
 from jobs.scheduler.reporting import export, status
-from jobs.scheduler.retention import Archive, Retention
+from jobs.scheduler.retention import Archive, DependentsRelease, Retention
 from jobs.scheduler.schedules import Schedule, get_schedules
 from jobs.scheduler.watchdog import Watchdog
 from jobs.worker.flush import unreachable
@@ -145,6 +145,12 @@ class Scheduler:
             home=home,
             outages=outages,
         )
+        self.release = PerDatabase(
+            "release",
+            {a: DependentsRelease(using=a) for a in aliases},
+            home=home,
+            outages=outages,
+        )
         self.gauges = Gauges(databases.served(registry, home), using=home)
         gauges: dict[str, Gauges] = {home: self.gauges}
         for alias in aliases[1:]:
@@ -155,6 +161,7 @@ class Scheduler:
             Duty("watchdog", config.watchdog_interval, self.watchdog.run_once),
             Duty("retention", config.retention_interval, self.retention.run_once),
             Duty("archive", config.archive_interval, self.archive.run_once),
+            Duty("release", config.tick_interval, self.release.run_once),
             Duty(
                 "gauges",
                 config.gauge_interval,

@@ -77,17 +77,18 @@ def _write_or_fail(running: Running, outcome: Outcome) -> tuple[str | None, Outc
             raise
         if isinstance(exc, DjangoDbError) and not refused_data(exc):
             return _contended(running, exc), outcome
-        logger.error(
-            "the database refused the outcome of job %s (%s): %s; failing the job",
-            job.job_id,
-            job.name,
-            one_line(exc),
-            extra={"job_id": job.job_id, "job_type": job.name, "action": "refused"},
-        )
+        refusal = one_line(exc)
+    logger.error(
+        "the database refused the outcome of job %s (%s): %s; failing the job",
+        job.job_id,
+        job.name,
+        refusal,
+        extra={"job_id": job.job_id, "job_type": job.name, "action": "refused"},
+    )
     failure = Outcome.failed(
         job,
         code=ErrorCode.HANDLER_ERROR,
-        detail=f"the database refused this attempt's outcome ({outcome.state}): {one_line(exc)}",
+        detail=f"the database refused this attempt's outcome ({outcome.state}): {refusal}",
     )
     try:
         return _write_one_retrying(running, failure), failure
@@ -168,7 +169,8 @@ _DATA_ERRORS = ("22", "23", "P0001")
 
 def _sqlstate(exc: BaseException) -> str | None:
     cause = exc.__cause__ if isinstance(exc, DjangoDbError) else exc
-    return getattr(cause, "sqlstate", None)
+    sqlstate = getattr(cause, "sqlstate", None)
+    return sqlstate or None
 
 
 def refused_data(exc: BaseException) -> bool:
@@ -180,7 +182,7 @@ def refused_data(exc: BaseException) -> bool:
     those are contention or an outage, not a verdict on the data.
     """
     sqlstate = _sqlstate(exc)
-    return bool(sqlstate) and sqlstate.startswith(_DATA_ERRORS)
+    return sqlstate is not None and sqlstate.startswith(_DATA_ERRORS)
 
 
 #: SQLSTATEs of a transaction PostgreSQL rolled back for a conflict with another one (a
@@ -199,7 +201,7 @@ def unreachable(exc: BaseException) -> bool:
     if not isinstance(exc, DjangoDbError):
         return False
     sqlstate = _sqlstate(exc)
-    return not sqlstate or sqlstate.startswith(_UNREACHABLE)
+    return sqlstate is None or sqlstate.startswith(_UNREACHABLE)
 
 
 def one_line(exc: BaseException) -> str:

@@ -56,8 +56,8 @@ from jobs.worker.leases import LeaseKeeper, with_last_report
 from jobs.worker.maintenance import WorkerMaintenance
 from jobs.worker.on_loop import execute_on_loop
 from jobs.worker.pool import HandlerPool
-from jobs.worker.release import DependentsRelease
 from jobs.worker.presence import worker_presence
+from jobs.worker.release import DependentsRelease
 from jobs.worker.wakeup import NotifyListener
 
 logger = logging.getLogger("jobs.worker")
@@ -337,9 +337,10 @@ class Worker(Draining):
             self._loop_error(exc)
             return
         if any(r.contended for r, _ in acks):
-            acks = self._write_contended(acks)
-            if acks is None:
+            rest = self._write_contended(acks)
+            if rest is None:
                 return
+            acks = rest
         # Slots freed by outcomes that wait for others are claimed in the pass that writes
         # those outcomes: a claim for each slot as it frees costs a pass a job.
         requests = [] if waiting else self._claim_requests(now)
@@ -487,7 +488,7 @@ class Worker(Draining):
         if any(r.job_type.policy.run_model is not None for r, _ in outcomes):
             with transaction.atomic(using=self.config.database):
                 report = queue.record(
-                    [o for _, o in outcomes], count=False, using=self.config.database
+                    [o for _, o in outcomes], count=False, wait=False, using=self.config.database
                 )
                 sync_run_rows(
                     [(r, report.as_written(o)) for r, o in outcomes if report.was_applied(o)]

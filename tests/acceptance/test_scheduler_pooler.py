@@ -34,7 +34,7 @@ pytestmark = [
     pytest.mark.once,
 ]
 
-DUTIES = ("cron", "watchdog", "retention", "archive", "gauges")
+DUTIES = ("cron", "watchdog", "retention", "archive", "release", "gauges")
 OFTEN = [
     *("--watchdog-interval", "0.2", "--retention-interval", "0.5"),
     *("--archive-interval", "0.2", "--gauge-interval", "0.2"),

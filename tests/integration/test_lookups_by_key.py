@@ -22,6 +22,7 @@ from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, effects, histo
 from jobs.queue.claim import next_attempt
 from tests.integration.test_pass_scale import BACKLOG, NAME, _scans, mine_among_others
 from tests.integration.test_review_round22 import explained_nested_statements
+from tests.support.workflows import settle
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -133,6 +134,7 @@ def test_replay_counts_again_what_a_job_waits_for_by_key_among_a_new_backlog():
     [held] = queue.claim([ClaimRequest(NAME, 1)], scope=AllTenants(), worker="w")
     assert held.id == upstream.id
     queue.record([Outcome.failed(held, code="broken")])
+    settle()  # the release after the failure
     assert Job.objects.get(pk=downstream.id).state == "cancelled"  # its upstream failed
     analyze_then_renew_connection()
     backlog()
@@ -147,8 +149,8 @@ def test_replay_counts_again_what_a_job_waits_for_by_key_among_a_new_backlog():
 
 @pytest.mark.parametrize("outcome", ["succeeded", "failed"])
 def test_a_finished_upstream_settles_its_dependents_by_key_among_a_new_backlog(outcome):
-    """The settle trigger's function keeps its plan for the connection's life: made when no
-    job was queued, it read every queued job to find the ones waiting for this one, on every
+    """The release's function keeps its plan for the connection's life: made when no job
+    was queued, it read every queued job to find the ones waiting for this one, on every
     success and failure of a job others wait for."""
     backlog()
     finish_everything("succeeded")
@@ -164,6 +166,7 @@ def test_a_finished_upstream_settles_its_dependents_by_key_among_a_new_backlog(o
             queue.record([Outcome.succeeded(held)])
         else:
             queue.record([Outcome.failed(held, code="broken")])
+        settle()
         settled = Job.objects.get(pk=downstream.id)
         transaction.set_rollback(True)
 
@@ -203,19 +206,26 @@ def test_a_restored_failure_goes_back_to_history_by_key():
     assert "jobs_job_terminal" not in reads, reads
 
 
-def _settle_source() -> str:
+def _source(function: str) -> str | None:
     with connection.cursor() as cur:
-        cur.execute("SELECT prosrc FROM pg_proc WHERE proname = 'jobs_dependents_settle'")
-        [(source,)] = cur.fetchall()
-    return source
+        cur.execute("SELECT prosrc FROM pg_proc WHERE proname = %s", [function])
+        row = cur.fetchone()
+    return None if row is None else row[0]
 
 
-def test_the_settle_migration_goes_both_ways():
-    assert _settle_source().count("j.state || '' = 'queued'") == 4
+def test_the_settle_migrations_go_both_ways():
+    """0024 made the settle function read waiting jobs by key; 0025 replaced it with the
+    release function, which reads them by key too."""
+    assert _source("jobs_dependents_settle") is None
+    assert _source("jobs_dependents_release").count("j.state || '' = 'queued'") == 2
     try:
+        call_command("migrate", "jobs", "0024", verbosity=0)
+        assert _source("jobs_dependents_release") is None
+        assert _source("jobs_dependents_settle").count("j.state || '' = 'queued'") == 4
         call_command("migrate", "jobs", "0023", verbosity=0)
-        assert "|| ''" not in _settle_source()
-        assert _settle_source().count("j.state = 'queued'") == 4
+        assert "|| ''" not in _source("jobs_dependents_settle")
+        assert _source("jobs_dependents_settle").count("j.state = 'queued'") == 4
     finally:
         call_command("migrate", "jobs", verbosity=0)
-    assert _settle_source().count("j.state || '' = 'queued'") == 4
+    assert _source("jobs_dependents_settle") is None
+    assert _source("jobs_dependents_release").count("j.state || '' = 'queued'") == 2

@@ -17,14 +17,17 @@ from datetime import timedelta
 import pytest
 from django.db import connections, transaction
 from django.test import override_settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jobs
 from jobs import JobContext, Payload
+from jobs import queue as jobs_queue
 from jobs.models import Job, JobHistory
 from jobs.queue import NewJob
 from jobs.queue import batches as queue_batches
 from jobs.registry import JobType, Policy, Registry
-from tests.worker_support import Echo, Recorder, Step, echo_handler, running_worker, wait_for
+from tests.worker_support import Echo, Recorder, echo_handler, running_worker, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -33,9 +36,7 @@ LOCK_TIMEOUT = 0.3
 #: How long each test holds its lock: well past the lock timeout.
 HOLD = 1.5
 
-FAST_LOCKS = override_settings(
-    JOBS={"DB_LOCK_TIMEOUT": LOCK_TIMEOUT, "DB_STATEMENT_TIMEOUT": 5}
-)
+FAST_LOCKS = override_settings(JOBS={"DB_LOCK_TIMEOUT": LOCK_TIMEOUT, "DB_STATEMENT_TIMEOUT": 5})
 
 
 class Contended(Payload, name="test.contended.v1"):
@@ -121,8 +122,11 @@ def assert_held_then_succeeded(pk: int, holder: Holder, recorder: Recorder, labe
         time.sleep(0.02)
     # Another job of the same worker is not held up by the deferred outcome.
     other = jobs.enqueue(Echo(text="meanwhile"))
-    wait_for(lambda: state_of(other.id) == "succeeded", timeout=LOCK_TIMEOUT * 3,
-             what="another job finished while the outcome waited")
+    wait_for(
+        lambda: state_of(other.id) == "succeeded",
+        timeout=LOCK_TIMEOUT * 3,
+        what="another job finished while the outcome waited",
+    )
     holder.release.set()
     wait_for(lambda: state_of(pk) == "succeeded", what="the deferred outcome was written")
     assert runs_of(recorder, label) == 1
@@ -146,8 +150,9 @@ def test_a_member_finishing_while_members_are_added_to_its_batch_succeeds_once()
             batch_id, [NewJob(name=Contended.job_name, payload={"label": "member"})]
         )
         assert started.wait(10)
-        more = [NewJob(name=Echo.job_name, payload={"text": f"m{i}"}, queue="later")
-                for i in range(3)]
+        more = [
+            NewJob(name=Echo.job_name, payload={"text": f"m{i}"}, queue="later") for i in range(3)
+        ]
         with Holder(lambda: queue_batches.add(batch_id, more)) as holder:
             go.set()
             assert_held_then_succeeded(member.id, holder, recorder, "member")
@@ -225,8 +230,7 @@ def test_a_producer_holding_its_transaction_past_a_lease_does_not_disturb_the_ru
         return None
 
     lease = timedelta(seconds=1)
-    with running_worker(contended_registry(recorder, handler), lease=lease,
-                        recovery_interval=0.1):
+    with running_worker(contended_registry(recorder, handler), lease=lease, recovery_interval=0.1):
         upstream = jobs.enqueue(Contended(label="upstream"))
         assert started.wait(10)
         with Holder(lambda: jobs.enqueue(Contended(label="after"), after=[upstream])) as holder:
@@ -240,3 +244,84 @@ def test_a_producer_holding_its_transaction_past_a_lease_does_not_disturb_the_ru
         wait_for(lambda: state_of(upstream.id) == "succeeded", what="the upstream finished")
         wait_for(lambda: state_of(holder.result.id) == "succeeded", what="its dependent ran")
     assert runs_of(recorder, "upstream") == 1
+
+
+# Locks another session may hold while a job's outcome is written: on the job's own row, its
+# batch's row, a job waiting for it and that job's edge (row locks of every strength), and
+# the tables its settle trigger writes (table locks that stop their writes).
+ROW_TARGETS = {
+    "the job": "SELECT 1 FROM jobs_job WHERE id = %(job)s FOR {mode}",
+    "its batch": "SELECT 1 FROM jobs_batch WHERE id = %(batch)s FOR {mode}",
+    "a job waiting for it": "SELECT 1 FROM jobs_job WHERE id = %(waiting)s FOR {mode}",
+    "the waiting job's edge": "SELECT 1 FROM jobs_dependency WHERE job = %(waiting)s FOR {mode}",
+}
+ROW_MODES = ("UPDATE", "NO KEY UPDATE", "SHARE", "KEY SHARE")
+TABLE_TARGETS = ("jobs_batch", "jobs_settlement", "jobs_dependency")
+TABLE_MODES = ("SHARE", "SHARE ROW EXCLUSIVE", "EXCLUSIVE")
+
+locks = st.one_of(
+    st.tuples(st.sampled_from(sorted(ROW_TARGETS)), st.sampled_from(ROW_MODES)).map(
+        lambda pick: ROW_TARGETS[pick[0]].format(mode=pick[1])
+    ),
+    st.tuples(st.sampled_from(TABLE_TARGETS), st.sampled_from(TABLE_MODES)).map(
+        lambda pick: f"LOCK TABLE {pick[0]} IN {pick[1]} MODE"
+    ),
+)
+
+
+@FAST_LOCKS
+def test_any_lock_held_past_the_lock_timeout_defers_the_outcome_it_never_decides_it():
+    """Whatever lock another session holds, the handler runs once and the job ends as its
+    handler said (succeeded, or failed as rejected), never as the database's refusal."""
+    recorder = Recorder()
+    go: dict[str, threading.Event] = {}
+
+    def handler(payload, ctx):
+        go[payload.label].wait(10)
+        if payload.label.startswith("reject"):
+            raise jobs.Reject("no")
+        return None
+
+    with running_worker(contended_registry(recorder, handler)):
+
+        @settings(
+            max_examples=12,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow],
+        )
+        @given(lock=locks, rejected=st.booleans())
+        def check(lock: str, rejected: bool) -> None:
+            label = f"{'reject' if rejected else 'ok'}-{len(go)}"
+            go[label] = threading.Event()
+            batch = queue_batches.open(None)
+            [member] = queue_batches.add(
+                batch, [NewJob(name=Contended.job_name, payload={"label": label})]
+            )
+            # A type no worker serves: it stays waiting, its row and edge there to lock.
+            waiting = jobs_queue.enqueue(NewJob(name="test.unserved.v1", after=(member.id,)))
+            wait_for(lambda: runs_of(recorder, label) == 1, what="the handler started")
+
+            def hold():
+                with connections["default"].cursor() as cur:
+                    cur.execute(lock, {"job": member.id, "batch": batch, "waiting": waiting.id})
+
+            with Holder(hold) as holder:
+                go[label].set()
+                deadline = time.monotonic() + HOLD
+                while time.monotonic() < deadline:
+                    row = Job.objects.filter(pk=member.id).values("state", "last_error").first()
+                    assert row is None or row["last_error"] != "handler_error", row
+                    time.sleep(0.05)
+                holder.release.set()
+            expected = ("failed", "rejected") if rejected else ("succeeded", "")
+            wait_for(
+                lambda: (
+                    Job.objects.filter(pk=member.id, state=expected[0]).exists()
+                    or JobHistory.objects.filter(pk=member.id, state=expected[0]).exists()
+                ),
+                what=f"the job ended {expected[0]} after {lock}",
+            )
+            assert runs_of(recorder, label) == 1
+
+        check()

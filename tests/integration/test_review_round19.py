@@ -19,6 +19,7 @@ from jobs.queue import AllTenants, ClaimRequest, NewJob
 from jobs.queue import batches as queue_batches
 from jobs.queue.types import InvalidJob
 from tests.integration.test_effects import wait_until, waiting_on_a_lock
+from tests.support.workflows import settle
 
 UP, DOWN, REPORT = "test.noop.v1", "test.after.v1", "test.report.v1"
 
@@ -28,7 +29,10 @@ class Noop(Payload, name="test.review19.noop.v1"):
 
 
 def enqueue(name: str = UP, **fields) -> int:
-    return queue.enqueue(NewJob(name=name, **fields)).id
+    """Enqueue one job; its dependency checks run as its commit would run them."""
+    id_ = queue.enqueue(NewJob(name=name, **fields)).id
+    settle()
+    return id_
 
 
 def claim(name: str = UP, count: int = 100):
@@ -79,6 +83,7 @@ def test_a_failure_at_the_head_of_a_long_chain_ends_the_whole_chain(end):
         assert queue.fail(job, code="rejected")
     else:
         assert queue.cancel([head], by="operator") == [head]
+    settle()  # the release after the head ended, to the end of the chain
     assert Job.objects.get(pk=tail).state == "cancelled"
     assert Job.objects.get(pk=tail).last_error == "dependency_failed"
 
@@ -117,28 +122,36 @@ def _member_adds_a_child_waiting_for_its_sibling(batch_id: int, sibling: int, ad
 
 @pytest.mark.django_db(transaction=True)
 def test_adding_a_member_that_waits_for_a_sibling_does_not_deadlock_the_siblings_outcome():
-    # The outcome holds the sibling's row and then wants the batch's; the add must not hold
-    # the batch's row while it waits for the sibling's (it locks what it waits for first).
+    # The add holds the batch's row to its commit, where it locks the sibling it waits for;
+    # the worker's pass holds the sibling's row and wants the batch's. The pass never waits
+    # for the batch's row: the sibling's outcome is busy until the add commits, then written.
     batch_id = queue_batches.open(None)
     [sibling] = queue_batches.add(batch_id, [NewJob(name=UP)])
     [held] = claim()
-    locked, go = threading.Event(), threading.Event()
-
-    def worker_outcome():
-        with transaction.atomic():
-            with connection.cursor() as cur:
-                cur.execute("SELECT 1 FROM jobs_job WHERE id = %s FOR UPDATE", [held.id])
-            locked.set()
-            go.wait(10)  # the adder waits for the sibling's row now
-            assert queue.complete(held)
+    added, go = threading.Event(), threading.Event()
+    reports = []
 
     def adder():
-        locked.wait(10)
         with transaction.atomic():
             queue_batches.add(batch_id, [NewJob(name=DOWN, after=(sibling.id,))])
+            added.set()
+            go.wait(10)
 
-    errors = run_both(worker_outcome, adder, release=go)
+    def worker_outcome():
+        added.wait(10)
+        while True:
+            report, _ = queue.record_and_claim(
+                [queue.Outcome.succeeded(held)], [], scope=AllTenants(), count=False
+            )
+            reports.append(report)
+            if report.applied:
+                return
+            go.set()  # the add may commit now: its batch row held the outcome back
+
+    errors = run_both(adder, worker_outcome)
     assert not errors, [str(e).splitlines()[0] for e in errors]
+    assert reports[0].busy == (held.id,) and reports[-1].applied == (held.id,)
+    settle()
     state = queue_batches.get(batch_id)
     assert (state.succeeded, state.total) == (1, 2)
     assert Job.objects.get(name=DOWN).waiting_on == 0
@@ -349,6 +362,7 @@ def test_one_success_releases_a_thousand_waiting_jobs_at_once():
     assert Job.objects.filter(pk__in=waiting, waiting_on=1).count() == 1000
     [job] = claim()
     assert queue.complete(job)
+    settle()  # the release after the outcome
     assert len(claim(DOWN, 2000)) == 1000
 
 

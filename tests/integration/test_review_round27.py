@@ -74,9 +74,9 @@ FAIR = {FAIR_IDLE: FlowLimits(fair=True)}
 SCOPE = AllTenants()
 BY = "operator@round27"
 FUNCTIONS = {
-    "pass function": ("SELECT * FROM jobs_worker_pass(", "0019_worker_pass_busy_when_unwritten"),
+    "pass function": ("SELECT * FROM jobs_worker_pass_v2(", "0019_worker_pass_busy_when_unwritten"),
     "fair pass function": (
-        "SELECT * FROM jobs_worker_fair_pass(",
+        "SELECT * FROM jobs_worker_fair_pass_v2(",
         "0020_worker_fair_pass_busy_when_unwritten",
     ),
 }

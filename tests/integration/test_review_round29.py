@@ -86,11 +86,17 @@ from jobs.queue.claim import next_attempt
 from jobs.scheduler.clock import database_now
 from tests.integration.test_pgbouncer import wait_for
 from tests.integration.test_review_round22 import explained_nested_statements
+from tests.support.workflows import settle
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 M13 = importlib.import_module("jobs.migrations.0013_settle_chains")
 M24 = importlib.import_module("jobs.migrations.0024_settle_by_key")
+M25 = importlib.import_module("jobs.migrations.0025_dependents_release")
+# The trigger function that settled waiting jobs in the statement (0010 to 0024).
+SETTLED_IN_STATEMENT = M25.REVERSE_SQL[
+    M25.REVERSE_SQL.index("CREATE OR REPLACE FUNCTION jobs_job_settled") :
+].split("$$;")[0] + "$$;"
 
 BACKLOG = 20_000
 BACKLOG_NAME = "test.review29.backlog.v1"
@@ -178,11 +184,18 @@ SETTLE_0013 = M13.SQL[M13.SQL.index("CREATE OR REPLACE FUNCTION jobs_dependents_
 assert SETTLE_0013.rstrip().endswith("$$;")
 
 
-def settle_source() -> str:
+def settle_source(function: str = "jobs_dependents_settle") -> str | None:
     with connection.cursor() as cur:
-        cur.execute("SELECT prosrc FROM pg_proc WHERE proname = 'jobs_dependents_settle'")
-        [(source,)] = cur.fetchall()
-    return source
+        cur.execute("SELECT prosrc FROM pg_proc WHERE proname = %s", [function])
+        row = cur.fetchone()
+    return None if row is None else row[0]
+
+
+def _release_body(sql: str) -> str:
+    """The text of ``jobs_dependents_release`` between its dollar quotes in a migration's SQL."""
+    at = sql.index("CREATE FUNCTION jobs_dependents_release")
+    start = sql.index("$$", at) + 2
+    return sql[start : sql.index("$$", start)]
 
 
 def backend() -> int:
@@ -632,6 +645,9 @@ def test_the_settle_function_acts_as_0013s_on_any_graph_and_outcomes(dag, steps)
                 )
 
         def run() -> list[tuple]:
+            return run_steps(steps)
+
+        def run_steps(steps: list[tuple[int, str]]) -> list[tuple]:
             for index, state in steps:
                 cur.execute(
                     "UPDATE jobs_job SET state = %(state)s, finished_at = statement_timestamp(), "
@@ -647,12 +663,26 @@ def test_the_settle_function_acts_as_0013s_on_any_graph_and_outcomes(dag, steps)
             return cur.fetchall()
 
         def with_0013() -> list[tuple]:
+            # 0013's function, called by the trigger in the statement that ends a job.
             cur.execute(SETTLE_0013)
+            cur.execute(SETTLED_IN_STATEMENT)
             assert "|| ''" not in settle_source()
             return run()
 
-        old, new = _outcome(cur, with_0013), _outcome(cur, run)
-        assert settle_source().count("j.state || '' = 'queued'") == 4  # 0024's, back
+        def released_after() -> list[tuple]:
+            # Today's: each job's waiting jobs released after it ends, before the next step.
+            for index, state in steps:
+                cur.execute(
+                    "UPDATE jobs_job SET state = %(state)s, finished_at = statement_timestamp(), "
+                    "key_held = %(state)s <> 'cancelled' "
+                    "WHERE id = %(id)s AND state = 'queued' AND waiting_on = 0",
+                    {"state": state, "id": ids[index % len(ids)]},
+                )
+                settle()
+            return run_steps([])
+
+        old, new = _outcome(cur, with_0013), _outcome(cur, released_after)
+        assert settle_source() is None  # 0025's trigger, back
         assert old == new
         transaction.set_rollback(True)
 
@@ -750,11 +780,13 @@ def _enqueue(name: str = UP, **fields) -> int:
 
 
 def _run(name: str, outcome: str) -> None:
+    """Claim one job and end it as ``outcome``, then release what waits for it."""
     [job] = queue.claim([ClaimRequest(name, 1)], scope=AllTenants(), worker="review")
     if outcome == "succeeded":
         assert queue.complete(job)
     else:
         assert queue.fail(job, code="rejected", detail="no")
+    settle()
 
 
 def _state(pk: int) -> tuple:
@@ -791,21 +823,23 @@ def _settles_each_way() -> None:
 
 
 def test_settles_are_right_before_across_and_after_migrating_back_to_0023_and_forward():
-    """On one connection: a settle by 0024's function (its plan kept), ``migrate jobs 0023``,
-    settles by 0013's, ``migrate`` forward, settles by 0024's again; each text exactly its
-    migration's, each in effect at once on the connection that ran the other."""
+    """On one connection: settles by the release (0025's function, its plan kept), ``migrate
+    jobs 0023`` (0013's function back; this release's code does not run on that schema),
+    ``migrate`` forward, settles by the release again; each text exactly its migration's,
+    each in effect at once on the connection that ran the other."""
     pid = backend()
     _settles_each_way()
-    assert settle_source() == _settle_body(M24.SQL)
+    assert settle_source() is None
+    assert settle_source("jobs_dependents_release") == _release_body(M25.SQL)
     try:
         call_command("migrate", "jobs", "0023", verbosity=0)
         assert backend() == pid
         assert settle_source() == _settle_body(M13.SQL)
-        _settles_each_way()
     finally:
         call_command("migrate", "jobs", verbosity=0)
     assert backend() == pid
-    assert settle_source() == _settle_body(M24.SQL)
+    assert settle_source() is None
+    assert settle_source("jobs_dependents_release") == _release_body(M25.SQL)
     _settles_each_way()
 
 
@@ -925,13 +959,17 @@ def test_settles_and_reckon_read_the_waiting_jobs_by_key(no_autoanalyze, analyze
 
     with explained() as succeeded:
         queue.record([Outcome.succeeded(held)])
+        settle()
         assert (_state(one)[:2], _state(two)[:2]) == (("queued", 0), ("queued", 1))
     with explained() as failed:
         queue.record([Outcome.failed(held, code="broken")])
+        settle()
         assert (_state(one)[0], _state(two)[0]) == ("cancelled", "failed")
     queue.record([Outcome.failed(held, code="broken")])
+    settle()
     with explained() as replayed:
         assert queue.replay([two], by="review").replayed == (two,)
+        settle()
         assert _state(two) == ("failed", 0, True, "dependency_failed")  # ended again by reckon
 
     for plans in (succeeded, failed, replayed):
@@ -1001,8 +1039,8 @@ REWRITTEN = {
     "replay": "WITH target AS (",
     "reckon": "FROM unnest(",
     "history.UNRESTORE": "WITH back AS (",
-    "settle, success": "WITH released AS (",
-    "settle, failure": "WITH RECURSIVE doomed",
+    "release, success": "released AS (",
+    "release, failure": "ended AS (",
 }
 
 
@@ -1047,11 +1085,14 @@ def test_no_rewritten_lookup_can_use_a_partial_index_whatever_the_statistics():
             transaction.set_rollback(True)
         with transaction.atomic():
             queue.record([Outcome.succeeded(upstream)])
+            settle()
             assert _state(waiting)[:2] == ("queued", 0)
             transaction.set_rollback(True)
         queue.record([Outcome.failed(upstream, code="broken")])
+        settle()
         assert _state(waiting)[0] == "cancelled"
         report = queue.replay([freed, back, ended], by="review")
+        settle()
         assert (report.replayed, report.key_taken) == ((freed, ended), (back,))
         assert _state(ended)[0] == "cancelled" and where(back) == "history"
 
