@@ -288,7 +288,7 @@ def test_archive_and_retention_run_in_each_database(two_databases):
 def test_runscheduler_once_says_it_ran_every_duty_over_both_databases(two_databases):
     out = StringIO()
     call_command("runscheduler", "--once", stdout=out)
-    assert out.getvalue() == "led: ran cron, watchdog, retention, archive, gauges\n"
+    assert out.getvalue() == "led: ran cron, watchdog, retention, archive, release, gauges\n"
 
 
 # Settings and checks ------------------------------------------------------------------------

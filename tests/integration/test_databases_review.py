@@ -247,7 +247,9 @@ def test_the_scheduler_keeps_the_home_database_going_while_the_other_server_is_d
         sched.run(until=until)
 
     # Every duty missed the other alias (and says so), the home one did its work.
-    assert first == dict.fromkeys(["cron", "watchdog", "retention", "archive", "release", "gauges"], False)
+    assert first == dict.fromkeys(
+        ["cron", "watchdog", "retention", "archive", "release", "gauges"], False
+    )
     assert Job.objects.get(pk=here).state == "queued"  # the home alias's lease recovered
     assert Job.objects.filter(job_id__startswith="cron:notes:").exists()  # and its cron fired
     # The first duty found it gone; the others passed it over while it rested.

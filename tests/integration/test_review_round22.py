@@ -428,9 +428,7 @@ def _body(sql: str) -> str:
 def _sources() -> dict[str, str]:
     """The earlier functions' texts, as installed."""
     with connection.cursor() as cur:
-        cur.execute(
-            "SELECT proname, prosrc FROM pg_proc WHERE proname = ANY(%s)", [list(EARLIER)]
-        )
+        cur.execute("SELECT proname, prosrc FROM pg_proc WHERE proname = ANY(%s)", [list(EARLIER)])
         return dict(cur.fetchall())
 
 

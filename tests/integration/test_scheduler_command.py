@@ -30,7 +30,7 @@ EVERY_SECOND = {
 def test_once_leads_runs_every_duty_and_exits():
     out = StringIO()
     call_command("runscheduler", "--once", stdout=out)
-    assert out.getvalue() == "led: ran cron, watchdog, retention, archive, gauges\n"
+    assert out.getvalue() == "led: ran cron, watchdog, retention, archive, release, gauges\n"
     slots = ScheduleSlot.objects.filter(schedule="every-second")
     assert slots.count() == 1  # a new schedule's first tick fires only its current slot
     assert Job.objects.filter(name="jobapp.ping.v1").count() == 1
@@ -63,7 +63,7 @@ def test_once_reports_a_failed_duty_as_an_error():
             cur.execute(f"ALTER TABLE {table}_away RENAME TO {table}")
     assert raised.value.returncode == 1
     assert str(raised.value) == (
-        "led, but watchdog failed (see the log); ran cron, retention, archive, gauges"
+        "led, but watchdog failed (see the log); ran cron, retention, archive, release, gauges"
     )
 
 
