@@ -1,0 +1,177 @@
+"""Every count the console shows says what it counts, and its link lists the rows counted.
+
+Finished jobs leave the jobs table for the history within seconds (the archive pass), so a
+count of finished jobs that reads the jobs table alone falls to zero while the failures are
+still there to replay.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from html import unescape
+
+import pytest
+from django.db import connection
+from django.urls import reverse
+
+from jobs.monitor.overview import counted_text
+from jobs.queue import history
+from jobs.queue._db import load_json
+from jobs.queue.history import Counted
+from jobs.scheduler.clock import database_now
+from tests.factories import JobFactory
+
+pytestmark = pytest.mark.django_db
+
+OVERVIEW = "admin:jobs_overview"
+NAME = "test.noop.v1"  # the factory's job type
+TAGS = re.compile(r"<[^>]+>")
+
+
+def table(markup: str, element_id: str) -> str:
+    """The markup of the table with ``element_id``."""
+    start = markup.index(f'id="{element_id}"')
+    return markup[start : markup.index("</table>", start)]
+
+
+def rows(markup: str) -> list[str]:
+    return re.findall(r"<tr\b.*?</tr>", markup, flags=re.S)
+
+
+def cells(row: str) -> list[str]:
+    """The text of each cell of a table row."""
+    found = re.findall(r"<t[hd]\b.*?</t[hd]>", row, flags=re.S)
+    return [unescape(TAGS.sub("", cell)).strip() for cell in found]
+
+
+def links(row: str) -> list[tuple[str, str]]:
+    """(href, text) of each link in a table row."""
+    found = re.findall(r'<a\b[^>]*href="([^"]*)"[^>]*>(.*?)</a>', row, flags=re.S)
+    return [(unescape(href), unescape(TAGS.sub("", text)).strip()) for href, text in found]
+
+
+def state_row(client, label: str) -> str:
+    page = client.get(reverse(OVERVIEW))
+    assert page.status_code == 200
+    (row,) = [
+        r for r in rows(table(page.content.decode(), "jobs-per-state")) if cells(r)[0] == label
+    ]
+    return row
+
+
+def listed(client, href: str) -> tuple[set[int], int]:
+    """The rows a list link shows (its first page) and the count the list gives."""
+    page = client.get(href)
+    assert page.status_code == 200, href
+    if "cl" in page.context:  # an admin changelist
+        return {obj.pk for obj in page.context["cl"].result_list}, page.context["cl"].result_count
+    return {row.pk for row in page.context["page"].rows}, page.context["page"].total
+
+
+def archive() -> dict[str, tuple[int, int]]:
+    """The scheduler's archive pass, run as it would two minutes from now."""
+    return history.archive(now=database_now() + timedelta(minutes=2))
+
+
+def test_failed_jobs_moved_to_the_history_are_still_counted_and_listed(admin_client):
+    failed = {JobFactory(failed=True).pk for _ in range(6)}
+    JobFactory(succeeded=True)
+    assert archive()["failed"] == (6, 6)  # all six left the jobs table
+
+    row = state_row(admin_client, "Failed")
+
+    assert cells(row)[-1] == "6", cells(row)  # the state's total, both homes
+    seen: set[int] = set()
+    for href, text in links(row):
+        shown, count = listed(admin_client, href)
+        assert count == int(text.replace(",", "")), (href, text, count)
+        assert shown <= failed, href  # the list holds what was counted, nothing else
+        seen |= shown
+    assert seen == failed
+
+
+def state_cells(client) -> dict[str, list[tuple[str, str]]]:
+    """Per state row of "Jobs per state" (and ``all``): its linked counts as (href, text)."""
+    page = client.get(reverse(OVERVIEW)).content.decode()
+    found = {}
+    for row in rows(table(page, "jobs-per-state")):
+        state = re.search(r'data-state="([a-z]+)"', row)
+        if state:
+            found[state[1]] = (links(row), cells(row)[-1])
+    return found
+
+
+def test_every_state_count_opens_a_list_of_exactly_the_rows_it_counts(admin_client):
+    for _ in range(3):
+        JobFactory(failed=True)
+    for _ in range(2):
+        JobFactory(succeeded=True, key_held=False)
+    JobFactory(state="cancelled", finished_at=database_now(), key_held=False)
+    archive()
+    JobFactory(failed=True)  # still in the jobs list, holding its key
+    JobFactory(succeeded=True)
+    JobFactory(running=True)
+    JobFactory()
+    JobFactory()
+    expected = {"queued": 2, "running": 1, "succeeded": 3, "failed": 4, "cancelled": 1, "all": 11}
+
+    found = state_cells(admin_client)
+
+    for state, total in expected.items():
+        counted, text = found[state]
+        assert text == str(total), state
+        listed_rows = 0
+        for href, number in counted:
+            page = admin_client.get(href)
+            result = page.context["cl"]
+            assert result.result_count == int(number), (state, href)
+            assert state == "all" or {obj.state for obj in result.result_list} <= {state}
+            listed_rows += result.result_count
+        assert listed_rows == total, state
+
+
+def test_the_counts_stop_at_their_cap_and_say_what_they_are():
+    for _ in range(5):
+        JobFactory(failed=True)
+    archive()
+    for _ in range(5):
+        JobFactory(failed=True)
+
+    counts = history.state_counts(cap=3)
+
+    for home in history.HOMES:
+        past = counts[home, "failed"]
+        assert not past.exact and past.n >= 3  # "3+" or PostgreSQL's estimate, never "3"
+        assert counted_text(past) in {"3+", f"≈{past.n}"}
+    assert counts["jobs", "succeeded"] == Counted(0)
+    by_type = history.failed_by_type(cap=3)[NAME]
+    assert {home: (c.n, c.floor) for home, c in by_type.items()} == {
+        "jobs": (4, True),
+        "history": (4, True),
+    }
+
+
+def scans(plan: dict) -> list[dict]:
+    """Every node of an EXPLAIN (FORMAT JSON) plan that reads a table or an index."""
+    found = [plan] if "Relation Name" in plan else []
+    for child in plan.get("Plans", ()):
+        found += scans(child)
+    return found
+
+
+@pytest.mark.parametrize("statement", [history.state_counts_sql, history.failed_by_type_sql])
+def test_counting_reads_at_most_the_cap_of_rows_whatever_the_history_holds(statement):
+    for state in ("failed", "succeeded"):
+        for _ in range(12):
+            JobFactory(state=state, finished_at=database_now(), key_held=False)
+    archive()
+    sql, params = statement(cap=5)
+
+    with connection.cursor() as cur:
+        cur.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", params)
+        [plan] = load_json(cur.fetchone()[0])
+
+    read = scans(plan["Plan"])
+    assert read and all(node["Actual Rows"] * node["Actual Loops"] <= 6 for node in read), read
+    assert not [node for node in read if node.get("Rows Removed by Filter")]
