@@ -13,10 +13,12 @@ from html import unescape
 
 import pytest
 from django.db import connection
+from django.db.models import F
 from django.urls import reverse
 
+from jobs.models import Process
 from jobs.monitor.overview import counted_text
-from jobs.queue import history
+from jobs.queue import history, processes
 from jobs.queue._db import load_json
 from jobs.queue.history import Counted
 from jobs.scheduler.clock import database_now
@@ -175,3 +177,69 @@ def test_counting_reads_at_most_the_cap_of_rows_whatever_the_history_holds(state
     read = scans(plan["Plan"])
     assert read and all(node["Actual Rows"] * node["Actual Loops"] <= 6 for node in read), read
     assert not [node for node in read if node.get("Rows Removed by Filter")]
+
+
+def type_row(client, name: str) -> str:
+    page = client.get(reverse(OVERVIEW)).content.decode()
+    (row,) = [r for r in rows(table(page, "jobs-per-type")) if f'data-type="{name}"' in r]
+    return row
+
+
+def test_a_types_counts_open_the_lists_of_the_rows_they_count(admin_client):
+    failed = {JobFactory(failed=True).pk for _ in range(2)}
+    archive()
+    failed.add(JobFactory(failed=True).pk)
+    queued = {JobFactory().pk for _ in range(2)}
+    running = {JobFactory(running=True).pk}
+    JobFactory(name="other.type.v1", failed=True)
+
+    row = type_row(admin_client, NAME)
+    _name, queued_count, due, running_count, failed_count, _registered, *_ = cells(row)
+    (queued_link, running_link, failed_link) = [href for href, _text in links(row)[1:4]]
+
+    assert (queued_count, due, running_count, failed_count) == ("2", "2", "1", "3")
+    assert listed(admin_client, queued_link) == (queued, 2)
+    assert listed(admin_client, running_link) == (running, 1)
+    assert listed(admin_client, failed_link) == (failed, 3)  # both homes, in the monitor
+
+
+def test_an_unsupported_name_links_to_its_queued_jobs(admin_client):
+    gone = {JobFactory(name="gone.away.v1").pk for _ in range(2)}
+    page = admin_client.get(reverse(OVERVIEW)).content.decode()
+    start = page.index('id="unsupported"')
+    [(href, text)] = links(page[start : page.index("</ul>", start)])
+    assert text == "2" and listed(admin_client, href) == (gone, 2)
+
+
+def test_the_workers_figures_open_the_processes_they_count(admin_client):
+    for identity in ("h:1:ready", "h:2:draining", "h:3:gone"):
+        processes.register(
+            identity, component="worker", host="h", pid=1, version="1", expires_in=60, concurrency=4
+        )
+    processes.register(
+        "h:4:sched", component="scheduler", host="h", pid=4, version="1", expires_in=60
+    )
+    Process.objects.filter(identity="h:2:draining").update(draining=True)
+    Process.objects.filter(identity="h:3:gone").update(
+        expires_at=F("expires_at") - timedelta(hours=1)
+    )
+
+    page = admin_client.get(reverse(OVERVIEW)).content.decode()
+    figures = {}
+    for key in ("workers", "free", "draining"):
+        start = page.index(f'id="capacity-{key}"')
+        [(href, text)] = links(page[start : page.index("</span>", start + 30)])
+        figures[key] = (text, listed(admin_client, href)[0])
+
+    assert figures["workers"][0] == "2 live workers"
+    assert (
+        {"h:1:ready", "h:2:draining"}
+        <= figures["workers"][1]
+        <= {
+            "h:1:ready",
+            "h:2:draining",
+            "h:3:gone",  # listed as gone: the list says which are live
+        }
+    )
+    assert figures["free"] == ("4 free slots", {"h:1:ready"})
+    assert figures["draining"] == ("1 draining", {"h:2:draining"})
