@@ -243,3 +243,14 @@ def test_the_workers_figures_open_the_processes_they_count(admin_client):
     )
     assert figures["free"] == ("4 free slots", {"h:1:ready"})
     assert figures["draining"] == ("1 draining", {"h:2:draining"})
+
+
+def test_the_finished_chart_counts_attempts_and_says_what_its_lists_no_longer_hold(admin_client):
+    hour = admin_client.get(reverse(OVERVIEW)).content.decode()
+    week = admin_client.get(reverse(OVERVIEW), {"window": "week"}).content.decode()
+
+    assert "Attempts that ended per minute, by outcome" in hour
+    assert "Jobs finished" not in hour  # a retried attempt ends while its job goes on
+    assert "no longer listed" not in hour  # every list keeps an hour of finished jobs
+    # Succeeded jobs are kept a day (SUCCEEDED_RETENTION): a week of them is not listed.
+    assert "(succeeded 1d 00h): older attempts are counted here but no longer listed" in week
