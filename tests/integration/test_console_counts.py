@@ -18,7 +18,8 @@ from django.urls import reverse
 
 from jobs.models import Process
 from jobs.monitor.overview import counted_text
-from jobs.queue import history, processes
+from jobs import queue
+from jobs.queue import AllTenants, ClaimRequest, NewJob, batches, history, processes
 from jobs.queue._db import load_json
 from jobs.queue.history import Counted
 from jobs.scheduler.clock import database_now
@@ -254,3 +255,23 @@ def test_the_finished_chart_counts_attempts_and_says_what_its_lists_no_longer_ho
     assert "no longer listed" not in hour  # every list keeps an hour of finished jobs
     # Succeeded jobs are kept a day (SUCCEEDED_RETENTION): a week of them is not listed.
     assert "(succeeded 1d 00h): older attempts are counted here but no longer listed" in week
+
+
+def test_a_batchs_members_links_together_list_every_member_wherever_it_is(admin_client):
+    batch = batches.open(None, description="three")
+    members = {
+        e.id for e in batches.add(batch, [NewJob(name=NAME, payload={"i": i}) for i in range(3)])
+    }
+    batches.seal(batch)
+    first, second, _third = queue.claim([ClaimRequest(NAME, 3)], scope=AllTenants())
+    queue.complete(first)
+    queue.fail(second, code="rejected", detail="no")
+    archive()  # the finished members leave the jobs table
+
+    page = admin_client.get(reverse("admin:jobs_batch_change", args=[batch])).content.decode()
+    start = page.index(reverse("admin:jobs_job_changelist") + f"?batch={batch}")
+    hrefs = [href for href, _text in links(page[page.rindex("<", 0, start) : start + 400])]
+
+    seen = [listed(admin_client, href)[0] for href in hrefs]
+    assert len(hrefs) == 2 and set().union(*seen) == members
+    assert not seen[0] & seen[1]  # each member on one list
