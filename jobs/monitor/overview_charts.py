@@ -94,7 +94,7 @@ def _finished(
         "cancelled": _("cancelled"),
         "retried": _("retried (will run again)"),
     }
-    chart_common = {**common, "note": _joined(common["note"], _unlisted(frame, TERMINAL))}
+    chart_common = {**common, "note": _joined(common["note"], unlisted(frame, TERMINAL))}
     series = [
         charts.Series(
             key=outcome,
@@ -155,7 +155,7 @@ def _failures(
             empty=empty,
             href=link("jobs_monitor", site, age=age),
             link_text=_("Failure monitor"),
-            **{**common, "note": _joined(common["note"], _unlisted(frame, ("failed",)))},
+            **{**common, "note": _joined(common["note"], unlisted(frame, ("failed",)))},
         )
     )
 
@@ -249,7 +249,7 @@ def _largest(
     return [*kept, (_("other"), other)]
 
 
-def _unlisted(frame: Frame, states: Sequence[str]) -> str:
+def unlisted(frame: Frame, states: Sequence[str]) -> str:
     """What the lists no longer hold of a window: finished jobs are kept for their state's
     retention, the console's history for longer. Empty while the window is within it."""
     short = [

@@ -14,11 +14,12 @@ from html import unescape
 import pytest
 from django.db import connection
 from django.db.models import F
+from django.test import override_settings
 from django.urls import reverse
 
+from jobs import queue
 from jobs.models import Process
 from jobs.monitor.overview import counted_text
-from jobs import queue
 from jobs.queue import AllTenants, ClaimRequest, NewJob, batches, history, processes
 from jobs.queue._db import load_json
 from jobs.queue.history import Counted
@@ -275,3 +276,15 @@ def test_a_batchs_members_links_together_list_every_member_wherever_it_is(admin_
     seen = [listed(admin_client, href)[0] for href in hrefs]
     assert len(hrefs) == 2 and set().union(*seen) == members
     assert not seen[0] & seen[1]  # each member on one list
+
+
+def test_the_performance_page_says_when_its_failures_links_cannot_list_the_whole_window(
+    admin_client,
+):
+    performance = reverse("admin:jobs_performance")
+    with override_settings(JOBS={"FAILED_RETENTION": timedelta(days=14)}):
+        month = admin_client.get(performance, {"window": "30d"}).content.decode()
+        week = admin_client.get(performance, {"window": "week"}).content.decode()
+
+    assert "(failed 14d 00h): older attempts are counted here but no longer listed" in month
+    assert 'id="performance-unlisted"' not in week
