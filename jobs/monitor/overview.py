@@ -101,10 +101,10 @@ def overview_data(
             "paused": paused_types.get(name),
             **_queued(backlog.get(name)),
             "running": running.get(name, 0),
-            **_failed(failed.get(name, {})),
+            **_failed(failed.of(name)),
             "urls": _type_links(name, site_name),
         }
-        for name in sorted(set(running) | set(failed) | set(backlog) | set(registry.names()))
+        for name in sorted({*running, *failed.counts, *backlog, *registry.names()})
     ]
     unsupported = [
         (

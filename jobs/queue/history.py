@@ -451,9 +451,22 @@ def state_counts(
     }
 
 
-def failed_by_type(
-    *, cap: int = COUNT_CAP, using: str = DEFAULT_DB_ALIAS
-) -> dict[str, dict[str, Counted]]:
+@dataclass(frozen=True)
+class FailedByType:
+    """Failed rows per job type and home, and the homes whose counts stopped at the cap."""
+
+    counts: dict[str, dict[str, Counted]]
+    capped: frozenset[str]
+
+    def of(self, name: str) -> dict[str, Counted]:
+        """A type's counts per home; in a capped home a type not read counts "0+"."""
+        found = dict(self.counts.get(name, {}))
+        for home in self.capped:
+            found.setdefault(home, Counted(0, floor=True))
+        return found
+
+
+def failed_by_type(*, cap: int = COUNT_CAP, using: str = DEFAULT_DB_ALIAS) -> FailedByType:
     """Failed rows per job type and home: exact while a home holds at most ``cap`` of them.
 
     Past that the home's counts are read over ``cap + 1`` of its failed rows and are floors:
@@ -463,10 +476,11 @@ def failed_by_type(
         cur.execute(*failed_by_type_sql(cap=cap))
         found = cur.fetchall()
     read = {home: sum(n for where, _name, n in found if where == home) for home in HOMES}
+    capped = frozenset(home for home in HOMES if read[home] > cap)
     counts: dict[str, dict[str, Counted]] = {}
     for home, name, n in found:
-        counts.setdefault(name, {})[home] = Counted(n, floor=read[home] > cap)
-    return counts
+        counts.setdefault(name, {})[home] = Counted(n, floor=home in capped)
+    return FailedByType(counts, capped)
 
 
 def state_counts_sql(*, cap: int = COUNT_CAP) -> tuple[str, dict[str, Any]]:

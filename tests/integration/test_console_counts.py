@@ -12,13 +12,15 @@ from datetime import timedelta
 from html import unescape
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import F
 from django.test import override_settings
 from django.urls import reverse
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jobs import queue
-from jobs.models import Process
+from jobs.models import Job, JobHistory, Process
 from jobs.monitor.overview import counted_text
 from jobs.queue import AllTenants, ClaimRequest, NewJob, batches, history, processes
 from jobs.queue._db import load_json
@@ -149,7 +151,7 @@ def test_the_counts_stop_at_their_cap_and_say_what_they_are():
         assert not past.exact and past.n >= 3  # "3+" or PostgreSQL's estimate, never "3"
         assert counted_text(past) in {"3+", f"≈{past.n}"}
     assert counts["jobs", "succeeded"] == Counted(0)
-    by_type = history.failed_by_type(cap=3)[NAME]
+    by_type = history.failed_by_type(cap=3).of(NAME)
     assert {home: (c.n, c.floor) for home, c in by_type.items()} == {
         "jobs": (4, True),
         "history": (4, True),
@@ -288,3 +290,64 @@ def test_the_performance_page_says_when_its_failures_links_cannot_list_the_whole
 
     assert "(failed 14d 00h): older attempts are counted here but no longer listed" in month
     assert 'id="performance-unlisted"' not in week
+
+
+class Rollback(Exception):
+    """Undoes one Hypothesis example's rows."""
+
+
+homes_and_states = st.fixed_dictionaries(
+    {
+        (home, state): st.integers(0, 4)
+        for home in history.HOMES
+        for state in ("succeeded", "failed", "cancelled")
+    }
+)
+
+
+@given(
+    seeded=homes_and_states,
+    names=st.lists(st.sampled_from(["a.v1", "b.v1", "c.v1"]), min_size=24, max_size=24),
+    cap=st.integers(1, 5),
+)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_each_count_is_exact_to_its_cap_and_never_more_than_the_rows(seeded, names, cap):
+    try:
+        with transaction.atomic():
+            check_counts(seeded, iter(names), cap)
+            raise Rollback
+    except Rollback:
+        pass
+
+
+def check_counts(seeded: dict[tuple[str, str], int], names, cap: int) -> None:
+    def seed(home: str) -> None:
+        for (where, state), n in seeded.items():
+            if where == home:
+                for _ in range(n):
+                    JobFactory(
+                        name=next(names),
+                        state=state,
+                        finished_at=database_now(),
+                        key_held=home == "jobs",
+                    )
+
+    seed("history")
+    archive()
+    seed("jobs")
+    models = {"jobs": Job, "history": JobHistory}
+
+    counts = history.state_counts(cap=cap)
+    by_type = history.failed_by_type(cap=cap)
+
+    for (home, state), n in seeded.items():
+        assert models[home].objects.filter(state=state).count() == n
+        counted = counts[home, state]
+        assert counted.exact == (n <= cap) and (counted.n == n if n <= cap else counted.n >= cap)
+    for home, model in models.items():
+        failed = model.objects.filter(state="failed")
+        for name in ("a.v1", "b.v1", "c.v1"):
+            true = failed.filter(name=name).count()
+            counted = by_type.of(name).get(home, Counted(0))
+            assert counted.n == true if counted.exact else counted.n <= true
+            assert counted.exact == (failed.count() <= cap)
