@@ -1,13 +1,21 @@
 """The jobs overview: counts per state and per type, the oldest due job, unsupported names.
 
-Queued jobs are counted by :func:`jobs.queue.backlog`, whose cost is bounded whatever the
-backlog holds: exact up to :data:`jobs.queue.BACKLOG_CAP` per type, shown as ``≈N`` (the
-planner's estimate) above it, and due jobs as ``1,000+``. The oldest due job comes from
-the same statement. Two aggregates read the other rows (per state, and per type for running
-and failed rows); they never read the queued rows, and cost what the table holds besides the
-backlog. Finished jobs in the history table are counted per state from PostgreSQL's
-statistics of its partitions (shown as ``≈N``), and its failed rows per type exactly, as
-they are the ones awaiting replay. Overdue schedules come from :func:`jobs.scheduler.status`
+A job's row is in one of two homes (:data:`jobs.queue.history.HOMES`): the jobs table, while
+it is active or holds its key, then the history (the admin's *finished jobs*), for its state's
+retention. Every count here counts both homes, and links to the lists that hold exactly the
+rows it counts. So "Jobs per state" has a column per home, each count linking to that home's
+list filtered to the state (:func:`per_state`).
+
+Every count is bounded, whatever the tables hold. Queued jobs are counted by
+:func:`jobs.queue.backlog`: exact up to :data:`jobs.queue.BACKLOG_CAP` per type, shown as
+``≈N`` (the planner's estimate) above it, and due jobs as ``1,000+``; the oldest due job comes
+from the same statement. Running and finished rows per home and state come from
+:func:`jobs.queue.history.state_counts` (one statement, each count stopping at
+:data:`~jobs.queue.history.COUNT_CAP` rows of one index or one state's partitions; past it
+``≈N`` from PostgreSQL's statistics), failed rows per type from
+:func:`jobs.queue.history.failed_by_type` (at most the cap's rows per home; past it the counts
+are floors, ``N+``), running jobs per type from the jobs table's index of running rows.
+Overdue schedules come from :func:`jobs.scheduler.status`
 when the scheduler is there. What is paused comes from the small pauses table (a throttle's
 timed pause only while in force), and the live
 workers' capacity from the processes table (:func:`jobs.queue.processes.capacity`), one
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -39,17 +48,20 @@ from django.utils.translation import gettext as _
 from jobs import queue
 from jobs.control import pauses
 from jobs.control.tables import RunTable
-from jobs.models import Job, JobHistory, Pause, PauseKind
+from jobs.models import Job, Pause, PauseKind
 from jobs.monitor import live, windows
 from jobs.monitor.display import duration, second
-from jobs.monitor.overview_charts import history_charts
+from jobs.monitor.overview_charts import history_charts, link
 from jobs.monitor.views import age
 from jobs.queue import BacklogRow
+from jobs.queue.history import HOMES, Counted
 from jobs.registry import get_registry
-from jobs.runs import RunState
+from jobs.runs import TERMINAL_STATES, RunState
 from jobs.scheduler.clock import database_now
 
 SCHEDULER_MODULE = "jobs.scheduler"
+#: The admin list of each home of a job's row (:data:`jobs.queue.history.HOMES`).
+LISTS = {"jobs": "jobs_job_changelist", "history": "jobs_jobhistory_changelist"}
 OVERVIEW_WINDOWS = ("hour", "day", "week")
 
 
@@ -69,36 +81,14 @@ def overview_data(
     frame = windows.frame(window or windows.WINDOWS[windows.DEFAULT], now)
     registry = get_registry()
     backlog = {row.name: row for row in queue.backlog(supported=registry.names())}
-    per_state: dict[str, int] = {
-        row["state"]: row["n"]
-        for row in Job.objects.exclude(state=RunState.QUEUED)
-        .order_by()
-        .values("state")
-        .annotate(n=Count("pk"))
-    }
-    per_state[RunState.QUEUED] = sum(row.queued for row in backlog.values())
-    estimated = not all(row.queued_exact for row in backlog.values())
-    archived = queue.history.estimated_rows()
-    for state, count in archived.items():
-        per_state[state] = per_state.get(state, 0) + count
-    others = (RunState.RUNNING, RunState.FAILED)
-    # The plugin's row type knows only "name", not the per-state counts annotated by name.
-    per_type: dict[str, dict[str, Any]] = {
-        row["name"]: dict(row)
-        for row in Job.objects.filter(state__in=others)
-        .order_by()
-        .values("name")
-        .annotate(**{state: Count("pk", filter=Q(state=state)) for state in others})
-    }
-    # Failed jobs awaiting replay are mostly in the history by now: count them there too.
-    for row in (
-        JobHistory.objects.filter(state=RunState.FAILED)
+    failed = queue.history.failed_by_type()
+    running: dict[str, int] = dict(
+        Job.objects.filter(state=RunState.RUNNING)
         .order_by()
         .values("name")
         .annotate(n=Count("pk"))
-    ):
-        counts = per_type.setdefault(row["name"], {"name": row["name"]})
-        counts[RunState.FAILED] = counts.get(RunState.FAILED, 0) + row["n"]
+        .values_list("name", "n")
+    )
     # A throttle's timed pause that has ended holds nothing back: it is not shown.
     in_force = Q(until__isnull=True) | Q(until__gt=now)
     paused = list(Pause.objects.filter(in_force).order_by("paused_at", "pk"))
@@ -110,28 +100,23 @@ def overview_data(
             "registered": name in registry,
             "paused": paused_types.get(name),
             **_queued(backlog.get(name)),
-            **{state: per_type.get(name, {}).get(state, 0) for state in others},
+            "running": running.get(name, 0),
+            **_failed(failed.of(name)),
+            "urls": _type_links(name, site_name),
         }
-        for name in sorted(set(per_type) | set(backlog) | set(registry.names()))
+        for name in sorted({*running, *failed.counts, *backlog, *registry.names()})
     ]
     unsupported = [
-        (name, shown(row.queued, estimate=not row.queued_exact))
+        (
+            name,
+            shown(row.queued, estimate=not row.queued_exact),
+            link("jobs_job_changelist", site_name, name=name, state__exact="queued"),
+        )
         for name, row in sorted(backlog.items())
         if not row.supported
     ]
     return {
-        "states": [
-            (
-                value,
-                label,
-                shown(
-                    per_state.get(value, 0),
-                    estimate=(estimated and value == RunState.QUEUED) or bool(archived.get(value)),
-                ),
-            )
-            for value, label in RunState.choices
-        ],
-        "total": shown(sum(per_state.values()), estimate=estimated or any(archived.values())),
+        **per_state(backlog.values(), site_name),
         "types": types,
         "oldest_due": oldest_due,
         "oldest_due_age": age(oldest_due, now),
@@ -160,6 +145,79 @@ def shown(count: int, *, estimate: bool = False, more_than: bool = False) -> str
     if estimate:
         return f"≈{text}"
     return f"{text}+" if more_than else text
+
+
+def per_state(backlog: Iterable[BacklogRow], site_name: str = "admin") -> dict[str, Any]:
+    """The "Jobs per state" table: each state's rows in the jobs list and in the finished
+    jobs (the history), each count linking to the list that holds exactly those rows.
+
+    A job is in one home or the other, never both, so a state's total counts each job once.
+    """
+    counts = dict(queue.history.state_counts())
+    rows = list(backlog)
+    counts["jobs", RunState.QUEUED] = Counted(
+        sum(row.queued for row in rows), estimate=not all(row.queued_exact for row in rows)
+    )
+    totals = {home: Counted(0) for home in HOMES}
+    states = []
+    for value, label in RunState.choices:
+        cells: list[dict[str, str] | None] = []
+        for home in HOMES:
+            counted = counts.get((home, value))
+            if counted is None:  # never there: only finished jobs move to the history
+                cells.append(None)
+                continue
+            totals[home] += counted
+            list_url = link(LISTS[home], site_name, state__exact=value)
+            cells.append({"home": home, "text": counted_text(counted), "url": list_url})
+        total = sum((counts.get((home, value), Counted(0)) for home in HOMES), Counted(0))
+        states.append(
+            {"value": value, "label": label, "cells": cells, "total": counted_text(total)}
+        )
+    return {
+        "states": states,
+        "totals": [
+            {"home": home, "text": counted_text(totals[home]), "url": link(LISTS[home], site_name)}
+            for home in HOMES
+        ],
+        "total": counted_text(sum(totals.values(), Counted(0))),
+        "retention": _retention(),
+    }
+
+
+def counted_text(counted: Counted) -> str:
+    """A :class:`~jobs.queue.history.Counted` as the page shows it (see :func:`shown`)."""
+    return shown(counted.n, estimate=counted.estimate, more_than=counted.floor)
+
+
+def _retention() -> list[tuple[str, str]]:
+    """How long the history keeps each finished state: what its counts cover."""
+    labels = dict(RunState.choices)
+    return [
+        (str(labels[state]), duration(queue.history.retention(state).total_seconds()))
+        for state in TERMINAL_STATES
+    ]
+
+
+def _failed(homes: Mapping[str, Counted]) -> dict[str, str]:
+    """A type's failed cell: both homes added up, and what each holds (the cell's title)."""
+    total = sum(homes.values(), Counted(0))
+    where = {
+        "jobs": _("%(n)s in the jobs list"),
+        "history": _("%(n)s in the finished jobs"),
+    }
+    parts = [where[home] % {"n": counted_text(homes[home])} for home in HOMES if home in homes]
+    return {"failed": counted_text(total), "failed_where": ", ".join(parts)}
+
+
+def _type_links(name: str, site_name: str) -> dict[str, str]:
+    """Where a type's counts are listed: its queued and running jobs in the jobs list, its
+    failed jobs in the failure monitor, which shows the jobs list and the finished jobs."""
+    return {
+        "queued": link("jobs_job_changelist", site_name, name=name, state__exact="queued"),
+        "running": link("jobs_job_changelist", site_name, name=name, state__exact="running"),
+        "failed": link("jobs_monitor", site_name, job_type=name, state="failed"),
+    }
 
 
 def _queued(row: BacklogRow | None) -> dict[str, str]:

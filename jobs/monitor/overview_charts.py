@@ -1,7 +1,7 @@
 """The overview's four charts over a window, from the console's history.
 
-* **Jobs finished**: attempts that ended per bin, stacked by outcome (succeeded, failed,
-  cancelled, and retried: an attempt that failed and will run again).
+* **Attempts that ended**: per bin, stacked by outcome (succeeded, failed, cancelled, and
+  retried: an attempt that failed and will run again).
 * **Backlog by type**: the largest queued count sampled per bin and type (the scheduler's
   gauges duty samples once a minute); a bin without a sample is a gap, not a zero.
 * **Queue latency**: p50 and p95, over every type, of how long attempts waited from due to
@@ -11,7 +11,9 @@
 Two reads, both bounded by the window: :func:`jobs.queue.rollup.bins` and
 :func:`jobs.queue.rollup.backlog_points`. Each chart links to the list it summarises, and each
 series where a list filters on it (failure monitor: state, error, job type and an age that
-covers the window; jobs list: state and type).
+covers the window; jobs list: state and type). The lists hold job rows, which are kept for
+their state's retention, the charts' history for longer: a chart whose window is longer than
+a state's retention says that its older attempts are no longer listed.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from jobs.conf import jobs_settings
 from jobs.monitor import charts
 from jobs.monitor.display import duration, second
 from jobs.monitor.windows import Frame
-from jobs.queue import rollup
+from jobs.queue import history, rollup
 from jobs.runs import ErrorCode
 
 OUTCOMES = ("succeeded", "failed", "cancelled", "retried")
+TERMINAL = ("succeeded", "failed", "cancelled")
 MAX_SERIES = 8  # more types or causes than this are summed into "other"
 
 
@@ -91,6 +94,7 @@ def _finished(
         "cancelled": _("cancelled"),
         "retried": _("retried (will run again)"),
     }
+    chart_common = {**common, "note": _joined(common["note"], unlisted(frame, TERMINAL))}
     series = [
         charts.Series(
             key=outcome,
@@ -106,13 +110,14 @@ def _finished(
     return charts.stacked_bars(
         charts.Chart(
             name="finished",
-            title=_("Jobs finished %(per)s, by outcome") % {"per": frame.window.per},
+            # Attempts, not jobs: a retried attempt ends while its job goes on.
+            title=_("Attempts that ended %(per)s, by outcome") % {"per": frame.window.per},
             series=series,
             empty=_("No data in this window: no attempt ended since %(since)s.")
             % {"since": _since(frame)},
             href=link("jobs_monitor", site, state="all", age=age),
             link_text=_("Jobs of this window"),
-            **common,
+            **chart_common,
         )
     )
 
@@ -150,7 +155,7 @@ def _failures(
             empty=empty,
             href=link("jobs_monitor", site, age=age),
             link_text=_("Failure monitor"),
-            **common,
+            **{**common, "note": _joined(common["note"], unlisted(frame, ("failed",)))},
         )
     )
 
@@ -242,6 +247,24 @@ def _largest(
         sum(row[i] or 0 for _code, row in rest) for i in range(len(rest[0][1]))
     ]
     return [*kept, (_("other"), other)]
+
+
+def unlisted(frame: Frame, states: Sequence[str]) -> str:
+    """What the lists no longer hold of a window: finished jobs are kept for their state's
+    retention, the console's history for longer. Empty while the window is within it."""
+    short = [
+        (state, kept) for state in states if (kept := history.retention(state)) < frame.window.span
+    ]
+    if not short:
+        return ""
+    return _(
+        "The lists keep finished jobs for less than this window (%(kept)s): older attempts "
+        "are counted here but no longer listed."
+    ) % {"kept": ", ".join(f"{state} {duration(kept.total_seconds())}" for state, kept in short)}
+
+
+def _joined(*notes: str) -> str:
+    return " ".join(note for note in notes if note)
 
 
 def _since(frame: Frame) -> str:

@@ -34,7 +34,7 @@ from django.utils.translation import gettext_lazy
 from jobs.control.tables import RunTable
 from jobs.models import Job
 from jobs.monitor import charts, live, windows
-from jobs.monitor.overview_charts import link
+from jobs.monitor.overview_charts import link, unlisted
 from jobs.queue import rollup
 from jobs.queue.rollup import Distribution
 from jobs.registry import get_registry
@@ -243,6 +243,8 @@ def performance_page(request: HttpRequest, *, site: AdminSite) -> HttpResponse:
         "frame": frame,
         "now": frame.now,
         "window": window,
+        # The failures links list job rows, kept for FAILED_RETENTION: say when that is shorter.
+        "unlisted": unlisted(frame, ("failed",)),
     }
     response = TemplateResponse(request, "admin/jobs/monitor/performance.html", context)
     return live.respond(request, response)
