@@ -28,7 +28,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from traceback import format_exception
 from typing import Any, cast
 
@@ -63,13 +63,25 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class DjangoTaskV1(Payload, name="django.task.v1"):
-    """A call of a ``@task`` function: its import path and JSON arguments."""
+    """A call of a ``@task`` function: its import path and JSON arguments.
+
+    ``run_after`` is the task's own, as enqueued: the job row's ``run_after`` is when the
+    next attempt is due, which a retry moves. Left out of the stored object when None, so a
+    worker of a version without the field still runs the tasks enqueued without one.
+    """
 
     path: str
     args: list[Any]
     kwargs: dict[str, Any]
     takes_context: bool = False
     backend: str = "default"
+    run_after: datetime | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = super().to_json()
+        if data.get("run_after") is None:
+            del data["run_after"]
+        return data
 
 
 # django-stubs declare these generic and not frozen; Django's own are frozen and take no type
@@ -136,6 +148,7 @@ class PostgresBackend(BaseTaskBackend):
             kwargs=to_json(dict(kwargs), "kwargs"),
             takes_context=task.takes_context,
             backend=self.alias,
+            run_after=task.run_after,
         )
         enqueued = enqueue(
             payload,
@@ -180,7 +193,7 @@ class PostgresBackend(BaseTaskBackend):
             priority=job.priority,
             backend=self.alias,
             queue_name=job.queue,
-            run_after=job.run_after,
+            run_after=payload.run_after,
             takes_context=payload.takes_context,
         )
         status = _STATUS[job.state]
@@ -403,7 +416,17 @@ def _stored_payload(data: Any) -> DjangoTaskV1:
         kwargs=field("kwargs", dict, {}),
         takes_context=field("takes_context", bool, False),
         backend=field("backend", str, "default"),
+        run_after=_stored_time(data.get("run_after")),
     )
+
+
+def _stored_time(value: Any) -> datetime | None:
+    """An aware datetime written as ISO 8601, else None."""
+    try:
+        when = datetime.fromisoformat(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+    return when if when is not None and timezone.is_aware(when) else None
 
 
 def _stored_task(path: str, **fields: Any) -> Task[..., Any]:

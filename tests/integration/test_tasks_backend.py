@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -133,6 +133,24 @@ def test_run_after_defers_the_task():
 
     assert tasks.add.get_result(result.id).status == TaskResultStatus.READY
     assert Job.objects.get(pk=int(result.id)).run_after == later
+
+
+def test_the_payload_keeps_run_after_as_asked_and_leaves_it_out_when_none():
+    """The task's own run_after lives in the payload (the row's moves with retries); a
+    payload without one is exactly what earlier versions wrote, so their workers run it."""
+    later = timezone.now() + timedelta(hours=1)
+    plain = tasks.add.enqueue(1, 1)
+    deferred = tasks.add.using(run_after=later).enqueue(1, 1)
+
+    assert set(Job.objects.get(pk=int(plain.id)).payload) == {
+        "path",
+        "args",
+        "kwargs",
+        "takes_context",
+        "backend",
+    }
+    stored = Job.objects.get(pk=int(deferred.id)).payload["run_after"]
+    assert datetime.fromisoformat(stored) == later
 
 
 def test_unknown_result_id_does_not_exist():
