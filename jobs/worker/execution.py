@@ -420,11 +420,12 @@ def failure_outcome(
 
 
 def _describe(error: BaseException) -> str:
+    """The error's traceback exactly as Python formats it (``django.tasks`` results show it
+    as their ``TaskError.traceback``, which Django defines so)."""
     try:
-        text = "".join(traceback.format_exception(error))
+        return "".join(traceback.format_exception(error))
     except Exception:  # an exception whose __str__ raises
-        text = f"{type(error).__qualname__} (its message could not be formatted)"
-    return text.strip()
+        return f"{type(error).__qualname__} (its message could not be formatted)"
 
 
 def _payload_error(exc: BaseException) -> str:

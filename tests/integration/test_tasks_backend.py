@@ -97,7 +97,7 @@ def test_retries_apply_to_tasks_like_native_jobs(tmp_path):
     # Every attempt is kept: the failed first one is listed even though the task succeeded.
     [error] = result.errors
     assert error.exception_class_path == "builtins.ConnectionError"
-    assert error.traceback.endswith("ConnectionError: first attempt fails")
+    assert error.traceback.endswith("ConnectionError: first attempt fails\n")
     assert len(result.worker_ids) == 2 and "unknown" not in result.worker_ids
 
 
@@ -234,7 +234,7 @@ def test_a_return_value_that_is_not_json_fails_at_once_as_rejected(task, reason)
     [error] = result.errors
     assert error.exception_class_path == "jobs.errors.Reject"
     assert error.traceback.endswith(
-        f"jobs.errors.Reject: {task.module_path} returned a value that is not JSON: {reason}"
+        f"jobs.errors.Reject: {task.module_path} returned a value that is not JSON: {reason}\n"
     )
     with pytest.raises(ValueError, match="Task failed"):
         _ = result.return_value
@@ -279,7 +279,7 @@ def test_a_task_that_no_longer_exists_fails_at_once_and_its_result_stays_readabl
     assert error.exception_class_path == "jobs.errors.Reject"
     assert cause in error.traceback
     assert error.traceback.endswith(
-        f"jobs.errors.Reject: task {path} cannot be imported: {cause.partition(': ')[2]}"
+        f"jobs.errors.Reject: task {path} cannot be imported: {cause.partition(': ')[2]}\n"
     )
     with pytest.raises(ImportError):
         result.task.call(1)
@@ -295,7 +295,7 @@ def test_a_path_that_names_something_other_than_a_task_fails_at_once():
     assert error.exception_class_path == "jobs.errors.Reject"
     assert error.traceback.endswith(
         "jobs.errors.Reject: tests.jobapp.tasks.plain_function is a function, "
-        "not a django.tasks Task"
+        "not a django.tasks Task\n"
     )
 
 
@@ -351,7 +351,7 @@ def test_a_task_raising_a_base_exception_fails_at_once_and_the_worker_survives(t
     kind = raised.partition(":")[0]
     assert error.traceback.endswith(
         f"jobs.errors.Reject: {task.module_path} raised builtins.{kind}, "
-        "which is not an Exception: the attempt fails without a retry"
+        "which is not an Exception: the attempt fails without a retry\n"
     )
     assert seen == [TaskResultStatus.FAILED]
 
@@ -364,7 +364,7 @@ def test_a_job_naming_a_backend_the_settings_no_longer_have_fails_at_once():
     [error] = result.errors
     assert error.exception_class_path == "jobs.errors.Reject"
     assert error.traceback.endswith(
-        "jobs.errors.Reject: TASKS has no backend 'retired', the one that enqueued this task"
+        "jobs.errors.Reject: TASKS has no backend 'retired', the one that enqueued this task\n"
     )
 
 
@@ -418,7 +418,7 @@ def test_the_exception_class_is_read_past_a_traceback_quoted_in_the_message():
 
     [error] = result.errors
     assert error.exception_class_path == "tests.jobapp.tasks.TaskProblem"
-    assert error.traceback.endswith("OtherError: remote")
+    assert error.traceback.endswith("OtherError: remote\n")
 
 
 def test_a_chained_exception_reports_the_last_one_raised():
