@@ -43,7 +43,7 @@ from django.utils.module_loading import import_string
 
 from jobs.conf import jobs_settings
 from jobs.context import JobContext
-from jobs.errors import Reject
+from jobs.errors import Reject, fail_now
 from jobs.payloads import InvalidPayload, Payload
 from jobs.policy import Policy
 from jobs.progress import Progress
@@ -219,11 +219,13 @@ class PostgresBackend(BaseTaskBackend):
 def run_task(payload: DjangoTaskV1, ctx: JobContext) -> Any:
     """The worker's handler for ``django.task.v1``: call the task function.
 
-    What cannot succeed however often it is tried fails at once as ``rejected`` (a
-    :class:`~jobs.Reject` whose message says why): a backend alias that is not this backend,
-    a task that cannot be imported or is not a ``Task``, a return value that is not JSON, and
-    a ``BaseException`` that is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``).
-    Any other exception is the task's own and follows the type's retry policy.
+    What cannot succeed however often it is tried fails at once as ``rejected``: a backend
+    alias that is not this backend, a task that cannot be imported or is not a ``Task`` (a
+    :class:`~jobs.Reject` whose message says why), a return value that is not JSON (a
+    ``TypeError`` or ``ValueError`` naming the value) and a ``BaseException`` that is not an
+    ``Exception`` (``SystemExit``, ``KeyboardInterrupt``), the last two under their own class,
+    as Django's backends report them. Any other exception is the task's own and follows the
+    type's retry policy.
     """
     backend = _backend(payload.backend)
     # Read where the job was claimed: ids are per database, and the backend's DATABASE may
@@ -236,32 +238,36 @@ def run_task(payload: DjangoTaskV1, ctx: JobContext) -> Any:
     result = backend._result_in(str(ctx.id), ctx.using)
     task_started.send(type(backend), task_result=result)
     try:
-        try:
-            if payload.takes_context:
-                context = JobTaskContext(task_result=result, job_context=ctx)
-                value = task.call(context, *payload.args, **payload.kwargs)
-            else:
-                value = task.call(*payload.args, **payload.kwargs)
-        except Exception:
-            raise
-        except BaseException as exc:
-            # In a handler thread nothing would catch it: the job would hang until its lease
-            # ran out. These exceptions mean "stop", never "try later".
-            raise Reject(
+        if payload.takes_context:
+            context = JobTaskContext(task_result=result, job_context=ctx)
+            value = _stored_result(task.call(context, *payload.args, **payload.kwargs), payload)
+        else:
+            value = _stored_result(task.call(*payload.args, **payload.kwargs), payload)
+    except BaseException as exc:
+        if not isinstance(exc, Exception):
+            # These exceptions mean "stop", never "try later".
+            exc.add_note(
                 f"{payload.path} raised {_class_path(type(exc))}, which is not an Exception: "
-                "the attempt fails without a retry"
-            ) from exc
-        try:
-            value = to_json(value, "result")
-        except (TypeError, ValueError) as exc:
-            raise Reject(f"{payload.path} returned a value that is not JSON: {exc}") from exc
-    except Exception as exc:
+                "the task fails without a retry"
+            )
+            fail_now(exc)
         _finished(backend, result, exc)
         raise
     done = replace(result, status=TaskResultStatus.SUCCESSFUL, finished_at=timezone.now())
     object.__setattr__(done, "_return_value", value)
     task_finished.send(type(backend), task_result=done)
     return value
+
+
+def _stored_result(value: Any, payload: DjangoTaskV1) -> Any:
+    """The task's return value as the JSON the job stores; a value that is not JSON raises,
+    marked to fail the task at once, since it would be returned again on every retry."""
+    try:
+        return to_json(value, "result")
+    except (TypeError, ValueError) as exc:
+        error = type(exc)(f"{payload.path} returned a value that is not JSON: {exc}")
+    error.add_note("a value that is not JSON cannot be stored: the task fails without a retry")
+    raise fail_now(error)
 
 
 def _finished(backend: PostgresBackend, result: TaskResult[..., Any], exc: BaseException) -> None:
