@@ -176,10 +176,9 @@ class PostgresBackend(BaseTaskBackend):
         """:meth:`get_result` from the alias ``using`` (where a worker claimed the task)."""
         from jobs.models import Job, JobHistory
 
-        try:
-            pk = int(result_id)
-        except ValueError:
-            raise TaskResultDoesNotExist(result_id) from None
+        pk = _job_pk(result_id)
+        if pk is None:
+            raise TaskResultDoesNotExist(result_id)
         for model in (Job, JobHistory, Job):
             found = model._default_manager.using(using).filter(pk=pk, name=DjangoTaskV1.job_name)
             for job in found:
@@ -214,6 +213,19 @@ class PostgresBackend(BaseTaskBackend):
         )
         object.__setattr__(result, "_return_value", job.result)
         return result
+
+
+def _job_pk(result_id: object) -> int | None:
+    """The job a result id names: the id must be the row's number exactly as ``str()`` writes
+    it. ``int()`` also reads ``" 7"``, ``"+7"``, ``"07"``, ``"7_0"`` and other scripts'
+    digits (an Arabic-Indic seven), which are not the id of any result."""
+    if not isinstance(result_id, str):
+        return None
+    try:
+        pk = int(result_id)
+    except ValueError:
+        return None
+    return pk if str(pk) == result_id else None
 
 
 def run_task(payload: DjangoTaskV1, ctx: JobContext) -> Any:
