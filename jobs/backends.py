@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from traceback import format_exception
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from django.conf import settings
 from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus
@@ -48,6 +48,9 @@ from jobs.payloads import InvalidPayload, Payload
 from jobs.policy import Policy
 from jobs.progress import Progress
 from jobs.progress import read as read_progress
+
+if TYPE_CHECKING:
+    from jobs.queue.attempts import Attempt
 
 _STATUS = {
     "queued": TaskResultStatus.READY,
@@ -195,20 +198,24 @@ class PostgresBackend(BaseTaskBackend):
             run_after=payload.run_after,
             takes_context=payload.takes_context,
         )
-        status = _STATUS[job.state]
+        from jobs.queue import attempts
+
+        listed = attempts.of(job)
+        started = [a.started_at for a in listed if a.started_at is not None]
         result: TaskResult[..., Any] = JobTaskResult(
             task=task,
             id=str(job.pk),
-            status=status,
+            status=_STATUS[job.state],
             enqueued_at=job.created_at,
-            started_at=job.started_at,
+            # Django's started_at is the first attempt's start; last_attempted_at the latest's.
+            started_at=started[0] if started else job.started_at,
             finished_at=job.finished_at,
-            last_attempted_at=job.started_at,
+            last_attempted_at=started[-1] if started else job.started_at,
             args=list(payload.args),
             kwargs=dict(payload.kwargs),
             backend=self.alias,
-            errors=_errors(job),
-            worker_ids=_worker_ids(job),
+            errors=_errors(job, listed),
+            worker_ids=_worker_ids(job, listed),
             progress=read_progress(job.progress),
         )
         object.__setattr__(result, "_return_value", job.result)
@@ -498,16 +505,14 @@ _GROUP_HEADERS = (
 )
 
 
-def _errors(job: Any) -> list[TaskError]:
-    """An error per failed attempt, oldest first (:func:`jobs.queue.attempts.of`).
+def _errors(job: Any, listed: Sequence[Attempt]) -> list[TaskError]:
+    """An error per failed attempt, oldest first (``listed``: :func:`jobs.queue.attempts.of`).
 
     The last attempt's error is the row's own detail, which also explains a retry that is
     waiting. A row whose attempts were not recorded (written before the attempt log, or by
     hand) reports its last error alone.
     """
-    from jobs.queue import attempts
-
-    errors = [_task_error(a.code, a.error) for a in attempts.of(job) if a.code]
+    errors = [_task_error(a.code, a.error) for a in listed if a.code]
     if not errors and job.last_error:
         errors = [_task_error(job.last_error, job.error_detail or "")]
     return errors
@@ -526,11 +531,8 @@ def _task_error(code: str, detail: str) -> TaskError:
     return TaskError(exception_class_path=path, traceback=detail)
 
 
-def _worker_ids(job: Any) -> list[str]:
+def _worker_ids(job: Any, listed: Sequence[Attempt]) -> list[str]:
     """The worker of each attempt, the running one included."""
-    from jobs.queue import attempts
-
-    listed = attempts.of(job)
     if not listed:  # attempts not recorded: the last worker, once per attempt
         return [job.claimed_by or "unknown"] * job.attempts
     return [a.worker or "unknown" for a in listed]

@@ -252,6 +252,50 @@ def test_what_no_retry_can_fix_fails_at_once_under_its_own_class(the_task, kind,
 # -- retries: a deliberate difference from Django's reference database backend ------------
 
 
+def test_a_failed_attempt_is_retried_and_every_attempt_is_reported(tmp_path):
+    """Django's reference backends run a task once; this one retries its exceptions (docs/
+    tasks.md). Between attempts the result is READY with the error of the attempt before;
+    ``started_at`` stays the first attempt's start, ``last_attempted_at`` moves on."""
+    result = tasks.retries_later.enqueue(str(tmp_path / "marker"))
+
+    run_worker()
+
+    result.refresh()
+    assert result.status == TaskResultStatus.READY and not result.is_finished
+    assert result.finished_at is None
+    assert result.attempts == 1 and len(result.worker_ids) == 1
+    [error] = result.errors
+    assert error.exception_class_path == "jobs.errors.RetryAfter"
+    assert error.traceback.endswith("jobs.errors.RetryAfter: come back in an hour\n")
+    with pytest.raises(ValueError, match=r"^Task has not finished yet$"):
+        _ = result.return_value
+    first_start = result.started_at
+    assert first_start is not None and result.last_attempted_at == first_start
+
+    make_due(result.id)
+    run_worker()
+
+    result.refresh()
+    assert (result.status, result.return_value) == (TaskResultStatus.SUCCESSFUL, "done")
+    assert result.attempts == 2 and len(result.errors) == 1
+    assert result.started_at == first_start
+    assert result.last_attempted_at > first_start
+    assert result.finished_at >= result.last_attempted_at
+
+
+def test_a_task_that_fails_on_every_attempt_lists_one_error_per_attempt():
+    with backend_settings(MAX_ATTEMPTS=2):
+        result = tasks.fails.enqueue("again")
+        with pytest.raises(JobFailed):
+            run_worker()
+
+    result.refresh()
+    assert (result.status, result.attempts) == (TaskResultStatus.FAILED, 2)
+    assert [e.exception_class for e in result.errors] == [ValueError, ValueError]
+    assert all(e.traceback.endswith("ValueError: again\n") for e in result.errors)
+    assert result.started_at < result.last_attempted_at <= result.finished_at
+
+
 # -- takes_context: TaskContext.task_result and TaskContext.attempt ------------------------
 
 
