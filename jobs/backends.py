@@ -36,7 +36,7 @@ from django.conf import settings
 from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus
 from django.tasks.backends.base import BaseTaskBackend
 from django.tasks.base import TASK_REFRESH_ATTRS, TaskError
-from django.tasks.exceptions import TaskResultDoesNotExist
+from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
 from django.tasks.signals import task_enqueued, task_finished, task_started
 from django.utils import timezone
 from django.utils.module_loading import import_string
@@ -138,6 +138,19 @@ class PostgresBackend(BaseTaskBackend):
         # The alias the backend's tasks live in; unset, where unbound job types go.
         self.database = self.options.get("DATABASE") or jobs_settings.DATABASE
         self.max_attempts = self.options.get("MAX_ATTEMPTS")
+
+    def validate_task(self, task: Task[..., Any]) -> None:
+        """Django's checks, and a queue name the jobs table can hold: with ``QUEUES = []``
+        Django accepts any name, which would otherwise fail only when enqueued."""
+        from jobs.queue.types import validate_key
+
+        super().validate_task(task)
+        try:
+            validate_key(task.queue_name, "queue")
+        except ValueError as exc:
+            raise InvalidTask(
+                f"Queue {task.queue_name!r} is not valid for backend: {exc}."
+            ) from None
 
     def enqueue[**P, R](
         self, task: Task[P, R], args: list[Any], kwargs: dict[str, Any]

@@ -408,6 +408,18 @@ def test_an_invalid_task_is_refused_with_django_s_message(make, message):
     assert not Job.objects.exists()
 
 
+@pytest.mark.parametrize("name", ["with space", "", "x" * 65, "-leading-dash", "ünïcode"])
+def test_a_queue_name_the_jobs_table_cannot_hold_is_an_invalid_task(name):
+    """With ``QUEUES = []`` Django lets any queue name through; this backend still needs one
+    the jobs table can hold, and says so as Django does: InvalidTask, before anything is
+    stored."""
+    with backend_settings(QUEUES=[]):
+        assert tasks.add.using(queue_name="any-name.v2:ok").enqueue(1, 1).task.queue_name
+        with pytest.raises(InvalidTask, match=r"^Queue .* is not valid for backend: "):
+            tasks.add.using(queue_name=name)
+    assert Job.objects.count() == 1
+
+
 # -- get_result, refresh and their async twins ---------------------------------------------
 
 
