@@ -33,6 +33,7 @@ from traceback import format_exception
 from typing import TYPE_CHECKING, Any, cast
 
 from django.conf import settings
+from django.core.checks import CheckMessage
 from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus
 from django.tasks.backends.base import BaseTaskBackend
 from django.tasks.base import TASK_REFRESH_ATTRS, TaskError
@@ -138,6 +139,12 @@ class PostgresBackend(BaseTaskBackend):
         # The alias the backend's tasks live in; unset, where unbound job types go.
         self.database = self.options.get("DATABASE") or jobs_settings.DATABASE
         self.max_attempts = self.options.get("MAX_ATTEMPTS")
+
+    def check(self, **kwargs: Any) -> list[CheckMessage]:
+        """Django's checks of this backend: ``jobs.E050`` when the jobs app is missing."""
+        from jobs.checks import check_task_backend
+
+        return [*super().check(**kwargs), *check_task_backend(self.alias)]
 
     def validate_task(self, task: Task[..., Any]) -> None:
         """Django's checks, and a queue name the jobs table can hold: with ``QUEUES = []``
