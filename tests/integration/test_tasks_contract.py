@@ -133,6 +133,7 @@ def test_a_successful_run_reports_its_times_worker_and_return_value():
 
 def test_the_status_is_running_while_the_task_runs():
     gate = tasks.gate("running")
+    gate.clear()
     result = tasks.blocks.enqueue("running")
 
     with running_worker(get_registry(), identity="runner"):
