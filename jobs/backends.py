@@ -28,26 +28,30 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from traceback import format_exception
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from django.conf import settings
+from django.core.checks import CheckMessage
 from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus
 from django.tasks.backends.base import BaseTaskBackend
 from django.tasks.base import TASK_REFRESH_ATTRS, TaskError
-from django.tasks.exceptions import TaskResultDoesNotExist
+from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
 from django.tasks.signals import task_enqueued, task_finished, task_started
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from jobs.conf import jobs_settings
 from jobs.context import JobContext
-from jobs.errors import Reject
+from jobs.errors import Reject, fail_now
 from jobs.payloads import InvalidPayload, Payload
 from jobs.policy import Policy
 from jobs.progress import Progress
 from jobs.progress import read as read_progress
+
+if TYPE_CHECKING:
+    from jobs.queue.attempts import Attempt
 
 _STATUS = {
     "queued": TaskResultStatus.READY,
@@ -63,13 +67,25 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class DjangoTaskV1(Payload, name="django.task.v1"):
-    """A call of a ``@task`` function: its import path and JSON arguments."""
+    """A call of a ``@task`` function: its import path and JSON arguments.
+
+    ``run_after`` is the task's own, as enqueued: the job row's ``run_after`` is when the
+    next attempt is due, which a retry moves. Left out of the stored object when None, so a
+    worker of a version without the field still runs the tasks enqueued without one.
+    """
 
     path: str
     args: list[Any]
     kwargs: dict[str, Any]
     takes_context: bool = False
     backend: str = "default"
+    run_after: datetime | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = super().to_json()
+        if data.get("run_after") is None:
+            del data["run_after"]
+        return data
 
 
 # django-stubs declare these generic and not frozen; Django's own are frozen and take no type
@@ -124,6 +140,25 @@ class PostgresBackend(BaseTaskBackend):
         self.database = self.options.get("DATABASE") or jobs_settings.DATABASE
         self.max_attempts = self.options.get("MAX_ATTEMPTS")
 
+    def check(self, **kwargs: Any) -> list[CheckMessage]:
+        """Django's checks of this backend: ``jobs.E050`` when the jobs app is missing."""
+        from jobs.checks import check_task_backend
+
+        return [*super().check(**kwargs), *check_task_backend(self.alias)]
+
+    def validate_task(self, task: Task[..., Any]) -> None:
+        """Django's checks, and a queue name the jobs table can hold: with ``QUEUES = []``
+        Django accepts any name, which would otherwise fail only when enqueued."""
+        from jobs.queue.types import validate_key
+
+        super().validate_task(task)
+        try:
+            validate_key(task.queue_name, "queue")
+        except ValueError as exc:
+            raise InvalidTask(
+                f"Queue {task.queue_name!r} is not valid for backend: {exc}."
+            ) from None
+
     def enqueue[**P, R](
         self, task: Task[P, R], args: list[Any], kwargs: dict[str, Any]
     ) -> TaskResult[P, R]:
@@ -136,6 +171,7 @@ class PostgresBackend(BaseTaskBackend):
             kwargs=to_json(dict(kwargs), "kwargs"),
             takes_context=task.takes_context,
             backend=self.alias,
+            run_after=task.run_after,
         )
         enqueued = enqueue(
             payload,
@@ -163,10 +199,9 @@ class PostgresBackend(BaseTaskBackend):
         """:meth:`get_result` from the alias ``using`` (where a worker claimed the task)."""
         from jobs.models import Job, JobHistory
 
-        try:
-            pk = int(result_id)
-        except ValueError:
-            raise TaskResultDoesNotExist(result_id) from None
+        pk = _job_pk(result_id)
+        if pk is None:
+            raise TaskResultDoesNotExist(result_id)
         for model in (Job, JobHistory, Job):
             found = model._default_manager.using(using).filter(pk=pk, name=DjangoTaskV1.job_name)
             for job in found:
@@ -180,37 +215,56 @@ class PostgresBackend(BaseTaskBackend):
             priority=job.priority,
             backend=self.alias,
             queue_name=job.queue,
-            run_after=job.run_after,
+            run_after=payload.run_after,
             takes_context=payload.takes_context,
         )
-        status = _STATUS[job.state]
+        from jobs.queue import attempts
+
+        listed = attempts.of(job)
+        started = [a.started_at for a in listed if a.started_at is not None]
         result: TaskResult[..., Any] = JobTaskResult(
             task=task,
             id=str(job.pk),
-            status=status,
+            status=_STATUS[job.state],
             enqueued_at=job.created_at,
-            started_at=job.started_at,
+            # Django's started_at is the first attempt's start; last_attempted_at the latest's.
+            started_at=started[0] if started else job.started_at,
             finished_at=job.finished_at,
-            last_attempted_at=job.started_at,
+            last_attempted_at=started[-1] if started else job.started_at,
             args=list(payload.args),
             kwargs=dict(payload.kwargs),
             backend=self.alias,
-            errors=_errors(job),
-            worker_ids=_worker_ids(job),
+            errors=_errors(job, listed),
+            worker_ids=_worker_ids(job, listed),
             progress=read_progress(job.progress),
         )
         object.__setattr__(result, "_return_value", job.result)
         return result
 
 
+def _job_pk(result_id: object) -> int | None:
+    """The job a result id names: the id must be the row's number exactly as ``str()`` writes
+    it. ``int()`` also reads ``" 7"``, ``"+7"``, ``"07"``, ``"7_0"`` and other scripts'
+    digits (an Arabic-Indic seven), which are not the id of any result."""
+    if not isinstance(result_id, str):
+        return None
+    try:
+        pk = int(result_id)
+    except ValueError:
+        return None
+    return pk if str(pk) == result_id else None
+
+
 def run_task(payload: DjangoTaskV1, ctx: JobContext) -> Any:
     """The worker's handler for ``django.task.v1``: call the task function.
 
-    What cannot succeed however often it is tried fails at once as ``rejected`` (a
-    :class:`~jobs.Reject` whose message says why): a backend alias that is not this backend,
-    a task that cannot be imported or is not a ``Task``, a return value that is not JSON, and
-    a ``BaseException`` that is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``).
-    Any other exception is the task's own and follows the type's retry policy.
+    What cannot succeed however often it is tried fails at once as ``rejected``: a backend
+    alias that is not this backend, a task that cannot be imported or is not a ``Task`` (a
+    :class:`~jobs.Reject` whose message says why), a return value that is not JSON (a
+    ``TypeError`` or ``ValueError`` naming the value) and a ``BaseException`` that is not an
+    ``Exception`` (``SystemExit``, ``KeyboardInterrupt``), the last two under their own class,
+    as Django's backends report them. Any other exception is the task's own and follows the
+    type's retry policy.
     """
     backend = _backend(payload.backend)
     # Read where the job was claimed: ids are per database, and the backend's DATABASE may
@@ -223,32 +277,36 @@ def run_task(payload: DjangoTaskV1, ctx: JobContext) -> Any:
     result = backend._result_in(str(ctx.id), ctx.using)
     task_started.send(type(backend), task_result=result)
     try:
-        try:
-            if payload.takes_context:
-                context = JobTaskContext(task_result=result, job_context=ctx)
-                value = task.call(context, *payload.args, **payload.kwargs)
-            else:
-                value = task.call(*payload.args, **payload.kwargs)
-        except Exception:
-            raise
-        except BaseException as exc:
-            # In a handler thread nothing would catch it: the job would hang until its lease
-            # ran out. These exceptions mean "stop", never "try later".
-            raise Reject(
+        if payload.takes_context:
+            context = JobTaskContext(task_result=result, job_context=ctx)
+            value = _stored_result(task.call(context, *payload.args, **payload.kwargs), payload)
+        else:
+            value = _stored_result(task.call(*payload.args, **payload.kwargs), payload)
+    except BaseException as exc:
+        if not isinstance(exc, Exception):
+            # These exceptions mean "stop", never "try later".
+            exc.add_note(
                 f"{payload.path} raised {_class_path(type(exc))}, which is not an Exception: "
-                "the attempt fails without a retry"
-            ) from exc
-        try:
-            value = to_json(value, "result")
-        except (TypeError, ValueError) as exc:
-            raise Reject(f"{payload.path} returned a value that is not JSON: {exc}") from exc
-    except Exception as exc:
+                "the task fails without a retry"
+            )
+            fail_now(exc)
         _finished(backend, result, exc)
         raise
     done = replace(result, status=TaskResultStatus.SUCCESSFUL, finished_at=timezone.now())
     object.__setattr__(done, "_return_value", value)
     task_finished.send(type(backend), task_result=done)
     return value
+
+
+def _stored_result(value: Any, payload: DjangoTaskV1) -> Any:
+    """The task's return value as the JSON the job stores; a value that is not JSON raises,
+    marked to fail the task at once, since it would be returned again on every retry."""
+    try:
+        return to_json(value, "result")
+    except (TypeError, ValueError) as exc:
+        error = type(exc)(f"{payload.path} returned a value that is not JSON: {exc}")
+    error.add_note("a value that is not JSON cannot be stored: the task fails without a retry")
+    raise fail_now(error)
 
 
 def _finished(backend: PostgresBackend, result: TaskResult[..., Any], exc: BaseException) -> None:
@@ -403,7 +461,17 @@ def _stored_payload(data: Any) -> DjangoTaskV1:
         kwargs=field("kwargs", dict, {}),
         takes_context=field("takes_context", bool, False),
         backend=field("backend", str, "default"),
+        run_after=_stored_time(data.get("run_after")),
     )
+
+
+def _stored_time(value: Any) -> datetime | None:
+    """An aware datetime written as ISO 8601, else None."""
+    try:
+        when = datetime.fromisoformat(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+    return when if when is not None and timezone.is_aware(when) else None
 
 
 def _stored_task(path: str, **fields: Any) -> Task[..., Any]:
@@ -457,16 +525,14 @@ _GROUP_HEADERS = (
 )
 
 
-def _errors(job: Any) -> list[TaskError]:
-    """An error per failed attempt, oldest first (:func:`jobs.queue.attempts.of`).
+def _errors(job: Any, listed: Sequence[Attempt]) -> list[TaskError]:
+    """An error per failed attempt, oldest first (``listed``: :func:`jobs.queue.attempts.of`).
 
     The last attempt's error is the row's own detail, which also explains a retry that is
     waiting. A row whose attempts were not recorded (written before the attempt log, or by
     hand) reports its last error alone.
     """
-    from jobs.queue import attempts
-
-    errors = [_task_error(a.code, a.error) for a in attempts.of(job) if a.code]
+    errors = [_task_error(a.code, a.error) for a in listed if a.code]
     if not errors and job.last_error:
         errors = [_task_error(job.last_error, job.error_detail or "")]
     return errors
@@ -485,11 +551,8 @@ def _task_error(code: str, detail: str) -> TaskError:
     return TaskError(exception_class_path=path, traceback=detail)
 
 
-def _worker_ids(job: Any) -> list[str]:
+def _worker_ids(job: Any, listed: Sequence[Attempt]) -> list[str]:
     """The worker of each attempt, the running one included."""
-    from jobs.queue import attempts
-
-    listed = attempts.of(job)
     if not listed:  # attempts not recorded: the last worker, once per attempt
         return [job.claimed_by or "unknown"] * job.attempts
     return [a.worker or "unknown" for a in listed]

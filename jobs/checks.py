@@ -17,6 +17,8 @@ Ids are stable so they can be looked up and, for warnings, silenced:
 * ``jobs.E040`` ``DATABASE`` (or a task backend's ``DATABASE``) is not a Django alias;
   ``E041`` ``DATABASES`` is not a list of aliases, names an unknown one or leaves out one
   that holds jobs (:func:`jobs.databases.check_databases`)
+* ``jobs.E050`` a ``TASKS`` backend is ``jobs.backends.PostgresBackend`` but ``jobs`` is not
+  in ``INSTALLED_APPS`` (reported through Django's task checks: :func:`check_task_backend`)
 """
 
 from __future__ import annotations
@@ -122,6 +124,30 @@ def check_registry(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 )
             )
     return messages
+
+
+def check_task_backend(alias: str) -> list[CheckMessage]:
+    """The ``TASKS`` backend ``alias`` of this app needs the app: its tables and its worker.
+
+    Called by ``PostgresBackend.check()``, which Django's task checks call for every backend
+    (the checks registered above run only when the app is installed).
+    """
+    from django.apps import apps
+
+    from jobs.backends import BACKEND_PATH
+
+    if apps.is_installed("jobs"):
+        return []
+    return [
+        Error(
+            f"TASKS[{alias!r}] uses {BACKEND_PATH}, but the jobs app is not installed.",
+            hint=(
+                "Add 'jobs' to INSTALLED_APPS and run migrate: the backend keeps its tasks in "
+                "the jobs tables and manage.py runworker runs them."
+            ),
+            id="jobs.E050",
+        )
+    ]
 
 
 def _unknown(key: object) -> CheckMessage:

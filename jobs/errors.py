@@ -6,11 +6,16 @@
   Short delays are waited out in the worker; long ones go back to the queue.
 * Any other exception is classified by the job type's policy: transient errors (the default)
   retry with backoff until attempts run out; permanent ones fail at once as ``rejected``.
+* :func:`fail_now` marks any other exception to end its job as ``Reject`` does, keeping its
+  own class and traceback in the job's error.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+
+# The attribute fail_now sets on an exception.
+_FAIL_NOW = "_jobs_fail_now"
 
 
 class Reject(Exception):
@@ -48,3 +53,20 @@ class LeaseLost(Exception):
     owns the job now, or it has finished: the handler should stop; the worker writes no
     outcome for a lost lease.
     """
+
+
+def fail_now[E: BaseException](error: E) -> E:
+    """Mark ``error`` to end its job at once as ``rejected``, as :class:`Reject` does, while the
+    job's error keeps the class and traceback of ``error`` itself.
+
+    For errors no retry can fix that are not a ``Reject``: the ``django.tasks`` backend marks
+    so a return value that is not JSON and a ``SystemExit``, which Django reports under their
+    own classes. Returns ``error``.
+    """
+    setattr(error, _FAIL_NOW, True)
+    return error
+
+
+def fails_now(error: BaseException) -> bool:
+    """Whether :func:`fail_now` marked ``error``."""
+    return getattr(error, _FAIL_NOW, False) is True

@@ -7,6 +7,7 @@ handler returned                   succeeded                                  (n
 payload fails decoding/validate    failed, handler never called               invalid_payload
 handler raised Reject, or an       failed, no retry                           rejected
 error its policy calls permanent
+or jobs.errors.fail_now marked
 handler overran its timeout        queued for retry; failed on last attempt   deadline_exceeded
 any other error (BaseException     queued for retry; failed on last attempt   handler_error
 too), or a transaction left open
@@ -48,7 +49,7 @@ from psycopg.pq import TransactionStatus
 from jobs import dbbounds, queue, runs
 from jobs.context import JobContext
 from jobs.effects import completed_by_handler
-from jobs.errors import RetryAfter
+from jobs.errors import RetryAfter, fails_now
 from jobs.payloads import InvalidPayload
 from jobs.queue import ClaimedJob, InvalidResult, Outcome
 from jobs.queue.types import clamp_delay
@@ -270,7 +271,12 @@ def _call(
 
 
 def _classify(job_type: JobType, error: BaseException) -> str:
-    """The policy's classification; BaseExceptions that are not Exceptions are transient."""
+    """The policy's classification; BaseExceptions that are not Exceptions are transient.
+
+    An error marked by :func:`jobs.errors.fail_now` is a rejection whatever its class.
+    """
+    if fails_now(error):
+        return "reject"
     if not isinstance(error, Exception):
         return "transient"
     try:
@@ -423,11 +429,12 @@ def failure_outcome(
 
 
 def _describe(error: BaseException) -> str:
+    """The error's traceback exactly as Python formats it (``django.tasks`` results show it
+    as their ``TaskError.traceback``, which Django defines so)."""
     try:
-        text = "".join(traceback.format_exception(error))
+        return "".join(traceback.format_exception(error))
     except Exception:  # an exception whose __str__ raises
-        text = f"{type(error).__qualname__} (its message could not be formatted)"
-    return text.strip()
+        return f"{type(error).__qualname__} (its message could not be formatted)"
 
 
 def _payload_error(exc: BaseException) -> str:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import threading
 from datetime import UTC, datetime
 
-from django.tasks import task
+from django.tasks import TaskContext, task
 
 from jobs import Reject
 
@@ -133,3 +135,72 @@ async def raises_group() -> None:
 def plain_function() -> str:
     """Not a Task: a payload naming it cannot run."""
     return "not a task"
+
+
+# -- the contract of Django's task API (tests/integration/test_tasks_contract.py) -----------
+
+
+@task
+def fails(message: str) -> None:
+    raise ValueError(message)
+
+
+@task
+def returns_set() -> set:
+    return {1, 2}
+
+
+@task
+def retries_later(marker_path: str) -> str:
+    """Its first attempt goes back to the queue for an hour; a later one succeeds."""
+    from pathlib import Path
+
+    from jobs import RetryAfter
+
+    marker = Path(marker_path)
+    if not marker.exists():
+        marker.write_text("waited once")
+        raise RetryAfter(3600, "come back in an hour")
+    return "done"
+
+
+@task(takes_context=True)
+def reports_its_context(context, marker_path: str) -> dict:
+    """What the context says on each attempt; the first attempt goes back to the queue."""
+    from pathlib import Path
+
+    from jobs import RetryAfter
+
+    result = context.task_result
+    seen = {
+        "attempt": context.attempt,
+        "id": result.id,
+        "status": result.status,
+        "attempts": result.attempts,
+        "workers": len(result.worker_ids),
+        "args": result.args,
+        "task": result.task.module_path,
+        "started": result.started_at is not None,
+        "is_task_context": isinstance(context, TaskContext),
+    }
+    marker = Path(marker_path)
+    if not marker.exists():
+        marker.write_text(json.dumps(seen))
+        raise RetryAfter(3600, "again later")
+    return {"first": json.loads(marker.read_text()), "second": seen}
+
+
+_GATES: dict[str, threading.Event] = {}
+
+
+def gate(key: str) -> threading.Event:
+    """The event the task ``blocks(key)`` waits for (the worker runs it in this process)."""
+    return _GATES.setdefault(key, threading.Event())
+
+
+@task
+def blocks(key: str) -> str:
+    """Runs until the test opens its gate (at most ten seconds)."""
+    if not gate(key).wait(10):
+        raise TimeoutError(f"the gate {key!r} was never opened")
+    return key

@@ -261,3 +261,40 @@ class TestDatabaseBounds:
 
     def test_invalid_values_are_left_to_e002(self):
         assert self.bounds_messages({"DB_STATEMENT_TIMEOUT": "5s", "DB_NETWORK_TIMEOUT": -1}) == []
+
+
+class TestTaskBackendNeedsTheJobsApp:
+    """E050: a TASKS backend pointing at jobs.backends.PostgresBackend while ``jobs`` is not
+    in INSTALLED_APPS (its tasks would go to tables no migration made, to no worker)."""
+
+    E050 = (
+        "jobs.E050",
+        "TASKS['default'] uses jobs.backends.PostgresBackend, but the jobs app is not installed.",
+        "Add 'jobs' to INSTALLED_APPS and run migrate: the backend keeps its tasks in the "
+        "jobs tables and manage.py runworker runs them.",
+    )
+
+    def test_the_backend_reports_the_missing_app(self):
+        from django.tasks import task_backends
+
+        with override_settings(INSTALLED_APPS=["django.contrib.contenttypes"]):
+            found = [(m.id, m.msg, m.hint) for m in task_backends["default"].check()]
+
+        assert found == [self.E050]
+
+    def test_django_s_task_checks_report_it(self):
+        """Django registers check_tasks (which asks every TASKS backend) with the system
+        checks, so manage.py check reports E050."""
+        from django.tasks.checks import check_tasks
+
+        assert check_tasks in checks.registry.registry.get_checks()
+        with override_settings(INSTALLED_APPS=["django.contrib.contenttypes"]):
+            found = list(check_tasks())
+
+        assert [(m.id, m.msg, m.hint, m.level) for m in found] == [(*self.E050, checks.ERROR)]
+
+    def test_installed_it_is_quiet(self):
+        from django.tasks import task_backends
+
+        assert list(task_backends["default"].check()) == []
+        assert not [m for m in checks.run_checks() if m.id == "jobs.E050"]
