@@ -1,7 +1,8 @@
 """The processes page: every ``runworker`` and ``runscheduler`` process, live or gone.
 
 Read-only: rows are written by the processes themselves (:mod:`jobs.queue.processes`), so
-nobody adds, changes or deletes one here; ``jobs.view_process`` lets a user see the page.
+nobody adds, changes or deletes one here; ``jobs.view_process`` lets a user see the page, and
+the jobs a process holds are listed for users who may also view jobs.
 States and ages are judged by PostgreSQL's clock, which wrote every beat::
 
     ready     beating, claiming (a scheduler: standing by or leading)
@@ -20,7 +21,8 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.translation import gettext_lazy as _
 
-from jobs.models import Process
+from jobs.control.tables import RunTable
+from jobs.models import Job, Process
 from jobs.monitor import live, progress
 from jobs.monitor.display import duration, moment, now_of, with_now
 from jobs.monitor.modeladmin import ConsoleColumns
@@ -115,6 +117,16 @@ class ProcessAdmin(ConsoleColumns, admin.ModelAdmin):  # type: ignore[type-arg]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Process]:
         return with_now(processes.listing(using=self.model.objects.db))
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        """The jobs a process holds are jobs: listed only for users who may view jobs."""
+        fieldsets = super().get_fieldsets(request, obj)
+        if RunTable(Job).can_view(request.user):
+            return fieldsets
+        return [
+            (name, {**options, "fields": [f for f in options["fields"] if f != "held_jobs"]})
+            for name, options in fieldsets
+        ]
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False

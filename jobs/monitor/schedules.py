@@ -14,7 +14,8 @@ confirming POST (CSRF-protected, as every admin POST)::
               POST <name>/resume/ with post=yes
 
 Viewing needs ``jobs.view_scheduleslot`` or the view (or change) permission on jobs; *Run now*
-needs ``jobs.run_schedule``, pause and resume ``jobs.pause_work``.
+needs ``jobs.run_schedule``, pause and resume ``jobs.pause_work``, each besides viewing, since
+each confirmation shows the schedule.
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ def run_view(request: HttpRequest, name: str, *, site: AdminSite) -> HttpRespons
     """Run now…: the confirmation (GET), then the confirming POST enqueues one extra job."""
     if not control.can_run(request.user):
         raise PermissionDenied(_("You may not run schedules now."))
+    _require_view(request)
     schedule = _configured(name)
     back = _back(request, site)
     if request.method == "POST" and request.POST.get("post") == "yes":
@@ -204,6 +206,7 @@ def pause_view(request: HttpRequest, name: str, *, site: AdminSite) -> HttpRespo
     """Pause…: the confirmation with a reason (GET), then the confirming POST pauses."""
     if not control.can_pause(request.user):
         raise PermissionDenied(_("You may not pause schedules."))
+    _require_view(request)
     schedule = _configured(name)
     back = _back(request, site)
     if request.method == "POST" and request.POST.get("post") == "yes":
@@ -232,6 +235,7 @@ def resume_view(request: HttpRequest, name: str, *, site: AdminSite) -> HttpResp
     """Resume…: the confirmation (GET), then the confirming POST resumes."""
     if not control.can_pause(request.user):
         raise PermissionDenied(_("You may not resume schedules."))
+    _require_view(request)
     schedule = _configured(name)
     back = _back(request, site)
     if request.method == "POST" and request.POST.get("post") == "yes":
@@ -255,6 +259,13 @@ def resume_view(request: HttpRequest, name: str, *, site: AdminSite) -> HttpResp
     title = _("Resume schedule %(name)s?") % {"name": name}
     context = {"schedule": schedule, "existing": existing, "now": database_now()}
     return _render(request, site, "resume_confirmation.html", title, back=back, **context)
+
+
+def _require_view(request: HttpRequest) -> None:
+    """Refuse a confirmation to a user who may not view schedules: it shows the schedule
+    (job type, tenant, timing, and for *Run now* the payload), whatever it then does."""
+    if not control.can_view(request.user):
+        raise PermissionDenied(_("You may not view schedules."))
 
 
 def _configured(name: str) -> Schedule:
