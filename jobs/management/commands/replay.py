@@ -3,7 +3,8 @@
 The user named by ``--user`` must be active staff holding the table's replay and view
 permissions, as in the admin (replay shows the rows it acts on); the eligible rows are
 replayed in the table's own way and each gets a ``LogEntry`` under that user, exactly as
-from the failure monitor. Rows are chosen by id, or by filters (``--all``), bounded.
+from the failure monitor. Rows are chosen by id (a value that is not one of the table's ids
+is an error, not a row skipped), or by filters (``--all``), at most ``--limit`` (1 or more).
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from jobs.control import (
     Filters,
     denial,
     eligible_rows,
-    parse_tokens,
     replay,
     run_tables,
     summary,
 )
 from jobs.control.operators import staff_user
+from jobs.control.replays import parse_ids
 from jobs.runs import RunState
 
 
@@ -64,6 +65,8 @@ class Command(BaseCommand):
             raise CommandError(f"user {user.get_username()!r}: {denial(user, table)}")
         if bool(options["ids"]) == options["all"]:
             raise CommandError("give either row ids or --all with filters, not both or neither")
+        if options["limit"] < 1:
+            raise CommandError(f"--limit must be at least 1, got {options['limit']}")
         if options["all"]:
             filters = Filters(
                 module=table.label,
@@ -74,12 +77,14 @@ class Command(BaseCommand):
                 age=AGES[options["age"]][0] if options["age"] else None,
                 q=options["job_id"],
             )
-            rows, matching, _capped = eligible_rows([table], filters, max(1, options["limit"]))
+            rows, matching, _capped = eligible_rows([table], filters, options["limit"])
             pks = [row.pk for row in rows]
             self.stdout.write(f"{matching} eligible rows match; taking {len(pks)}.")
         else:
-            targets = parse_tokens([f"{table.label}:{raw}" for raw in options["ids"]], [table])
-            pks = targets.get(table, [])
+            try:
+                pks = parse_ids(table, options["ids"])
+            except ValueError as exc:
+                raise CommandError(str(exc)) from None
         if options["dry_run"]:
             eligible = table.eligible_pks(pks)
             self.stdout.write(
