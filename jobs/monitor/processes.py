@@ -25,6 +25,7 @@ from jobs.control.tables import RunTable
 from jobs.models import Job, Process
 from jobs.monitor import live, progress
 from jobs.monitor.display import duration, moment, now_of, with_now
+from jobs.monitor.inputs import CheckedInputs
 from jobs.monitor.modeladmin import ConsoleColumns
 from jobs.queue import processes
 
@@ -48,7 +49,7 @@ class StateFilter(admin.SimpleListFilter):
 
 
 # django-stubs declare ModelAdmin generic; Django's takes no type arguments at run time.
-class ProcessAdmin(ConsoleColumns, admin.ModelAdmin):  # type: ignore[type-arg]
+class ProcessAdmin(CheckedInputs, ConsoleColumns, admin.ModelAdmin):  # type: ignore[type-arg]
     """The processes list and, on each process's page, the jobs it holds now."""
 
     clipped = frozenset({"identity", "version"})

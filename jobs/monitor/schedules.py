@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
 
+from django import forms
 from django.contrib import messages
 from django.contrib.admin import AdminSite
 from django.core.exceptions import ImproperlyConfigured, PermissionDenied
@@ -36,6 +37,7 @@ from django.utils.translation import gettext as _
 
 from jobs import queue
 from jobs.control import schedules as control
+from jobs.control.inputs import validate_text
 from jobs.control.tables import RunTable
 from jobs.models import Job, JobHistory, PauseKind
 from jobs.scheduler.clock import database_now
@@ -202,15 +204,23 @@ def run_view(request: HttpRequest, name: str, *, site: AdminSite) -> HttpRespons
     return _render(request, site, "run_confirmation.html", title, back=back, **context)
 
 
+class ReasonForm(forms.Form):
+    """Why a schedule is paused: shown on the schedules page and kept in the admin log."""
+
+    reason = forms.CharField(max_length=200, required=False, validators=[validate_text])
+
+
 def pause_view(request: HttpRequest, name: str, *, site: AdminSite) -> HttpResponse:
-    """Pause…: the confirmation with a reason (GET), then the confirming POST pauses."""
+    """Pause…: the confirmation with a reason (GET), then the confirming POST pauses; a reason
+    that is not valid (too long, or text the database cannot hold) shows the page again."""
     if not control.can_pause(request.user):
         raise PermissionDenied(_("You may not pause schedules."))
     _require_view(request)
     schedule = _configured(name)
     back = _back(request, site)
-    if request.method == "POST" and request.POST.get("post") == "yes":
-        reason = request.POST.get("reason", "")[:200]
+    form = ReasonForm(request.POST if request.method == "POST" else None)
+    if request.method == "POST" and request.POST.get("post") == "yes" and form.is_valid():
+        reason = form.cleaned_data["reason"]
         if control.pause(request.user, name, reason=reason, via=VIA):
             messages.success(
                 request,
@@ -227,7 +237,7 @@ def pause_view(request: HttpRequest, name: str, *, site: AdminSite) -> HttpRespo
         (p for p in queue.paused() if (p.kind, p.value) == (PauseKind.SCHEDULE, name)), None
     )
     title = _("Pause schedule %(name)s?") % {"name": name}
-    context = {"schedule": schedule, "existing": existing}
+    context = {"schedule": schedule, "existing": existing, "form": form}
     return _render(request, site, "pause_confirmation.html", title, back=back, **context)
 
 

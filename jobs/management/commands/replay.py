@@ -5,6 +5,7 @@ permissions, as in the admin (replay shows the rows it acts on); the eligible ro
 replayed in the table's own way and each gets a ``LogEntry`` under that user, exactly as
 from the failure monitor. Rows are chosen by id (a value that is not one of the table's ids
 is an error, not a row skipped), or by filters (``--all``), at most ``--limit`` (1 or more).
+An argument the database could not take (a NUL character) is an error naming it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from jobs.control import (
     run_tables,
     summary,
 )
+from jobs.control.inputs import check_arguments, check_limit
 from jobs.control.operators import staff_user
 from jobs.control.replays import parse_ids
 from jobs.runs import RunState
@@ -54,6 +56,11 @@ class Command(BaseCommand):
         parser.add_argument("--dry-run", action="store_true", help="list, change nothing")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            check_arguments(options, positional=("ids",))
+            check_limit(options["limit"])
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
         user = self._user(options["user"])
         tables = {table.label: table for table in run_tables()}
         table = tables.get(options["model"])
@@ -65,8 +72,6 @@ class Command(BaseCommand):
             raise CommandError(f"user {user.get_username()!r}: {denial(user, table)}")
         if bool(options["ids"]) == options["all"]:
             raise CommandError("give either row ids or --all with filters, not both or neither")
-        if options["limit"] < 1:
-            raise CommandError(f"--limit must be at least 1, got {options['limit']}")
         if options["all"]:
             filters = Filters(
                 module=table.label,
