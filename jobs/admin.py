@@ -70,6 +70,7 @@ from jobs.monitor.batches import BatchAdmin
 from jobs.monitor.cancels import ELIGIBLE, cancel_url, cancel_view, effects, eligible
 from jobs.monitor.databases import DatabaseFilter, DatabaseRunTableAdmin, chosen, query
 from jobs.monitor.display import moment, now_of
+from jobs.monitor.inputs import CheckedInputs
 from jobs.monitor.modeladmin import InputFilter
 from jobs.monitor.modeladmin import RunTableAdmin as RunTableAdmin  # apps subclass it from here
 from jobs.monitor.pauses import PauseAdmin, pause_links
@@ -512,7 +513,7 @@ class JobHistoryAdmin(JobDisplay):
 
 
 @admin.register(TenantOverride)
-class TenantOverrideAdmin(admin.ModelAdmin):  # type: ignore[type-arg]  # generic in the stubs only
+class TenantOverrideAdmin(CheckedInputs, admin.ModelAdmin):  # type: ignore[type-arg]  # generic in stubs
     """Overrides are configuration: add and delete them; a row's tenant and component stay."""
 
     list_display = ("tenant", "component", "note", "created_at")

@@ -17,6 +17,7 @@ from django.utils.safestring import SafeString, mark_safe
 from django.utils.translation import gettext_lazy as _
 
 from jobs.models import Batch
+from jobs.monitor.inputs import CheckedInputs
 
 
 class BatchStatusFilter(admin.SimpleListFilter):
@@ -41,7 +42,7 @@ class BatchStatusFilter(admin.SimpleListFilter):
         return queryset
 
 
-class BatchAdmin(admin.ModelAdmin):  # type: ignore[type-arg]  # generic in the stubs only
+class BatchAdmin(CheckedInputs, admin.ModelAdmin):  # type: ignore[type-arg]  # generic in stubs only
     list_display = (
         "id",
         "description",

@@ -21,6 +21,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
 from jobs.control import cancels
+from jobs.control.tables import RunTable
 from jobs.models import Job
 from jobs.monitor.databases import chosen, query
 from jobs.monitor.display import moment, now_of
@@ -76,9 +77,15 @@ def cancel_view(
     *,
     model_admin: admin.ModelAdmin,  # type: ignore[type-arg]  # generic in the stubs only
 ) -> HttpResponse:
-    """The job page's "Cancel…": a confirmation (GET), then the confirming POST cancels."""
+    """The job page's "Cancel…": a confirmation (GET), then the confirming POST cancels.
+
+    The page shows the job (type, job_id, state, worker), so, like replay's confirmation, it
+    needs the view permission on jobs as well as ``jobs.cancel_job``.
+    """
     if not cancels.can_cancel(request.user):
         raise PermissionDenied
+    if not RunTable(Job).can_view(request.user):
+        raise PermissionDenied(_("You may not view jobs."))
     job = model_admin.get_object(request, unquote(object_id))
     if job is None:
         raise Http404(_("No job with id %(id)s.") % {"id": object_id})

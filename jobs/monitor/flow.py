@@ -40,6 +40,7 @@ from jobs import queue
 from jobs.control.tables import RunTable
 from jobs.models import Job, PauseKind, TenantWeight
 from jobs.monitor import live
+from jobs.monitor.inputs import CheckedInputs
 from jobs.policy import Policy, Rate
 from jobs.queue import flow
 from jobs.queue.flow import FlowLimits, FlowState, TenantFlow
@@ -287,7 +288,7 @@ class TenantWeightForm(forms.ModelForm):  # type: ignore[type-arg]  # generic in
         return tenant
 
 
-class TenantWeightAdmin(admin.ModelAdmin):  # type: ignore[type-arg]  # generic in the stubs only
+class TenantWeightAdmin(CheckedInputs, admin.ModelAdmin):  # type: ignore[type-arg]  # generic in stubs
     """Tenant weights: set, change and reset, each recorded with the old and the new weight.
 
     Setting a weight for a tenant that has no row adds one, and deleting a row puts the tenant

@@ -9,6 +9,7 @@ from django import forms
 from django.http import QueryDict
 from django.utils.translation import gettext_lazy as _
 
+from jobs.control.inputs import validate_text
 from jobs.control.tables import AGES, Filters, RunTable
 from jobs.runs import ErrorCode, RunState
 
@@ -23,13 +24,13 @@ class FilterForm(forms.Form):
     state = forms.ChoiceField(
         required=False, choices=[*RunState.choices, (ALL_STATES, _("All states"))]
     )
-    job_type = forms.CharField(required=False, max_length=200)
-    tenant = forms.CharField(required=False, max_length=64)
+    job_type = forms.CharField(required=False, max_length=200, validators=[validate_text])
+    tenant = forms.CharField(required=False, max_length=64, validators=[validate_text])
     error = forms.ChoiceField(required=False, choices=[("", _("Any")), *ErrorCode.choices])
     age = forms.ChoiceField(
         required=False, choices=[("", _("Any time"))] + [(k, v[1]) for k, v in AGES.items()]
     )
-    q = forms.CharField(required=False, max_length=255)
+    q = forms.CharField(required=False, max_length=255, validators=[validate_text])
 
     def __init__(self, data: QueryDict, tables: Sequence[RunTable]) -> None:
         super().__init__(data)

@@ -28,6 +28,7 @@ from jobs.control.links import Link, link_of
 from jobs.control.replays import REPLAY_ALL_LIMIT
 from jobs.control.tables import RunTable, visible_tables
 from jobs.monitor.display import moment, now_of, with_now
+from jobs.monitor.inputs import CheckedInputs
 from jobs.monitor.views import confirmation
 from jobs.runs import RunContract
 
@@ -142,7 +143,7 @@ class ConsoleColumns:
         return self.console_columns(links) if links else links
 
 
-class RunTableAdmin(ConsoleColumns, admin.ModelAdmin):  # type: ignore[type-arg]
+class RunTableAdmin(CheckedInputs, ConsoleColumns, admin.ModelAdmin):  # type: ignore[type-arg]
     """Read-only list and detail of a run table; replay for users with its permission."""
 
     # Declared as wide as ModelAdmin's, so that subclasses may list other columns and filters.

@@ -32,8 +32,10 @@ from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
 from jobs.control import pauses
+from jobs.control.inputs import validate_text
 from jobs.models import Pause, PauseKind
 from jobs.monitor.display import duration, moment, now_of, second, with_now
+from jobs.monitor.inputs import CheckedInputs
 from jobs.queue.pauses import VALUE_MAX, validate
 from jobs.registry import get_registry
 
@@ -73,6 +75,7 @@ class PauseForm(forms.Form):
     value = forms.CharField(
         label=_("Name"),
         max_length=VALUE_MAX,
+        validators=[validate_text],
         widget=forms.TextInput(attrs={"class": "vTextField"}),
         help_text=_("The job type (email.send.v1), queue or tenant, exactly as jobs name it."),
     )
@@ -80,6 +83,7 @@ class PauseForm(forms.Form):
         label=_("Reason"),
         max_length=200,
         required=False,
+        validators=[validate_text],
         widget=forms.TextInput(attrs={"class": "vTextField"}),
         help_text=_("Shown on the overview and kept in the admin log."),
     )
@@ -98,7 +102,7 @@ class PauseForm(forms.Form):
 
 
 # django-stubs declare ModelAdmin generic; Django's takes no type arguments at run time.
-class PauseAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class PauseAdmin(CheckedInputs, admin.ModelAdmin):  # type: ignore[type-arg]
     """The pauses list; pause (the add page) and resume (per row, or selected) confirm first."""
 
     list_display = ("kind", "name", "since", "ends", "paused_by", "reason", "resume_button")

@@ -1,7 +1,8 @@
 """The processes page: every ``runworker`` and ``runscheduler`` process, live or gone.
 
 Read-only: rows are written by the processes themselves (:mod:`jobs.queue.processes`), so
-nobody adds, changes or deletes one here; ``jobs.view_process`` lets a user see the page.
+nobody adds, changes or deletes one here; ``jobs.view_process`` lets a user see the page, and
+the jobs a process holds are listed for users who may also view jobs.
 States and ages are judged by PostgreSQL's clock, which wrote every beat::
 
     ready     beating, claiming (a scheduler: standing by or leading)
@@ -20,9 +21,11 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.translation import gettext_lazy as _
 
-from jobs.models import Process
+from jobs.control.tables import RunTable
+from jobs.models import Job, Process
 from jobs.monitor import live, progress
 from jobs.monitor.display import duration, moment, now_of, with_now
+from jobs.monitor.inputs import CheckedInputs
 from jobs.monitor.modeladmin import ConsoleColumns
 from jobs.queue import processes
 
@@ -46,7 +49,7 @@ class StateFilter(admin.SimpleListFilter):
 
 
 # django-stubs declare ModelAdmin generic; Django's takes no type arguments at run time.
-class ProcessAdmin(ConsoleColumns, admin.ModelAdmin):  # type: ignore[type-arg]
+class ProcessAdmin(CheckedInputs, ConsoleColumns, admin.ModelAdmin):  # type: ignore[type-arg]
     """The processes list and, on each process's page, the jobs it holds now."""
 
     clipped = frozenset({"identity", "version"})
@@ -115,6 +118,16 @@ class ProcessAdmin(ConsoleColumns, admin.ModelAdmin):  # type: ignore[type-arg]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Process]:
         return with_now(processes.listing(using=self.model.objects.db))
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        """The jobs a process holds are jobs: listed only for users who may view jobs."""
+        fieldsets = super().get_fieldsets(request, obj)
+        if RunTable(Job).can_view(request.user):
+            return fieldsets
+        return [
+            (name, {**options, "fields": [f for f in options["fields"] if f != "held_jobs"]})
+            for name, options in fieldsets
+        ]
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False

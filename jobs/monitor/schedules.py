@@ -14,7 +14,8 @@ confirming POST (CSRF-protected, as every admin POST)::
               POST <name>/resume/ with post=yes
 
 Viewing needs ``jobs.view_scheduleslot`` or the view (or change) permission on jobs; *Run now*
-needs ``jobs.run_schedule``, pause and resume ``jobs.pause_work``.
+needs ``jobs.run_schedule``, pause and resume ``jobs.pause_work``, each besides viewing, since
+each confirmation shows the schedule.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
 
+from django import forms
 from django.contrib import messages
 from django.contrib.admin import AdminSite
 from django.core.exceptions import ImproperlyConfigured, PermissionDenied
@@ -35,6 +37,7 @@ from django.utils.translation import gettext as _
 
 from jobs import queue
 from jobs.control import schedules as control
+from jobs.control.inputs import validate_text
 from jobs.control.tables import RunTable
 from jobs.models import Job, JobHistory, PauseKind
 from jobs.scheduler.clock import database_now
@@ -164,6 +167,7 @@ def run_view(request: HttpRequest, name: str, *, site: AdminSite) -> HttpRespons
     """Run now…: the confirmation (GET), then the confirming POST enqueues one extra job."""
     if not control.can_run(request.user):
         raise PermissionDenied(_("You may not run schedules now."))
+    _require_view(request)
     schedule = _configured(name)
     back = _back(request, site)
     if request.method == "POST" and request.POST.get("post") == "yes":
@@ -200,14 +204,23 @@ def run_view(request: HttpRequest, name: str, *, site: AdminSite) -> HttpRespons
     return _render(request, site, "run_confirmation.html", title, back=back, **context)
 
 
+class ReasonForm(forms.Form):
+    """Why a schedule is paused: shown on the schedules page and kept in the admin log."""
+
+    reason = forms.CharField(max_length=200, required=False, validators=[validate_text])
+
+
 def pause_view(request: HttpRequest, name: str, *, site: AdminSite) -> HttpResponse:
-    """Pause…: the confirmation with a reason (GET), then the confirming POST pauses."""
+    """Pause…: the confirmation with a reason (GET), then the confirming POST pauses; a reason
+    that is not valid (too long, or text the database cannot hold) shows the page again."""
     if not control.can_pause(request.user):
         raise PermissionDenied(_("You may not pause schedules."))
+    _require_view(request)
     schedule = _configured(name)
     back = _back(request, site)
-    if request.method == "POST" and request.POST.get("post") == "yes":
-        reason = request.POST.get("reason", "")[:200]
+    form = ReasonForm(request.POST if request.method == "POST" else None)
+    if request.method == "POST" and request.POST.get("post") == "yes" and form.is_valid():
+        reason = form.cleaned_data["reason"]
         if control.pause(request.user, name, reason=reason, via=VIA):
             messages.success(
                 request,
@@ -224,7 +237,7 @@ def pause_view(request: HttpRequest, name: str, *, site: AdminSite) -> HttpRespo
         (p for p in queue.paused() if (p.kind, p.value) == (PauseKind.SCHEDULE, name)), None
     )
     title = _("Pause schedule %(name)s?") % {"name": name}
-    context = {"schedule": schedule, "existing": existing}
+    context = {"schedule": schedule, "existing": existing, "form": form}
     return _render(request, site, "pause_confirmation.html", title, back=back, **context)
 
 
@@ -232,6 +245,7 @@ def resume_view(request: HttpRequest, name: str, *, site: AdminSite) -> HttpResp
     """Resume…: the confirmation (GET), then the confirming POST resumes."""
     if not control.can_pause(request.user):
         raise PermissionDenied(_("You may not resume schedules."))
+    _require_view(request)
     schedule = _configured(name)
     back = _back(request, site)
     if request.method == "POST" and request.POST.get("post") == "yes":
@@ -255,6 +269,13 @@ def resume_view(request: HttpRequest, name: str, *, site: AdminSite) -> HttpResp
     title = _("Resume schedule %(name)s?") % {"name": name}
     context = {"schedule": schedule, "existing": existing, "now": database_now()}
     return _render(request, site, "resume_confirmation.html", title, back=back, **context)
+
+
+def _require_view(request: HttpRequest) -> None:
+    """Refuse a confirmation to a user who may not view schedules: it shows the schedule
+    (job type, tenant, timing, and for *Run now* the payload), whatever it then does."""
+    if not control.can_view(request.user):
+        raise PermissionDenied(_("You may not view schedules."))
 
 
 def _configured(name: str) -> Schedule:

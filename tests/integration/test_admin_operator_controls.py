@@ -348,6 +348,21 @@ class TestCancel:
         assert Job.objects.get(pk=job.pk).cancel_requested_at is None
         assert not LogEntry.objects.exists()
 
+    def test_the_job_page_control_shows_the_job_only_to_who_may_view_it(self):
+        """The confirmation shows the job's type, job_id, state and worker: like replay's, it
+        needs the view permission as well as its own, for the GET and the POST alike."""
+        job = JobFactory(running=True, job_id="invoice-4711", claimed_by="w1:42:ab")
+        url = reverse("admin:jobs_job_cancel", args=[job.pk])
+        blind = client_for(operator("blind", "jobs.cancel_job"))
+
+        page = blind.get(url)
+
+        assert page.status_code == 403
+        assert b"invoice-4711" not in page.content and b"w1:42:ab" not in page.content
+        assert blind.post(url, {"post": "yes"}).status_code == 403
+        assert Job.objects.get(pk=job.pk).cancel_requested_at is None
+        assert not LogEntry.objects.exists()
+
     def test_a_finished_job_has_nothing_to_cancel(self, canceller):
         job = JobFactory(succeeded=True)
         change = canceller.get(reverse("admin:jobs_job_change", args=[job.pk])).content

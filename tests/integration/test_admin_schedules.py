@@ -263,6 +263,19 @@ class TestRunNow:
         assert not Job.objects.exists()
         assert b"jobs-run" not in client.get(PAGE).content
 
+    def test_the_confirmation_shows_the_schedule_only_to_who_may_view_schedules(self):
+        """Its payload, job type and tenant are the schedule's: viewing them needs the
+        schedules' view permission, and running still needs jobs.run_schedule."""
+        blind = client_for(operator("blind", "jobs.run_schedule"))
+
+        page = blind.get(RUN)
+
+        assert page.status_code == 403 and b"tick" not in page.content
+        assert blind.post(RUN, {"post": "yes", "token": control.new_token()}).status_code == 403
+        assert not Job.objects.exists() and not LogEntry.objects.exists()
+        slots_viewer = client_for(operator("slots", "jobs.view_scheduleslot", "jobs.run_schedule"))
+        assert b"tick" in slots_viewer.get(RUN).content
+
     def test_a_post_without_its_csrf_token_is_refused(self):
         client = csrf_client(operator("ops", *ALL))
         assert client.post(RUN, {"post": "yes", "token": control.new_token()}).status_code == 403
@@ -357,6 +370,14 @@ class TestPauseAndResume:
             assert runner.get(url).status_code == 403
             assert runner.post(url, {"post": "yes"}).status_code == 403
         assert csrf_client(operator("ops", *ALL)).post(PAUSE, {"post": "yes"}).status_code == 403
+        assert not Pause.objects.exists() and not LogEntry.objects.exists()
+
+    def test_the_confirmations_show_the_schedule_only_to_who_may_view_schedules(self):
+        blind = client_for(operator("blind", "jobs.pause_work"))
+        for url in (PAUSE, RESUME):
+            page = blind.get(url)
+            assert page.status_code == 403 and b"jobapp.ping.v1" not in page.content
+            assert blind.post(url, {"post": "yes"}).status_code == 403
         assert not Pause.objects.exists() and not LogEntry.objects.exists()
 
 

@@ -39,6 +39,9 @@ class TestAdmin:
         assert "w1:1:aa" not in gone_only.content.decode()
 
     def test_the_change_page_lists_the_held_jobs_with_their_elapsed_time(self, viewer):
+        User.objects.get(username="viewer").user_permissions.add(
+            Permission.objects.get(codename="view_job")
+        )
         register("w1:1:aa")
         [job] = claim_for("w1:1:aa")
         Job.objects.filter(pk=job.id).update(started_at=database_now() - timedelta(seconds=125))
@@ -48,6 +51,21 @@ class TestAdmin:
 
         assert reverse("admin:jobs_job_change", args=[job.id]) in page
         assert "2m 05s" in page or "2m 06s" in page
+
+    def test_the_held_jobs_show_only_to_who_may_view_jobs(self, viewer):
+        """The process is the viewer's to see; the jobs it holds (job_id, type, tenant,
+        progress) are shown only to users who may view jobs."""
+        register("w1:1:aa")
+        [job] = claim_for("w1:1:aa")
+        url = reverse("admin:jobs_process_change", args=["w1:1:aa"])
+
+        page = viewer.get(url)
+
+        assert page.status_code == 200 and b"w1:1:aa" in page.content
+        held = Job.objects.get(pk=job.id)
+        assert held.job_id.encode() not in page.content
+        assert reverse("admin:jobs_job_change", args=[job.id]).encode() not in page.content
+        assert b'class="jobs-held"' not in page.content
 
     def test_no_add_change_or_delete_only_view(self, viewer):
         register("w1:1:aa")

@@ -374,7 +374,8 @@ def test_a_process_page_shows_the_progress_of_the_jobs_it_holds(client):
     from tests.integration.test_processes import claim_for, register
 
     user = User.objects.create_user("ops", is_staff=True)
-    user.user_permissions.add(Permission.objects.get(codename="view_process"))
+    for codename in ("view_process", "view_job"):  # held jobs are shown to job viewers
+        user.user_permissions.add(Permission.objects.get(codename=codename))
     client.force_login(user)
     register("w1:1:aa")
     [job] = claim_for("w1:1:aa")

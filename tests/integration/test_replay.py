@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -391,6 +392,35 @@ class TestReplayCommand:
 
         resent = set(Delivery.objects.filter(resends=1).values_list("pk", flat=True))
         assert resent == {rows[0].pk, rows[1].pk}
+
+    @pytest.mark.parametrize("limit", ["0", "-1"])
+    def test_a_limit_below_one_is_refused_and_nothing_is_replayed(self, limit):
+        """As ``manage.py jobs cancel`` refuses it: "at most 0 rows" never means one."""
+        operator("alice", *VIEW_ALL, *REPLAY_ALL)
+        job = JobFactory(failed=True)
+
+        with pytest.raises(CommandError, match=f"--limit must be at least 1, got {limit}"):
+            call_command("replay", "--all", "--limit", limit, user="alice")
+
+        assert Job.objects.get(pk=job.pk).state == RunState.FAILED
+        assert not LogEntry.objects.exists()
+
+    @pytest.mark.parametrize("raw", ["abc", "", "1.5", "12x"])
+    def test_a_malformed_id_is_an_error_naming_it(self, raw):
+        """Not "Replayed 0 rows." and success: the id was never a row's."""
+        operator("alice", *VIEW_ALL, *REPLAY_ALL)
+        job = JobFactory(failed=True)
+
+        with pytest.raises(CommandError, match=re.escape(f"{raw!r} is not an id of jobs.job")):
+            call_command("replay", str(job.pk), raw, user="alice")
+
+        assert Job.objects.get(pk=job.pk).state == RunState.FAILED
+        assert not LogEntry.objects.exists()
+
+    def test_a_malformed_id_is_an_error_in_a_dry_run_too(self):
+        operator("alice", *VIEW_ALL, *REPLAY_ALL)
+        with pytest.raises(CommandError, match=r"'abc' is not an id of mail\.delivery"):
+            call_command("replay", "abc", "--dry-run", user="alice", model="mail.delivery")
 
 
 def test_replay_needs_view_permission_on_every_table_it_names():

@@ -13,7 +13,8 @@ schedule's own database.
 
 The user named by ``--user`` must be active staff holding the permission the admin asks for
 (``jobs.pause_work``, ``jobs.cancel_job``, ``jobs.run_schedule``); every change gets a
-``LogEntry`` under that user, exactly as from the admin.
+``LogEntry`` under that user, exactly as from the admin. An argument the database could not
+take (a NUL character, a lone surrogate) is an error naming it, before anything is read.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from jobs import databases
 from jobs.control import cancels, pauses, schedules
+from jobs.control.inputs import check_arguments, check_limit
 from jobs.control.operators import staff_user
 from jobs.models import PauseKind
 from jobs.runs import ACTIVE_STATES
 
 VIA = "manage.py jobs"
+#: The arguments given without an option name, as the errors name them.
+POSITIONAL = ("action", "kind", "name", "schedule", "ids")
 
 
 class Command(BaseCommand):
@@ -84,6 +88,10 @@ class Command(BaseCommand):
         cancel.add_argument("--dry-run", action="store_true", help="list, change nothing")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            check_arguments(options, positional=POSITIONAL)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
         options["database"] = _alias(options["database"])
         try:
             getattr(self, f"_{options['action'].replace('-', '_')}")(options)
@@ -131,8 +139,7 @@ class Command(BaseCommand):
         user = _staff(options["user"])
         if bool(options["ids"]) == options["all"]:
             raise CommandError("give either job ids or --all with filters, not both or neither")
-        if options["limit"] < 1:
-            raise CommandError(f"--limit must be at least 1, got {options['limit']}")
+        check_limit(options["limit"])
         if options["all"]:
             rows = cancels.matching(
                 job_type=options["job_type"],

@@ -3,7 +3,9 @@
 The user named by ``--user`` must be active staff holding the table's replay and view
 permissions, as in the admin (replay shows the rows it acts on); the eligible rows are
 replayed in the table's own way and each gets a ``LogEntry`` under that user, exactly as
-from the failure monitor. Rows are chosen by id, or by filters (``--all``), bounded.
+from the failure monitor. Rows are chosen by id (a value that is not one of the table's ids
+is an error, not a row skipped), or by filters (``--all``), at most ``--limit`` (1 or more).
+An argument the database could not take (a NUL character) is an error naming it.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from jobs.control import (
     Filters,
     denial,
     eligible_rows,
-    parse_tokens,
     replay,
     run_tables,
     summary,
 )
+from jobs.control.inputs import check_arguments, check_limit
 from jobs.control.operators import staff_user
+from jobs.control.replays import parse_ids
 from jobs.runs import RunState
 
 
@@ -53,6 +56,11 @@ class Command(BaseCommand):
         parser.add_argument("--dry-run", action="store_true", help="list, change nothing")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            check_arguments(options, positional=("ids",))
+            check_limit(options["limit"])
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
         user = self._user(options["user"])
         tables = {table.label: table for table in run_tables()}
         table = tables.get(options["model"])
@@ -74,12 +82,14 @@ class Command(BaseCommand):
                 age=AGES[options["age"]][0] if options["age"] else None,
                 q=options["job_id"],
             )
-            rows, matching, _capped = eligible_rows([table], filters, max(1, options["limit"]))
+            rows, matching, _capped = eligible_rows([table], filters, options["limit"])
             pks = [row.pk for row in rows]
             self.stdout.write(f"{matching} eligible rows match; taking {len(pks)}.")
         else:
-            targets = parse_tokens([f"{table.label}:{raw}" for raw in options["ids"]], [table])
-            pks = targets.get(table, [])
+            try:
+                pks = parse_ids(table, options["ids"])
+            except ValueError as exc:
+                raise CommandError(str(exc)) from None
         if options["dry_run"]:
             eligible = table.eligible_pks(pks)
             self.stdout.write(
