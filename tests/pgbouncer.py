@@ -110,7 +110,10 @@ class PgBouncer:
     """One pgbouncer process in front of the database of ``settings`` (a Django alias's dict).
 
     ``pool_mode`` is ``transaction`` unless told otherwise; ``pool_size`` is the number of
-    server connections it may open to the database (per user).
+    server connections it may open to the database (per user). Servers are lent round robin,
+    so that a client's transactions move between them; ``round_robin=False`` is PgBouncer's
+    own default, the server used last is lent first, so an idle client's next transaction
+    usually lands on the backend of its last one.
     """
 
     host = "127.0.0.1"
@@ -121,6 +124,7 @@ class PgBouncer:
         *,
         pool_mode: str = "transaction",
         pool_size: int = POOL_SIZE,
+        round_robin: bool = True,
     ) -> None:
         binary = executable()
         if binary is None:
@@ -130,6 +134,7 @@ class PgBouncer:
         self.settings = dict(settings or connections[DEFAULT_DB_ALIAS].settings_dict)
         self.pool_mode = pool_mode
         self.pool_size = pool_size
+        self.round_robin = round_robin
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
         self.dir = Path(tempfile.mkdtemp(prefix="test-pgbouncer-"))
@@ -196,7 +201,7 @@ class PgBouncer:
             f"max_client_conn = {MAX_CLIENTS}\n"
             f"default_pool_size = {self.pool_size}\n"
             f"min_pool_size = {self.pool_size}\n"
-            "server_round_robin = 1\n"
+            f"server_round_robin = {int(self.round_robin)}\n"
             "reserve_pool_size = 0\n"
             f"logfile = {self.log}\n"
             f"pidfile = {self.dir / 'pgbouncer.pid'}\n" + params

@@ -282,6 +282,56 @@ def test_a_worker_behind_the_pooler_finds_listen_useless_warns_and_polls(pgbounc
     assert pgbouncer.leftovers() == {}
 
 
+def _record_listener_statements(monkeypatch) -> list[tuple[str, str]]:
+    """(application_name, statement) of each statement the listener's connections send."""
+    real = wakeup._connect
+    sent: list[tuple[str, str]] = []
+
+    def connect(params):
+        conn = real(params)
+        execute = conn.execute
+
+        def recorded(query, *args, **kwargs):
+            sent.append((params.get("application_name"), str(query)))
+            return execute(query, *args, **kwargs)
+
+        conn.execute = recorded
+        return conn
+
+    monkeypatch.setattr(wakeup, "_connect", connect)
+    return sent
+
+
+@pytest.mark.parametrize("pool_mode", ["transaction", "session"])
+def test_no_listen_is_sent_through_a_pooler_in_any_pool_mode(pool_mode, monkeypatch, caplog):
+    """Before anything that outlives a transaction, the listener asks which backend answers:
+    behind a pooler it is not the one the connection was opened with, so nothing more is sent
+    (a process killed at any moment leaves no LISTEN on a server the pooler lends)."""
+    if skip_reason():
+        pytest.skip(skip_reason())
+    caplog.set_level(logging.INFO, logger="jobs.worker")
+    sent = _record_listener_statements(monkeypatch)
+    with PgBouncer(pool_mode=pool_mode) as bouncer, bouncer.routing():
+        listener = NotifyListener(["x"], lambda name: None)
+        assert listener._listen() is False
+        assert listener.unproven.is_set() and not listener.listening.is_set()
+        assert bouncer.leftovers() == {}
+    assert sent == [("jobs-worker listener", "SELECT pg_backend_pid()")]
+    [warning] = _listener_warnings(caplog)
+    assert "goes through one" in warning and "no LISTEN was sent" in warning
+    assert "server_lifetime" not in warning
+
+
+def test_only_a_direct_connection_owns_its_session(pgbouncer):
+    with wakeup._connect(_connect_params()) as direct:
+        assert wakeup._owns_its_session(direct)
+    with pgbouncer.routing():
+        params = _connect_params()
+    with wakeup._connect(params) as pooled:
+        assert not wakeup._owns_its_session(pooled)
+    assert pgbouncer.leftovers() == {}
+
+
 def test_a_worker_on_a_direct_connection_proves_listen_and_wakes_at_once(caplog):
     caplog.set_level(logging.INFO, logger="jobs.worker")
     recorder = Recorder()
