@@ -44,6 +44,9 @@ from django.db import DEFAULT_DB_ALIAS, connections
 POOL_SIZE = 5
 #: Client connections the pooler accepts: generous, a worker process opens several.
 MAX_CLIENTS = 500
+#: Seconds PgBouncer refuses every client after a failed server login (a database restart):
+#: what docs/operating-at-scale.md recommends, well under a lease, instead of PgBouncer's 15.
+SERVER_LOGIN_RETRY = 1
 #: ``-c`` settings the project sends in ``options`` (jobs.dbbounds), applied per client by
 #: PgBouncer 1.20+ when tracked; older versions can only be told to ignore ``options``.
 TRACKED = ("statement_timeout", "lock_timeout")
@@ -203,6 +206,7 @@ class PgBouncer:
             f"min_pool_size = {self.pool_size}\n"
             f"server_round_robin = {int(self.round_robin)}\n"
             "reserve_pool_size = 0\n"
+            f"server_login_retry = {SERVER_LOGIN_RETRY}\n"
             f"logfile = {self.log}\n"
             f"pidfile = {self.dir / 'pgbouncer.pid'}\n" + params
         )

@@ -27,7 +27,7 @@ from django.utils import timezone
 from prometheus_client import REGISTRY
 
 from jobs import enqueue, queue
-from jobs.conf import NOTIFY_CHANNEL
+from jobs.conf import DEFAULTS, NOTIFY_CHANNEL
 from jobs.models import Job
 from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome
 from jobs.worker import wakeup
@@ -37,6 +37,7 @@ from jobs.worker.runner import Worker
 from jobs.worker.wakeup import NotifyListener
 from tests.factories import JobFactory
 from tests.pgbouncer import PgBouncer, pgbouncer_fixture, skip_reason  # noqa: F401
+from tests.tcp_proxy import TcpProxy
 from tests.worker_support import Echo, Recorder, Step, registry
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -241,6 +242,54 @@ def test_an_admin_action_asks_then_acts_through_the_pooler(pgbouncer):
     assert Job.objects.get(pk=queued.pk).state == "cancelled"
     assert Job.objects.get(pk=running.pk).cancel_requested_by == "root"
     assert pgbouncer.leftovers() == {}
+
+
+# -- a database restart ---------------------------------------------------------------------
+
+
+def _served(bouncer: PgBouncer) -> bool:
+    try:
+        with bouncer.connect() as client:
+            client.execute("SELECT 1")
+    except psycopg.Error:
+        return False
+    return True
+
+
+def _refused(bouncer: PgBouncer) -> bool:
+    try:
+        with bouncer.connect() as client:
+            client.execute("SELECT 1")
+    except psycopg.OperationalError as exc:
+        return "server_login_retry" in str(exc)
+    return False
+
+
+def test_after_a_database_restart_clients_are_served_again_within_a_lease():
+    """A login refused while the database starts makes PgBouncer refuse every client for
+    ``server_login_retry``: enqueue fails and lease renewals too, so the pause must end well
+    within a lease of the database being back (tests/pgbouncer.py sets what the docs say)."""
+    if skip_reason():
+        pytest.skip(skip_reason())
+    with TcpProxy() as server:
+        settings = {**connection.settings_dict, "HOST": server.host, "PORT": str(server.port)}
+        with PgBouncer(settings, pool_size=2) as bouncer:
+            assert _served(bouncer)
+            server.down()
+            # A client that comes now waits for a server; the pooler's login for it fails.
+            waiting = threading.Thread(target=_served, args=(bouncer,), daemon=True)
+            waiting.start()
+            wait_for(
+                lambda: "the database system is starting up" in bouncer.log_text(),
+                what="a server login refused",
+            )
+            assert _refused(bouncer)  # from then on, every client at once
+            server.up()
+            back = time.monotonic()
+            wait_for(lambda: _served(bouncer), timeout=30, what="clients served again")
+            paused = time.monotonic() - back
+            waiting.join(30)
+    assert paused < DEFAULTS["LEASE"].total_seconds() / 3, f"refused for {paused:.1f}s"
 
 
 # -- a worker: LISTEN proved or given up -----------------------------------------------------
