@@ -2,10 +2,12 @@
 
 tests/settings.py declares ``other`` as a second database on the default server. Before the test
 databases are made, :func:`prepare` points it at a second embedded server instead (its data
-under ``var/postgres-other``, started once by ``project.devdb`` with ``DEVDB_PGDATA`` and left
-running, as the first one is), but only when a collected test asks for ``other``: the rest of
-the suite never starts it. Where that server cannot start (no embedded wheel), the alias stays
-a second database on the default server, and :data:`SEPARATE_SERVER` says so.
+under ``var/postgres-other``, started by ``project.devdb`` with ``DEVDB_PGDATA`` and left
+running for the rest of the run, as the first one is), but only when a collected test asks for
+``other``: the rest of the suite never starts it. ``scripts/test`` stops both at its end if it
+started them (unless ``--keep-db``), and ``python -m project.devdb stop`` stops both. Where that
+server cannot start (no embedded wheel), the alias stays a second database on the default
+server, and :data:`SEPARATE_SERVER` says so.
 """
 
 from __future__ import annotations

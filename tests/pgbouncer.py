@@ -44,6 +44,9 @@ from django.db import DEFAULT_DB_ALIAS, connections
 POOL_SIZE = 5
 #: Client connections the pooler accepts: generous, a worker process opens several.
 MAX_CLIENTS = 500
+#: Seconds PgBouncer refuses every client after a failed server login (a database restart):
+#: what docs/operating-at-scale.md recommends, well under a lease, instead of PgBouncer's 15.
+SERVER_LOGIN_RETRY = 1
 #: ``-c`` settings the project sends in ``options`` (jobs.dbbounds), applied per client by
 #: PgBouncer 1.20+ when tracked; older versions can only be told to ignore ``options``.
 TRACKED = ("statement_timeout", "lock_timeout")
@@ -110,7 +113,10 @@ class PgBouncer:
     """One pgbouncer process in front of the database of ``settings`` (a Django alias's dict).
 
     ``pool_mode`` is ``transaction`` unless told otherwise; ``pool_size`` is the number of
-    server connections it may open to the database (per user).
+    server connections it may open to the database (per user). Servers are lent round robin,
+    so that a client's transactions move between them; ``round_robin=False`` is PgBouncer's
+    own default, the server used last is lent first, so an idle client's next transaction
+    usually lands on the backend of its last one.
     """
 
     host = "127.0.0.1"
@@ -121,6 +127,7 @@ class PgBouncer:
         *,
         pool_mode: str = "transaction",
         pool_size: int = POOL_SIZE,
+        round_robin: bool = True,
     ) -> None:
         binary = executable()
         if binary is None:
@@ -130,6 +137,7 @@ class PgBouncer:
         self.settings = dict(settings or connections[DEFAULT_DB_ALIAS].settings_dict)
         self.pool_mode = pool_mode
         self.pool_size = pool_size
+        self.round_robin = round_robin
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
         self.dir = Path(tempfile.mkdtemp(prefix="test-pgbouncer-"))
@@ -196,8 +204,9 @@ class PgBouncer:
             f"max_client_conn = {MAX_CLIENTS}\n"
             f"default_pool_size = {self.pool_size}\n"
             f"min_pool_size = {self.pool_size}\n"
-            "server_round_robin = 1\n"
+            f"server_round_robin = {int(self.round_robin)}\n"
             "reserve_pool_size = 0\n"
+            f"server_login_retry = {SERVER_LOGIN_RETRY}\n"
             f"logfile = {self.log}\n"
             f"pidfile = {self.dir / 'pgbouncer.pid'}\n" + params
         )

@@ -5,6 +5,10 @@ kernel still acknowledges what it sends (the proxy's socket is alive) and keepal
 are answered: a call on a connection through it simply never gets its answer. That is the
 failure TCP's own timeouts cannot see (a hung pooler or proxy, a half-dead NAT), and the one
 the client-side bounds of ``jobs.dbbounds`` exist for.
+
+``down()`` plays a restart instead: every connection is cut, and each new one is answered as
+PostgreSQL answers while it starts up (``FATAL: the database system is starting up``) until
+``up()``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import contextlib
 import os
 import selectors
 import socket
+import struct
 import threading
 from urllib.parse import quote
 
@@ -42,6 +47,7 @@ class TcpProxy:
         self._forwarding = threading.Event()
         self._forwarding.set()
         self._closed = threading.Event()
+        self._starting_up = threading.Event()
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="test-proxy", daemon=True).start()
@@ -60,6 +66,16 @@ class TcpProxy:
 
     def thaw(self) -> None:
         self._forwarding.set()
+
+    def down(self) -> None:
+        """Cut every connection; answer new ones as a server starting up, until :meth:`up`."""
+        self._starting_up.set()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        self._drop(*sockets)
+
+    def up(self) -> None:
+        self._starting_up.clear()
 
     def close(self) -> None:
         self._closed.set()
@@ -82,6 +98,9 @@ class TcpProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self._starting_up.is_set():
+                threading.Thread(target=_starting_up, args=(client,), daemon=True).start()
+                continue
             family = socket.AF_UNIX if isinstance(self.target, str) else socket.AF_INET
             upstream = socket.socket(family, socket.SOCK_STREAM)
             try:
@@ -117,3 +136,30 @@ class TcpProxy:
         for sock in sockets:
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+# The start-up request codes of an SSLRequest and a GSSENCRequest, which a server may decline.
+_ENCRYPTION_REQUESTS = (80877103, 80877104)
+_STARTING_UP = b"SFATAL\0VFATAL\0C57P03\0Mthe database system is starting up\0\0"
+
+
+def _starting_up(client: socket.socket) -> None:
+    """Answer a client's start-up as PostgreSQL does before it accepts connections."""
+    with contextlib.suppress(OSError), client:
+        while True:
+            (length,) = struct.unpack("!i", _read(client, 4))
+            (code,) = struct.unpack("!i", _read(client, length - 4)[:4])
+            if code not in _ENCRYPTION_REQUESTS:
+                break
+            client.sendall(b"N")  # no encryption: the start-up message comes next
+        client.sendall(b"E" + struct.pack("!i", len(_STARTING_UP) + 4) + _STARTING_UP)
+
+
+def _read(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise OSError("closed")
+        data += chunk
+    return data

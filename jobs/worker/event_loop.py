@@ -23,7 +23,9 @@ for a sync handler told to stop (``deadline_exceeded``, nothing written, handed 
 A handler that blocks the loop (``time.sleep``, synchronous I/O, ORM without
 ``sync_to_async`` inside ``async def``) stalls every async handler of the worker: a watcher
 thread logs a warning with the loop thread's stack when the loop has not run for
-:data:`BLOCKED_AFTER` seconds.
+:data:`BLOCKED_AFTER` seconds. It says what held the loop: code on it, the GIL kept by other
+threads, or nothing in the worker at all, when the watcher itself did not run either and the
+process used no CPU meanwhile (SIGSTOP, a paused host).
 """
 
 from __future__ import annotations
@@ -242,32 +244,76 @@ class HandlerLoop:
 
     def _watch(self) -> None:
         warned_for = None
+        looked, cpu = time.monotonic(), time.process_time()
         while not self._stop_watching.wait(_BEAT):
+            # The watcher's own gap since its last look, and the CPU the process used in it:
+            # a gap seen by this thread too means no thread ran, whatever the loop was doing.
+            now, now_cpu = time.monotonic(), time.process_time()
+            gap, used = now - looked, now_cpu - cpu
+            looked, cpu = now, now_cpu
             beat = self._beat
-            blocked = time.monotonic() - beat
+            if gap - _BEAT >= self._blocked_after:
+                warned_for = beat  # this stall is reported here, whether or not the loop ran
+                self._warn_held(gap, used)
+                continue
+            blocked = now - beat
             if blocked < self._blocked_after or warned_for == beat:
                 continue
             warned_for = beat  # once per stall
-            thread = self._thread
-            frame = sys._current_frames().get(thread.ident) if thread and thread.ident else None
-            if frame is not None and frame.f_code.co_filename.endswith("selectors.py"):
-                cause = (
-                    "it waits for the GIL, which other threads of this worker hold "
-                    "(CPU-bound handlers)"
-                )
-            else:
-                cause = (
-                    "code on it blocks (time.sleep, synchronous I/O or ORM calls inside async def)"
-                )
-            stack = "".join(traceback.format_stack(frame)[-8:]) if frame else "(no stack)\n"
-            logger.warning(
-                "the handlers' event loop has not run for %.1fs: %s; every async handler of "
-                "this worker waits meanwhile. The loop thread is at:\n%s",
-                blocked,
-                cause,
-                stack.rstrip(),
-                extra={"action": "loop_blocked", "blocked": round(blocked, 3)},
+            self._warn_blocked(blocked)
+
+    def _warn_held(self, gap: float, used: float) -> None:
+        """No thread of the process ran for ``gap`` seconds, the watcher included.
+
+        Either one thread kept the GIL through a long call into C code, and the process
+        burnt CPU all along; or the process itself did not run (SIGSTOP, a paused host or
+        VM, a CPU quota used up), and used almost none. The loop is not to blame either way.
+        """
+        if used < gap / 2:
+            cause = "stopped"
+            why = (
+                f"the whole process was stopped or starved of CPU (SIGSTOP, a paused host or "
+                f"VM, an overloaded host or a CPU quota), not the loop alone: no thread of this "
+                f"worker ran, and it used {used:.1f}s of CPU in that time"
             )
+        else:
+            cause = "gil"
+            why = (
+                "it waits for the GIL, which one thread of this worker kept through a long call "
+                "into C code: no other thread ran either"
+            )
+        self._log(gap, cause, why, ".")
+
+    def _warn_blocked(self, blocked: float) -> None:
+        """The loop has not run while the watcher did: code on it blocks, or the GIL is busy."""
+        thread = self._thread
+        frame = sys._current_frames().get(thread.ident) if thread and thread.ident else None
+        if frame is not None and frame.f_code.co_filename.endswith("selectors.py"):
+            cause = "gil"
+            why = (
+                "it waits for the GIL, which other threads of this worker hold (CPU-bound handlers)"
+            )
+        else:
+            cause = "blocking_code"
+            why = "code on it blocks (time.sleep, synchronous I/O or ORM calls inside async def)"
+        stack = "".join(traceback.format_stack(frame)[-8:]) if frame else "(no stack)\n"
+        self._log(
+            blocked,
+            cause,
+            why,
+            "; every async handler of this worker waits meanwhile. The loop thread is at:\n"
+            + stack.rstrip(),
+        )
+
+    def _log(self, blocked: float, cause: str, why: str, tail: str) -> None:
+        """One warning a stall; ``cause`` (stopped, gil, blocking_code) is in its record."""
+        logger.warning(
+            "the handlers' event loop has not run for %.1fs: %s%s",
+            blocked,
+            why,
+            tail,
+            extra={"action": "loop_blocked", "blocked": round(blocked, 3), "cause": cause},
+        )
 
 
 def _task_name(task: asyncio.Task[Any]) -> str:

@@ -5,18 +5,23 @@ connection (outside Django's, which may sit in a transaction) and wakes the run 
 name it runs arrives. The run loop polls on its interval all the same: the listener only makes
 pickup faster, never correct.
 
-A LISTEN is worth something only if notifications come back on it. Behind a transaction-mode
-pooler (PgBouncer's ``pool_mode = transaction``) they do not: the pooler runs the LISTEN on
-whichever server connection it picked, then lends that connection to other clients, and
-what arrives there is dropped or handed to a stranger. So every connection proves itself
-before the listener counts as listening::
+A LISTEN is worth something only if notifications come back on it, and is safe only on a
+connection that owns its server session. Behind a pooler (PgBouncer and the like) neither need
+hold: in transaction mode the pooler runs the LISTEN on whichever server connection it picked,
+then lends that connection to other clients, and what arrives there is dropped or handed to a
+stranger; a LISTEN sent there stays there, whatever the listener does next (its process may be
+killed before it can undo it). So no LISTEN is sent before the connection proves it is the
+session's own, by a question that leaves nothing behind, and the listener counts as
+listening only once a probe comes back::
 
-    connect ─▶ LISTEN, noting the backend ─▶ probe: NOTIFY from a second connection
-       ▲                                        │
-       │     the same backend, the probe back within PROBE_TIMEOUT ─▶ listening: wake on names
-       │     else: UNLISTEN on that backend if it can be reached, warn once, poll only
-       │                                        │
-       └── a lost connection: retry at once, backing off; a failed proof: REPROVE_AFTER ──┘
+    connect ─▶ is the backend that answers the one the connection was opened with?
+       ▲          │ no: a pooler stands between ─▶ warn once, poll only (nothing was sent)
+       │          ▼ yes
+       │       LISTEN ─▶ probe: NOTIFY from a second connection
+       │          │ the same backend, the probe back within PROBE_TIMEOUT ─▶ listening
+       │          │ else: UNLISTEN on that backend if it can be reached, warn once, poll only
+       │          ▼
+       └── a lost connection: retry at once, backing off; a failed proof: REPROVE_AFTER
 
 A working listener is not re-proved while its connection lives: a direct session cannot stop
 delivering without failing, and keepalives (:mod:`jobs.dbbounds`) turn a dead path into an
@@ -108,6 +113,9 @@ class NotifyListener:
             connections[self._using], application_name="jobs-worker listener"
         )
         with _connect(params) as conn:
+            if not _owns_its_session(conn):
+                self._fall_back(undone=True, pooled=True)
+                return False
             with conn.transaction():
                 conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                 backend = _backend(conn)
@@ -199,7 +207,8 @@ class NotifyListener:
         self.listening.set()
         metrics.listening.set(1)
 
-    def _fall_back(self, undone: bool) -> None:
+    def _fall_back(self, undone: bool, pooled: bool = False) -> None:
+        """Poll from now on; warn once. ``pooled``: a pooler was seen, no LISTEN was sent."""
         self.listening.clear()
         self.unproven.set()
         metrics.listening.set(0)
@@ -207,25 +216,49 @@ class NotifyListener:
             logger.debug("LISTEN still delivers no notifications; polling on")
             return
         self._warned = True
+        if pooled:
+            why = (
+                "LISTEN delivers no notifications through a connection pooler, and this "
+                "database connection goes through one (the server process that answers is not "
+                "the one the connection was opened with): no LISTEN was sent, which the pooler "
+                "would leave on a server connection it lends to other clients."
+            )
+        else:
+            why = (
+                "LISTEN delivers no notifications on this database connection (a "
+                "transaction-mode pooler such as PgBouncer?)."
+            )
         logger.warning(
-            "LISTEN delivers no notifications on this database connection (a transaction-mode "
-            "pooler such as PgBouncer?): polling for new work every %gs instead. Run the worker "
-            'with --no-listen, or set JOBS["NOTIFY"] = False, to poll without this check; '
-            "connect it to PostgreSQL directly or through a session-mode pooler to be woken "
-            "at once. Trying LISTEN again in %d minutes.%s",
+            "%s Polling for new work every %gs instead. Run the worker with --no-listen, or "
+            'set JOBS["NOTIFY"] = False, to poll without this check; connect it to PostgreSQL '
+            "directly to be woken at once. Trying LISTEN again in %d minutes.%s",
+            why,
             self._poll_interval,
             round(REPROVE_AFTER / 60),
             ""
             if undone
             else " The pooler may keep the LISTEN on one of its server "
             "connections until it recycles it (server_lifetime).",
-            extra={"action": "listen_unavailable"},
+            extra={"action": "listen_unavailable", "pooled": pooled},
         )
 
 
 def _connect(params: dict[str, Any]) -> psycopg.Connection[Any]:
     """An autocommit connection (``params`` from ``dbbounds.connect_params``: never prepares)."""
     return psycopg.connect(**params, autocommit=True)
+
+
+def _owns_its_session(conn: psycopg.Connection[Any]) -> bool:
+    """Whether the backend that answers on ``conn`` is the one the connection was opened with.
+
+    PostgreSQL names the backend process of a new session in its reply to the start-up (the
+    key a cancel request quotes, which libpq reports as ``backend_pid``). A pooler answers the
+    start-up itself, with a key of its own, as it cannot know which server connection will
+    run each statement: behind PgBouncer (any pool mode) and the other poolers the two differ.
+    A TCP or TLS proxy passes the reply through: the session is then the connection's own as
+    on a direct one. One statement, in a transaction of its own, that leaves nothing behind.
+    """
+    return conn.info.backend_pid == _backend(conn)
 
 
 def _backend(conn: psycopg.Connection[Any]) -> int:

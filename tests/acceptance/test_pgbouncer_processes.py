@@ -5,7 +5,8 @@ Two workers drain a few thousand jobs, enqueued once both poll, through the pool
 with SIGKILL halfway, and the other takes its jobs back once their leases expire. Neither is
 told ``--no-listen``: each finds that LISTEN delivers nothing there, says so once, and polls.
 A trigger on the jobs table records every transition out of ``running``, so the database
-itself says how many outcomes each job got.
+itself says how many outcomes each job got. And workers killed with SIGKILL while their
+listener decides whether to LISTEN leave no server connection of the pool listening.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from django.db.models import Count
 from jobs import enqueue_many
 from jobs.models import Job
 from tests.acceptance.conftest import wait_for
-from tests.pgbouncer import pgbouncer_fixture  # noqa: F401  (provides `pgbouncer`)
+from tests.pgbouncer import (  # noqa: F401  (pgbouncer_fixture provides `pgbouncer`)
+    PgBouncer,
+    pgbouncer_fixture,
+    skip_reason,
+)
 from tests.procapp.jobs import Trace
 
 pytestmark = [
@@ -128,3 +133,60 @@ def test_workers_through_pgbouncer_lose_no_job_and_double_none(
     assert "Traceback" not in a.output()
     assert pgbouncer.leftovers() == {}
     print(f"drained {LOAD} jobs through PgBouncer in {drained:.1f}s, {len(taken_back)} taken back")
+
+
+def _pooler_clients(pooler: PgBouncer, application_name: str) -> list[dict]:
+    return [
+        client
+        for client in pooler.show("CLIENTS")
+        if client.get("application_name") == application_name
+    ]
+
+
+def _kill_while_proving(pooler: PgBouncer, spawn) -> None:
+    """Start a worker through ``pooler`` and ``kill -9`` it at two moments of its proof.
+
+    As its listener connects, and once its proof is under way (the probe's connection is at
+    the pooler); or, either time, as soon as it has decided (the warning is out), as the
+    decision may come first. Whatever it sent by then must leave no pooled server connection
+    listening, nor anything else of a session.
+    """
+    env = {"DATABASE_URL": pooler.database_url()}
+    moments = {
+        "the listener connects": "jobs-worker listener",
+        "the proof is under way": "jobs-worker listener probe",
+    }
+    for moment, client in moments.items():
+        worker = spawn(*WORKER, **env)
+        wait_for(
+            lambda w=worker, c=client: (
+                _pooler_clients(pooler, c) or "LISTEN delivers no notifications" in w.output()
+            ),
+            timeout=30,
+            interval=0.005,
+            what=f"{moment}, or the decision",
+        )
+        worker.proc.kill()
+        worker.wait()
+        wait_for(
+            lambda: not _pooler_clients(pooler, "jobs-worker listener"),
+            what="the killed listener's client gone",
+        )
+        assert pooler.leftovers() == {}, f"killed as {moment}"
+    # No notice ever reached a server connection that no client held.
+    assert "when not linked" not in pooler.log_text()
+
+
+def test_a_worker_killed_while_it_proves_listen_leaves_nothing_on_the_pool(pgbouncer, spawn):
+    """Round robin: the listener's transactions move between servers at once."""
+    _kill_while_proving(pgbouncer, spawn)
+
+
+def test_killed_while_proving_listen_behind_a_pooler_that_lends_the_last_server_first(spawn):
+    """PgBouncer's default order, where an idle client's transactions stay on one backend:
+    the proof then lasts until its probe times out, seconds in which the process may die.
+    """
+    if skip_reason():
+        pytest.skip(skip_reason())
+    with PgBouncer(round_robin=False) as lifo:
+        _kill_while_proving(lifo, spawn)

@@ -27,7 +27,7 @@ from django.utils import timezone
 from prometheus_client import REGISTRY
 
 from jobs import enqueue, queue
-from jobs.conf import NOTIFY_CHANNEL
+from jobs.conf import DEFAULTS, NOTIFY_CHANNEL
 from jobs.models import Job
 from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome
 from jobs.worker import wakeup
@@ -37,6 +37,7 @@ from jobs.worker.runner import Worker
 from jobs.worker.wakeup import NotifyListener
 from tests.factories import JobFactory
 from tests.pgbouncer import PgBouncer, pgbouncer_fixture, skip_reason  # noqa: F401
+from tests.tcp_proxy import TcpProxy
 from tests.worker_support import Echo, Recorder, Step, registry
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -243,6 +244,54 @@ def test_an_admin_action_asks_then_acts_through_the_pooler(pgbouncer):
     assert pgbouncer.leftovers() == {}
 
 
+# -- a database restart ---------------------------------------------------------------------
+
+
+def _served(bouncer: PgBouncer) -> bool:
+    try:
+        with bouncer.connect() as client:
+            client.execute("SELECT 1")
+    except psycopg.Error:
+        return False
+    return True
+
+
+def _refused(bouncer: PgBouncer) -> bool:
+    try:
+        with bouncer.connect() as client:
+            client.execute("SELECT 1")
+    except psycopg.OperationalError as exc:
+        return "server_login_retry" in str(exc)
+    return False
+
+
+def test_after_a_database_restart_clients_are_served_again_within_a_lease():
+    """A login refused while the database starts makes PgBouncer refuse every client for
+    ``server_login_retry``: enqueue fails and lease renewals too, so the pause must end well
+    within a lease of the database being back (tests/pgbouncer.py sets what the docs say)."""
+    if skip_reason():
+        pytest.skip(skip_reason())
+    with TcpProxy() as server:
+        settings = {**connection.settings_dict, "HOST": server.host, "PORT": str(server.port)}
+        with PgBouncer(settings, pool_size=2) as bouncer:
+            assert _served(bouncer)
+            server.down()
+            # A client that comes now waits for a server; the pooler's login for it fails.
+            waiting = threading.Thread(target=_served, args=(bouncer,), daemon=True)
+            waiting.start()
+            wait_for(
+                lambda: "the database system is starting up" in bouncer.log_text(),
+                what="a server login refused",
+            )
+            assert _refused(bouncer)  # from then on, every client at once
+            server.up()
+            back = time.monotonic()
+            wait_for(lambda: _served(bouncer), timeout=30, what="clients served again")
+            paused = time.monotonic() - back
+            waiting.join(30)
+    assert paused < DEFAULTS["LEASE"].total_seconds() / 3, f"refused for {paused:.1f}s"
+
+
 # -- a worker: LISTEN proved or given up -----------------------------------------------------
 
 
@@ -279,6 +328,56 @@ def test_a_worker_behind_the_pooler_finds_listen_useless_warns_and_polls(pgbounc
     [warning] = _listener_warnings(caplog)
     assert "--no-listen" in warning and 'JOBS["NOTIFY"]' in warning and "0.5s" in warning
     # The LISTEN that failed was undone on the server connection that ran it.
+    assert pgbouncer.leftovers() == {}
+
+
+def _record_listener_statements(monkeypatch) -> list[tuple[str, str]]:
+    """(application_name, statement) of each statement the listener's connections send."""
+    real = wakeup._connect
+    sent: list[tuple[str, str]] = []
+
+    def connect(params):
+        conn = real(params)
+        execute = conn.execute
+
+        def recorded(query, *args, **kwargs):
+            sent.append((params.get("application_name"), str(query)))
+            return execute(query, *args, **kwargs)
+
+        conn.execute = recorded
+        return conn
+
+    monkeypatch.setattr(wakeup, "_connect", connect)
+    return sent
+
+
+@pytest.mark.parametrize("pool_mode", ["transaction", "session"])
+def test_no_listen_is_sent_through_a_pooler_in_any_pool_mode(pool_mode, monkeypatch, caplog):
+    """Before anything that outlives a transaction, the listener asks which backend answers:
+    behind a pooler it is not the one the connection was opened with, so nothing more is sent
+    (a process killed at any moment leaves no LISTEN on a server the pooler lends)."""
+    if skip_reason():
+        pytest.skip(skip_reason())
+    caplog.set_level(logging.INFO, logger="jobs.worker")
+    sent = _record_listener_statements(monkeypatch)
+    with PgBouncer(pool_mode=pool_mode) as bouncer, bouncer.routing():
+        listener = NotifyListener(["x"], lambda name: None)
+        assert listener._listen() is False
+        assert listener.unproven.is_set() and not listener.listening.is_set()
+        assert bouncer.leftovers() == {}
+    assert sent == [("jobs-worker listener", "SELECT pg_backend_pid()")]
+    [warning] = _listener_warnings(caplog)
+    assert "goes through one" in warning and "no LISTEN was sent" in warning
+    assert "server_lifetime" not in warning
+
+
+def test_only_a_direct_connection_owns_its_session(pgbouncer):
+    with wakeup._connect(_connect_params()) as direct:
+        assert wakeup._owns_its_session(direct)
+    with pgbouncer.routing():
+        params = _connect_params()
+    with wakeup._connect(params) as pooled:
+        assert not wakeup._owns_its_session(pooled)
     assert pgbouncer.leftovers() == {}
 
 

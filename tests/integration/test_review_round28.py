@@ -28,6 +28,12 @@ sent from a thread of its own, within the proof's deadline):
   PgBouncer's queue (``query_wait_timeout``, 120 s by default) and neither a stop request
   nor ``PROBE_TIMEOUT`` ended the wait.
 
+Since then the listener sends no LISTEN at all where the backend that answers is not the one
+its connection was opened with, which is so behind PgBouncer in any pool mode
+(tests/integration/test_pgbouncer.py). The proof pinned here still decides behind a pooler
+that passes PostgreSQL's start-up reply through: :func:`_a_pooler_that_passes_the_key_through`
+plays one, by taking every connection as the session's own.
+
 Every test runs on real PostgreSQL and a real PgBouncer; waits poll with deadlines.
 """
 
@@ -55,6 +61,12 @@ pytestmark = [pytest.mark.django_db(transaction=True)]
 
 PROBE_APP = "jobs-worker listener probe"
 LISTENER_APP = "jobs-worker listener"
+
+
+@pytest.fixture(autouse=True)
+def _a_pooler_that_passes_the_key_through(monkeypatch) -> None:
+    """The pooler is not told apart before the LISTEN: the probe's proof has to decide."""
+    monkeypatch.setattr(wakeup, "_owns_its_session", lambda conn: True)
 
 
 def _params() -> dict[str, Any]:
@@ -105,9 +117,9 @@ class Recording(NotifyListener):
         self.proofs.append(result)
         return result
 
-    def _fall_back(self, undone: bool) -> None:
+    def _fall_back(self, undone: bool, pooled: bool = False) -> None:
         self.undone.append(undone)
-        super()._fall_back(undone)
+        super()._fall_back(undone, pooled)
 
     def stop_timed(self, timeout: float = 5.0) -> float:
         started = time.monotonic()
@@ -241,8 +253,8 @@ def test_the_warning_is_logged_once_over_many_failed_proofs(monkeypatch, caplog)
         listener = Recording(("x",), poll_interval=0.7)
         real_fall_back = listener._fall_back
 
-        def fall_back(undone: bool) -> None:
-            real_fall_back(undone)
+        def fall_back(undone: bool, pooled: bool = False) -> None:
+            real_fall_back(undone, pooled)
             if len(listener.undone) == 4:  # park the loop in its wait: stop ends no proof
                 wakeup.REPROVE_AFTER = 60.0
 
