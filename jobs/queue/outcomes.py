@@ -18,11 +18,11 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.utils import timezone
 
 from jobs.progress import Progress
-from jobs.queue import _db, attempts, flow, rollup, text
+from jobs.queue import _db, attempts, batches, flow, rollup, text
 from jobs.queue._arrays import Array, array
 from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay
 
@@ -206,10 +206,17 @@ def record(
     """
     if not outcomes:
         return OutcomeReport((), ())
-    statement = (_RECORD if wait else _RECORD_SKIPPING)[count]
-    with _db.bound_cursor(using) as cur:
-        cur.execute(statement, outcome_params(outcomes, using))
-        rows = cur.fetchall()
+    params = outcome_params(outcomes, using)
+    if wait:
+        # The batch rows first, then the jobs' own (batches.lock_for says why).
+        with transaction.atomic(using=using), _db.bound_cursor(using) as cur:
+            batches.lock_for(cur, [o.id for o in outcomes])
+            cur.execute(_RECORD[count], params)
+            rows = cur.fetchall()
+    else:
+        with _db.bound_cursor(using) as cur:
+            cur.execute(_RECORD_SKIPPING[count], params)
+            rows = cur.fetchall()
     return outcome_report(
         outcomes,
         applied={token for token, written, _, _ in rows if written},
