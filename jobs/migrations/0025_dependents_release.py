@@ -60,8 +60,7 @@ BEGIN
         -- Ending them moves their batches' counts: those rows first, in id order, as
         -- everything that ends a batch member locks them (jobs.queue.batches.lock_for).
         PERFORM 1 FROM jobs_batch b
-        WHERE b.id IN (SELECT j.batch_id FROM jobs_job j
-                       WHERE j.id = ANY(p_jobs) AND j.batch_id IS NOT NULL)
+        WHERE b.id IN (SELECT COALESCE(j.batch_id, 0) FROM jobs_job j WHERE j.id = ANY(p_jobs))
         ORDER BY b.id FOR NO KEY UPDATE;
         WITH edges AS (
             UPDATE jobs_dependency d SET settled = TRUE

@@ -164,11 +164,12 @@ def lock_for(cur: CursorWrapper, job_ids: Sequence[int]) -> None:
     wait for, so the other order could deadlock with it. (The worker's pass never waits for
     a batch row at all: jobs.queue.outcomes.)
     """
+    # The rows by key: COALESCE keeps the planner from inferring ``batch_id IS NOT NULL``,
+    # the predicate of the batch members' partial index, which it could then read whole.
     cur.execute(
         "SELECT b.id FROM jobs_batch b WHERE b.id IN ("
-        " SELECT batch_id FROM jobs_job WHERE id = ANY(%(ids)s) AND batch_id IS NOT NULL"
-        " UNION SELECT batch_id FROM jobs_jobhistory"
-        " WHERE id = ANY(%(ids)s) AND batch_id IS NOT NULL"
+        " SELECT COALESCE(batch_id, 0) FROM jobs_job WHERE id = ANY(%(ids)s)"
+        " UNION SELECT COALESCE(batch_id, 0) FROM jobs_jobhistory WHERE id = ANY(%(ids)s)"
         ") ORDER BY b.id FOR NO KEY UPDATE",
         {"ids": list(job_ids)},
     )

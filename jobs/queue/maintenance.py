@@ -60,14 +60,15 @@ _EXPIRED_ENTRY = attempts.entry_sql(
 
 
 def _settling(swept: str, ends: str) -> str:
-    """The batch rows the jobs in ``swept`` that it ends (``ends``, of ``s``) move, locked without
-    waiting: a job whose batch another session holds is left for the next pass. Waiting here,
-    after the job rows, could deadlock with an add to the batch, which locks the batch row
-    first and the jobs its members wait for as it commits."""
+    """The batch rows the jobs in ``swept`` that it ends (``ends``, of ``s``) move, locked
+    without waiting: a job whose batch another session holds is left for the next pass.
+    Waiting here, after the job rows, could deadlock with an add to the batch, which locks
+    the batch row first and the jobs its members wait for as it commits. (COALESCE: see
+    jobs.queue.batches.lock_for.)"""
     return f"""settling AS MATERIALIZED (
             SELECT b.id FROM jobs_batch b
-            WHERE b.id IN (SELECT j.batch_id FROM jobs_job j JOIN {swept} s ON j.id = s.id
-                           WHERE {ends})
+            WHERE b.id IN (SELECT COALESCE(j.batch_id, 0)
+                           FROM jobs_job j JOIN {swept} s ON j.id = s.id WHERE {ends})
             FOR NO KEY UPDATE OF b SKIP LOCKED
         )"""
 
