@@ -725,6 +725,9 @@ class Dependency(models.Model):
     )
     # The upstream's outcome has been applied to the waiting job (once, whoever applies it).
     settled = models.BooleanField(_("settled"), default=False, db_default=False)
+    # When the edge was made (its statement's time): a release pending from before a replay
+    # of the upstream applies only to edges made before it (jobs.queue.dependencies).
+    created_at = models.DateTimeField(_("created at"), db_default=Now())
 
     class Meta:
         verbose_name = _("dependency")
@@ -763,6 +766,9 @@ class Settlement(models.Model):
     upstream = models.BigIntegerField(_("ended job"))
     state = models.CharField(_("ended as"), max_length=16)
     created_at = models.DateTimeField(_("ended at"), db_default=Now())
+    # Set when the job is replayed before this is applied: it then applies only to the
+    # edges made before that (the jobs that waited for it when it ended).
+    cutoff = models.DateTimeField(_("replayed at"), null=True, blank=True)
 
     class Meta:
         verbose_name = _("settlement")

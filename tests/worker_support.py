@@ -238,13 +238,14 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
 
 @contextmanager
 def running_worker(registry: Registry, **config) -> Iterator:
-    """A Worker (no signal handlers, 50 ms polls, ``config``) running in a thread of this
-    process; stopped, and its thread joined, on leaving."""
+    """A Worker (no signal handlers, 50 ms polls unless ``config`` says otherwise) running in
+    a thread of this process; stopped, and its thread joined, on leaving."""
     from jobs.worker.config import WorkerConfig
     from jobs.worker.runner import Worker
 
     worker = Worker(
-        registry, WorkerConfig(install_signal_handlers=False, poll_interval=0.05, **config)
+        registry,
+        WorkerConfig(**{"install_signal_handlers": False, "poll_interval": 0.05, **config}),
     )
     thread = threading.Thread(target=worker.run)
     thread.start()

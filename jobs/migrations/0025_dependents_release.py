@@ -57,6 +57,11 @@ BEGIN
         INTO n, due FROM released;
         PERFORM pg_notify('jobs_enqueued', x) FROM unnest(due) AS x;
     ELSE
+        -- Ending them moves their batches' counts: those rows first, in id order, as
+        -- everything that ends a batch member locks them (jobs.queue.batches.lock_for).
+        PERFORM 1 FROM jobs_batch b
+        WHERE b.id IN (SELECT COALESCE(j.batch_id, 0) FROM jobs_job j WHERE j.id = ANY(p_jobs))
+        ORDER BY b.id FOR NO KEY UPDATE;
         WITH edges AS (
             UPDATE jobs_dependency d SET settled = TRUE
             WHERE d.upstream = p_upstream AND d.job = ANY(p_jobs) AND NOT d.settled
@@ -114,26 +119,36 @@ CREATE UNLOGGED TABLE jobs_dependency_check (
     jobs bigint[] NOT NULL
 );
 
--- As the enqueue commits: mark the job waited for, under its row lock (held from here to the
+-- As the enqueue commits: mark each job waited for, under its row lock (held from here to the
 -- commit, not for the producer's whole transaction), and apply its outcome if it ended after
 -- the enqueue read it: its release ran without these edges, which were not committed yet.
+-- The first check of a transaction does all of its rows (no other transaction's are
+-- visible), in the order of the jobs waited for: two producers locking them in opposite
+-- orders could deadlock. The checks after it find their rows gone.
 CREATE FUNCTION jobs_dependency_checked() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
+    c record;
     s text;
     marked boolean;
 BEGIN
-    SELECT state, depended_on INTO s, marked FROM jobs_job
-    WHERE id = NEW.upstream FOR NO KEY UPDATE;
-    IF NOT FOUND THEN
-        SELECT state INTO s FROM jobs_jobhistory WHERE id = NEW.upstream;
-        s := COALESCE(s, 'cancelled');  -- gone from both tables: it cannot succeed now
-    ELSIF NOT marked THEN
-        UPDATE jobs_job SET depended_on = TRUE WHERE id = NEW.upstream;
-    END IF;
-    IF s IN ('succeeded', 'failed', 'cancelled') THEN
-        PERFORM jobs_dependents_release(NEW.upstream, s, NEW.jobs);
-    END IF;
-    DELETE FROM jobs_dependency_check WHERE id = NEW.id;
+    FOR c IN
+        SELECT upstream, array_agg(j ORDER BY j) AS jobs
+        FROM jobs_dependency_check, unnest(jobs) AS j
+        GROUP BY upstream ORDER BY upstream
+    LOOP
+        SELECT state, depended_on INTO s, marked FROM jobs_job
+        WHERE id = c.upstream FOR NO KEY UPDATE;
+        IF NOT FOUND THEN
+            SELECT state INTO s FROM jobs_jobhistory WHERE id = c.upstream;
+            s := COALESCE(s, 'cancelled');  -- gone from both tables: it cannot succeed now
+        ELSIF NOT marked THEN
+            UPDATE jobs_job SET depended_on = TRUE WHERE id = c.upstream;
+        END IF;
+        IF s IN ('succeeded', 'failed', 'cancelled') THEN
+            PERFORM jobs_dependents_release(c.upstream, s, c.jobs);
+        END IF;
+    END LOOP;
+    DELETE FROM jobs_dependency_check;
     RETURN NULL;
 END
 $$;
@@ -146,18 +161,8 @@ FOR EACH ROW EXECUTE FUNCTION jobs_dependency_checked();
 
 PREVIOUS = importlib.import_module("jobs.migrations.0024_settle_by_key")
 
-REVERSE_SQL = (
-    r"""
--- Apply what is pending the way 0024 would have, before its trigger comes back.
-SELECT jobs_dependents_release(
-    s.upstream, s.state,
-    ARRAY(SELECT d.job FROM jobs_dependency d WHERE d.upstream = s.upstream AND NOT d.settled)
-)
-FROM jobs_settlement s ORDER BY s.id;
-DELETE FROM jobs_settlement;
-DROP TRIGGER jobs_dependency_checked ON jobs_dependency_check;
-DROP FUNCTION jobs_dependency_checked();
-DROP TABLE jobs_dependency_check;
+# 0024's trigger function: it released waiting jobs in the statement that ended their job.
+SETTLED_IN_STATEMENT = r"""
 CREATE OR REPLACE FUNCTION jobs_job_settled() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF NEW.batch_id IS NOT NULL THEN
@@ -175,8 +180,25 @@ BEGIN
 END
 $$;
 """
-    + PREVIOUS.SQL
-    + """
+
+# Back: 0024's functions first, so the pending settlements applied here (in the order they
+# were made, each to the edges made before a replay of its job) end whole chains at once,
+# as 0024's trigger does; then what 0025 added goes.
+REVERSE_SQL = (
+    PREVIOUS.SQL
+    + SETTLED_IN_STATEMENT
+    + r"""
+SELECT jobs_dependents_release(
+    s.upstream, s.state,
+    ARRAY(SELECT d.job FROM jobs_dependency d
+          WHERE d.upstream = s.upstream AND NOT d.settled
+            AND (s.cutoff IS NULL OR d.created_at < s.cutoff))
+)
+FROM jobs_settlement s ORDER BY s.id;
+DELETE FROM jobs_settlement;
+DROP TRIGGER jobs_dependency_checked ON jobs_dependency_check;
+DROP FUNCTION jobs_dependency_checked();
+DROP TABLE jobs_dependency_check;
 DROP FUNCTION jobs_dependents_release(bigint, text, bigint[]);
 """
 )
@@ -201,6 +223,10 @@ class Migration(migrations.Migration):
                         verbose_name="ended at",
                     ),
                 ),
+                (
+                    "cutoff",
+                    models.DateTimeField(blank=True, null=True, verbose_name="replayed at"),
+                ),
             ],
             options={
                 "verbose_name": "settlement",
@@ -211,6 +237,13 @@ class Migration(migrations.Migration):
             model_name="dependency",
             name="settled",
             field=models.BooleanField(db_default=False, default=False, verbose_name="settled"),
+        ),
+        migrations.AddField(
+            model_name="dependency",
+            name="created_at",
+            field=models.DateTimeField(
+                db_default=django.db.models.functions.datetime.Now(), verbose_name="created at"
+            ),
         ),
         migrations.AddIndex(
             model_name="dependency",

@@ -28,9 +28,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db.backends.utils import CursorWrapper
 
 from jobs import databases
-from jobs.queue import _db, dependencies, enqueue, keys
+from jobs.queue import _db, enqueue, keys
 from jobs.queue.types import BatchFailure, BatchState, Enqueued, InvalidJob, NewJob, validate_key
 
 _STATE_COLUMNS = (
@@ -125,13 +126,9 @@ def add(batch_id: int, jobs: Sequence[NewJob], *, using: str = DEFAULT_DB_ALIAS)
     if not jobs:
         return []
     with transaction.atomic(using=using), _db.cursor(using) as cur:
-        waiting = [enqueue.validated_row(job) for job in jobs if job.after]
-        if waiting:
-            # Lock the jobs the members wait for before the batch row: an outcome locks its
-            # job's row and then its batch's, and a member waiting for a sibling that
-            # finishes meanwhile would take the two the other way round (a deadlock). The
-            # enqueue below finds them held already.
-            dependencies.prepare(cur, waiting)
+        # The batch row first, the jobs the members wait for as the transaction commits
+        # (jobs.queue.dependencies): whatever ends a member locks its batch row before the
+        # member's own (lock_for), and the worker's pass never waits for a batch row.
         # Count the jobs first: a member may finish inside this very transaction (it waits for
         # a job that has failed), and the counts must never pass the total.
         cur.execute(
@@ -157,6 +154,25 @@ def add(batch_id: int, jobs: Sequence[NewJob], *, using: str = DEFAULT_DB_ALIAS)
         # Members that finished in this transaction may have been the last ones.
         cur.execute("SELECT jobs_batch_settle(%s, 0, 0, 0)", [batch_id])
     return results
+
+
+def lock_for(cur: CursorWrapper, job_ids: Sequence[int]) -> None:
+    """Lock the batch rows of these jobs (in either table), in id order, waiting for them.
+
+    Whatever ends a member or brings one back locks its batch's row before the member's own:
+    an add to a batch holds the batch's row and, as it commits, locks the jobs its members
+    wait for, so the other order could deadlock with it. (The worker's pass never waits for
+    a batch row at all: jobs.queue.outcomes.)
+    """
+    # The rows by key: COALESCE keeps the planner from inferring ``batch_id IS NOT NULL``,
+    # the predicate of the batch members' partial index, which it could then read whole.
+    cur.execute(
+        "SELECT b.id FROM jobs_batch b WHERE b.id IN ("
+        " SELECT COALESCE(batch_id, 0) FROM jobs_job WHERE id = ANY(%(ids)s)"
+        " UNION SELECT COALESCE(batch_id, 0) FROM jobs_jobhistory WHERE id = ANY(%(ids)s)"
+        ") ORDER BY b.id FOR NO KEY UPDATE",
+        {"ids": list(job_ids)},
+    )
 
 
 def seal(batch_id: int, *, using: str = DEFAULT_DB_ALIAS) -> bool:

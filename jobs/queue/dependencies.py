@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, transaction
 from django.db.backends.utils import CursorWrapper
 
 from jobs.models import WAITING_UNTIL, DependencyFailure
@@ -185,26 +185,56 @@ class Released:
     state: str = ""
     settled: int = 0
     finished: bool = False
+    settlement: int | None = None
 
 
-def release(*, step: int = RELEASE_STEP, using: str = DEFAULT_DB_ALIAS) -> Released:
+def release(
+    *, step: int = RELEASE_STEP, skip: Iterable[int] = (), using: str = DEFAULT_DB_ALIAS
+) -> Released:
     """Apply up to ``step`` waiting jobs of a pending settlement, in one transaction.
 
     Settlements of one job are applied in the order they were made (a job that failed, was
     replayed and succeeded releases as failed first); sessions running this at once take
-    different jobs' settlements (rows locked by another are skipped). Raises DatabaseError
-    (a lock or statement timeout: try again later, nothing was applied).
+    different jobs' settlements (rows locked by another are skipped), and settlements whose
+    id is in ``skip`` are left for later. Raises :class:`ReleaseFailed` (a lock or statement
+    timeout: try again later, nothing of that step was applied).
     """
-    with transaction.atomic(using=using), _db.cursor(using) as cur:
-        cur.execute(_RELEASE_STEP, {"step": step})
-        row = cur.fetchone()
-        if row is None:
-            return Released()
-        settlement, upstream, state, taken, settled = row
-        finished = taken < step
-        if finished:
-            cur.execute("DELETE FROM jobs_settlement WHERE id = %s", [settlement])
-    return Released(upstream, state, settled, finished)
+    settlement = None
+    try:
+        with transaction.atomic(using=using), _db.cursor(using) as cur:
+            cur.execute(_PICK, {"skip": sorted(set(skip))})
+            row = cur.fetchone()
+            if row is None:
+                return Released()
+            settlement, upstream, state, cutoff = row
+            cur.execute(_APPLY, {"up": upstream, "state": state, "cutoff": cutoff, "step": step})
+            [(taken, settled)] = cur.fetchall()
+            finished = taken < step
+            if finished:
+                cur.execute("DELETE FROM jobs_settlement WHERE id = %s", [settlement])
+    except DatabaseError as exc:
+        if settlement is None:
+            raise
+        raise ReleaseFailed(settlement, exc) from exc
+    return Released(upstream, state, settled, finished, settlement)
+
+
+class ReleaseFailed(DatabaseError):
+    """A release step failed on one settlement (a lock another session holds, say)."""
+
+    def __init__(self, settlement: int, cause: BaseException) -> None:
+        super().__init__(f"releasing settlement {settlement}: {cause}")
+        self.settlement = settlement
+
+
+def replayed(cur: CursorWrapper, ids: Iterable[int]) -> None:
+    """Jobs were replayed: a release pending from how they ended applies to the jobs that
+    waited for them until now, not to those that will wait for their next run."""
+    cur.execute(
+        "UPDATE jobs_settlement SET cutoff = statement_timestamp() "
+        "WHERE upstream = ANY(%s) AND cutoff IS NULL",
+        [sorted(set(ids))],
+    )
 
 
 def release_pending(
@@ -221,10 +251,20 @@ def release_pending(
         return 0
     settled = 0
     deadline = time.monotonic() + budget
+    failed: list[int] = []
     while True:
-        done = release(step=step, using=using)
+        try:
+            done = release(step=step, skip=failed, using=using)
+        except ReleaseFailed as exc:
+            # That settlement waits for a lock: the others go on, it is tried next time.
+            failed.append(exc.settlement)
+            if time.monotonic() >= deadline:
+                raise
+            continue
         settled += done.settled
         if done.upstream is None or time.monotonic() >= deadline:
+            if failed:
+                raise ReleaseFailed(failed[0], DatabaseError("a lock held it up"))
             return settled
 
 
@@ -237,27 +277,29 @@ def pending_settlements(*, using: str = DEFAULT_DB_ALIAS) -> int:
 
 
 # A settlement no session holds whose job has none older (of those, the lowest job's: a job
-# waiting for two that ended together ends by the lower one's edge), and the next edges it
-# has not applied, applied (jobs_dependents_release, migration 0025).
-_RELEASE_STEP = """
-WITH s AS (
-    SELECT s.id, s.upstream, s.state FROM jobs_settlement s
-    WHERE NOT EXISTS (
-        SELECT 1 FROM jobs_settlement o WHERE o.upstream = s.upstream AND o.id < s.id
-    )
-    ORDER BY s.upstream, s.id LIMIT 1
-    FOR UPDATE SKIP LOCKED
-),
-next AS (
-    SELECT s.*, ARRAY(
+# waiting for two that ended together ends by the lower one's edge).
+_PICK = """
+SELECT s.id, s.upstream, s.state, s.cutoff FROM jobs_settlement s
+WHERE s.id <> ALL(%(skip)s::bigint[])
+  AND NOT EXISTS (
+    SELECT 1 FROM jobs_settlement o WHERE o.upstream = s.upstream AND o.id < s.id
+  )
+ORDER BY s.upstream, s.id LIMIT 1
+FOR UPDATE SKIP LOCKED
+"""
+# The next edges it has not applied (made before its job was replayed, if it was), applied
+# (jobs_dependents_release, migration 0025): how many were taken, and how many waiting jobs
+# that settled.
+_APPLY = """
+WITH next AS (
+    SELECT ARRAY(
         SELECT d.job FROM jobs_dependency d
-        WHERE d.upstream = s.upstream AND NOT d.settled
+        WHERE d.upstream = %(up)s AND NOT d.settled
+          AND (%(cutoff)s::timestamptz IS NULL OR d.created_at < %(cutoff)s::timestamptz)
         ORDER BY d.job LIMIT %(step)s
     ) AS jobs
-    FROM s
 )
-SELECT id, upstream, state, cardinality(jobs), jobs_dependents_release(upstream, state, jobs)
-FROM next
+SELECT cardinality(jobs), jobs_dependents_release(%(up)s, %(state)s, jobs) FROM next
 """
 
 _TERMINAL = ("succeeded", "failed", "cancelled")
@@ -274,8 +316,9 @@ def _insert_edges(
     when read is checked again as the transaction commits (``jobs_dependency_check``).
     """
     cur.execute(
-        "INSERT INTO jobs_dependency (job, upstream, on_failure, settled) "
-        "SELECT * FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::boolean[])",
+        "INSERT INTO jobs_dependency (job, upstream, on_failure, settled, created_at) "
+        "SELECT *, statement_timestamp() "
+        "FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::boolean[])",
         [
             [job for job, _, _ in edges],
             [up for _, up, _ in edges],

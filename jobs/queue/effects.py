@@ -131,9 +131,9 @@ def hold(job: int, token: UUID, *, using: str = DEFAULT_DB_ALIAS) -> bool:
     for (at its commit): the other way round, the two could deadlock.
     """
     with _db.cursor(using) as cur:  # by key, as _HELD
-        cur.execute(
+        cur.execute(  # COALESCE: see jobs.queue.batches.lock_for
             "SELECT 1 FROM jobs_batch WHERE id = "
-            "(SELECT batch_id FROM jobs_job WHERE id = %s AND claim_token = %s) "
+            "(SELECT COALESCE(batch_id, 0) FROM jobs_job WHERE id = %s AND claim_token = %s) "
             "FOR NO KEY UPDATE",
             [job, token],
         )

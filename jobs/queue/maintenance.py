@@ -59,6 +59,23 @@ _EXPIRED_ENTRY = attempts.entry_sql(
 )
 
 
+def _settling(swept: str, ends: str) -> str:
+    """The batch rows the jobs in ``swept`` that it ends (``ends``, of ``s``) move, locked
+    without waiting: a job whose batch another session holds is left for the next pass.
+    Waiting here, after the job rows, could deadlock with an add to the batch, which locks
+    the batch row first and the jobs its members wait for as it commits. (COALESCE: see
+    jobs.queue.batches.lock_for.)"""
+    return f"""settling AS MATERIALIZED (
+            SELECT b.id FROM jobs_batch b
+            WHERE b.id IN (SELECT COALESCE(j.batch_id, 0)
+                           FROM jobs_job j JOIN {swept} s ON j.id = s.id WHERE {ends})
+            FOR NO KEY UPDATE OF b SKIP LOCKED
+        )"""
+
+
+_SETTLES = "(j.batch_id IS NULL OR j.batch_id IN (SELECT id FROM settling))"
+
+
 def requeue_expired(
     *,
     scope: Scope | None = None,
@@ -84,6 +101,7 @@ def requeue_expired(
             LIMIT %(limit)s
             FOR UPDATE SKIP LOCKED
         ),
+        {_settling("expired", "s.asked")},
         swept AS (
         UPDATE jobs_job j
         SET state = CASE WHEN asked THEN 'cancelled' ELSE 'queued' END,
@@ -102,6 +120,7 @@ def requeue_expired(
             -- Back in the queue in its type's order now (jobs.queue.flow).
             fair = CASE WHEN asked THEN j.fair ELSE {_FAIR} END
         FROM expired WHERE j.id = expired.id
+          AND (NOT expired.asked OR {_SETTLES})
         RETURNING {_SWEPT}, expired.waited
         ),
         {_ROLLED}
@@ -189,6 +208,7 @@ def fail_exhausted_sql(
             LIMIT %(limit)s
             FOR UPDATE OF j SKIP LOCKED
         ),
+        {_settling("exhausted", "TRUE")},
         swept AS (
         UPDATE jobs_job j
         SET last_error = CASE WHEN asked THEN %(cancelled)s
@@ -205,7 +225,7 @@ def fail_exhausted_sql(
             claim_token = NULL, lease_expires_at = NULL,
             -- The last attempt's worker stays with it (jobs.queue.attempts).
             claimed_by = CASE WHEN j.state = 'running' THEN j.claimed_by ELSE '' END
-        FROM exhausted WHERE j.id = exhausted.id
+        FROM exhausted WHERE j.id = exhausted.id AND {_SETTLES}
         RETURNING {_SWEPT}, exhausted.waited
         ),
         {_ROLLED}

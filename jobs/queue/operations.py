@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, transaction
 
 from jobs import binding
-from jobs.queue import _db, attempts, dependencies, flow, history, keys, rollup
+from jobs.queue import _db, attempts, batches, dependencies, flow, history, keys, rollup
 from jobs.queue.types import ReplayReport
 from jobs.runs import ErrorCode
 
@@ -74,6 +74,7 @@ def replay(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> Rep
     if not wanted:
         return ReplayReport((), (), ())
     with transaction.atomic(using=using), _db.cursor(using) as cur:
+        batches.lock_for(cur, wanted)  # before the rows: see batches.lock_for
         # Wait for an archive pass moving any of these rows to commit, so the next statement
         # finds each row in one table or the other, never in neither.
         cur.execute("SELECT id FROM jobs_job WHERE id = ANY(%s) FOR UPDATE", [wanted])
@@ -95,6 +96,9 @@ def replay(ids: Iterable[int], *, by: str, using: str = DEFAULT_DB_ALIAS) -> Rep
                         replayed.update(i for (i,) in cur.fetchall())
                 except IntegrityError:
                     continue  # a concurrent enqueue took the key: reported as key_taken
+        # A release still pending from how a replayed job ended applies to the jobs that
+        # waited for it then, not to those enqueued after it from now on.
+        dependencies.replayed(cur, replayed)
         # A replayed job that waited for others waits again for those not succeeded.
         dependencies.reckon(cur, replayed)
         binding.replayed(replayed, using=using)
@@ -186,6 +190,7 @@ def cancel_active(
     if not wanted or not states:
         return [], []
     with transaction.atomic(using=using), _db.cursor(using) as cur:
+        batches.lock_for(cur, wanted)  # before the rows: see batches.lock_for
         cur.execute(
             _CANCEL,
             {"ids": wanted, "states": states, "by": by[:150], "code": ErrorCode.CANCELLED},

@@ -54,7 +54,7 @@ _STOPPED_DETAIL = "('cancelled while running, asked by ' || j.cancel_requested_b
 # running row of the fleet (with 2,000 held by other workers, 8 µs more of PostgreSQL's CPU
 # a job in passes of 50).
 _OUTCOME_CTES = (
-    """
+    """{FIRST}
 o AS (
     -- Of two outcomes for one attempt, the later.
     SELECT DISTINCT ON (o.id, o.token) * FROM unnest(
@@ -74,7 +74,7 @@ free AS (
            j.cancel_requested_at IS NOT NULL
                AND (o.state IN ('queued', 'cancelled')) AS stopped{FIGURES}
     FROM jobs_job j JOIN o ON j.id = o.id
-    WHERE j.claim_token = o.token AND j.state || '' = 'running'
+    WHERE j.claim_token = o.token AND j.state || '' = 'running'{FIRST_READ}
     FOR UPDATE OF j SKIP LOCKED
 ),
 settling AS MATERIALIZED (
@@ -149,16 +149,35 @@ _COUNTED = """,
 #: its own (:func:`record`) it waits for a batch row another session holds, as long as the
 #: connection's lock timeout allows; in the worker's pass (``PASS_OUTCOME_CTES``) it never
 #: waits, and the members are busy.
-OUTCOME_CTES = {
-    count: _OUTCOME_CTES.replace("{FIGURES}", _FIGURES if count else "")
-    .replace("{COUNTED}", _COUNTED if count else "")
-    .replace("{SKIP}", "")
-    for count in (True, False)
-}
-PASS_OUTCOME_CTES = {
-    count: ctes.replace("FOR NO KEY UPDATE OF b", "FOR NO KEY UPDATE OF b SKIP LOCKED")
-    for count, ctes in OUTCOME_CTES.items()
-}
+# Waiting, it locks the batch rows first, before the jobs' own rows (jobs.queue.batches.
+# lock_for says why): ``free`` reads ``batches_first`` in a condition that depends on no row,
+# which PostgreSQL evaluates once, before the scan that locks the jobs. The jobs are read by
+# key: COALESCE keeps the planner from inferring ``batch_id IS NOT NULL``, the predicate of
+# the batch members' partial index, which it could then read whole.
+_BATCHES_FIRST = """
+batches_first AS MATERIALIZED (
+    SELECT b.id FROM jobs_batch b
+    WHERE b.id IN (SELECT COALESCE(j.batch_id, 0) FROM jobs_job j
+                   WHERE j.id = ANY(%(ids)b::bigint[]))
+    ORDER BY b.id
+    FOR NO KEY UPDATE OF b
+),"""
+
+
+def _outcome_ctes(count: bool, wait: bool) -> str:
+    return (
+        _OUTCOME_CTES.replace("{FIGURES}", _FIGURES if count else "")
+        .replace("{COUNTED}", _COUNTED if count else "")
+        .replace("{FIRST}", _BATCHES_FIRST if wait else "")
+        .replace(
+            "{FIRST_READ}", "\n      AND (SELECT count(*) FROM batches_first) >= 0" if wait else ""
+        )
+        .replace("{SKIP}", "" if wait else " SKIP LOCKED")
+    )
+
+
+OUTCOME_CTES = {count: _outcome_ctes(count, wait=True) for count in (True, False)}
+PASS_OUTCOME_CTES = {count: _outcome_ctes(count, wait=False) for count in (True, False)}
 # The console's history: the attempts written, per type, outcome and error code, added to
 # this minute's rollup rows in the same statement. A hand-back ran nothing and is not
 # counted, unless an operator's cancel ended the job there (counted, with no run time). The

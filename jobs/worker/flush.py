@@ -4,10 +4,11 @@ The run loop writes a pass's outcomes in one statement. If it fails, every outco
 again in its own transaction, with a short lock wait (:data:`LOCK_WAIT`). What happens to one
 that still fails depends on why:
 
-* a **data error** (SQLSTATE class 22 or 23: a value a user's trigger or a constraint rejects,
-  or an exception a user's trigger raises, P0001) is the database refusing this outcome: it
-  becomes a ``failed`` / ``handler_error`` outcome whose detail carries the database's
-  message (and if even that is refused, the job is given up to its lease);
+* a **data error** (SQLSTATE class 22, 23 or 54: a value a user's trigger or a constraint
+  rejects, or a limit it passes; or an exception a user's trigger raises, P0001) is the
+  database refusing this outcome: it becomes a ``failed`` / ``handler_error`` outcome whose
+  detail carries the database's message (and if even that is refused, the job is given up
+  to its lease);
 * anything else, a lock or statement timeout, a deadlock, a serialization failure, is
   **contention**, never a verdict on the job: the outcome is deferred (``busy``), its lease
   kept renewed, and written alone, away from the pass statement, until the lock is gone.
@@ -163,8 +164,9 @@ def _write_one(running: Running, outcome: Outcome) -> str:
 # connection exceptions (class 08) and the server shutting down or crashing (57P01-57P03).
 _UNREACHABLE = ("08", "57P01", "57P02", "57P03")
 # SQLSTATEs that refuse the data itself: data exceptions (class 22), integrity constraint
-# violations (class 23), and what a PL/pgSQL trigger raises by default (P0001).
-_DATA_ERRORS = ("22", "23", "P0001")
+# violations (class 23), a program limit the data passes (class 54: an index row over its
+# size, say), and what a PL/pgSQL trigger raises by default (P0001).
+_DATA_ERRORS = ("22", "23", "54", "P0001")
 
 
 def _sqlstate(exc: BaseException) -> str | None:

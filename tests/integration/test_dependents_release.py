@@ -17,6 +17,7 @@ from django.db import connection, connections
 from jobs import queue
 from jobs.models import Dependency, Job, Settlement
 from jobs.queue import AllTenants, ClaimRequest, NewJob, dependencies
+from jobs.queue import batches as queue_batches
 from tests.worker_support import Echo, Recorder, registry, running_worker, wait_for
 
 UP, DOWN = "test.noop.v1", "test.after.v1"
@@ -135,3 +136,110 @@ def test_the_worker_releases_what_waits_for_a_job_it_ended_and_one_an_operator_c
             timeout=10,
             what="the job waiting for a cancelled one was cancelled",
         )
+
+
+def release_all() -> None:
+    while dependencies.release().upstream is not None:
+        pass
+
+
+def state(pk: int) -> tuple[str, int]:
+    return Job.objects.filter(pk=pk).values_list("state", "waiting_on").get()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("enqueued", ["after the replay", "replayed with it"])
+def test_a_release_pending_from_before_a_replay_leaves_the_jobs_that_wait_for_the_next_run(
+    enqueued,
+):
+    """The job failed and was replayed before its release ran: the jobs that waited for it
+    then end; one enqueued after the replay, or itself replayed to wait again, waits on."""
+    top = queue.enqueue(NewJob(name=UP)).id
+    before = queue.enqueue(NewJob(name=DOWN, after=(top,), on_dependency_failure="fail")).id
+    [job] = claim(UP)
+    queue.fail(job, code="rejected")
+    if enqueued == "after the replay":
+        assert queue.replay([top], by="operator").replayed == (top,)
+        later = queue.enqueue(NewJob(name=DOWN, after=(top,))).id
+    else:
+        # The waiting job ended by an earlier failure of another job it waited for, and
+        # replayed together with the job whose release is pending.
+        other = queue.enqueue(NewJob(name=UP)).id
+        later = queue.enqueue(NewJob(name=DOWN, after=(other,))).id
+        Job.objects.filter(pk=later).update(state="cancelled", key_held=False, waiting_on=0)
+        # It waited for top too (the replay below counts again what it waits for).
+        Dependency.objects.create(job=later, upstream=top, on_failure="cancel", settled=True)
+        assert queue.replay([top, later], by="operator").replayed == (top, later)
+    assert Settlement.objects.filter(upstream=top).exists()
+    release_all()
+    assert state(before) == ("failed", 0)
+    assert state(later)[0] == "queued" and state(later)[1] >= 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_settlement_held_up_by_a_lock_does_not_hold_up_the_others():
+    from tests.support.concurrency import Producer
+
+    batch = queue_batches.open(None)
+    u1 = queue.enqueue(NewJob(name=UP)).id
+    queue_batches.add(batch, [NewJob(name=DOWN, after=(u1,))])
+    u2 = queue.enqueue(NewJob(name=UP)).id
+    unrelated = queue.enqueue(NewJob(name=DOWN, after=(u2,))).id
+    held = {job.id: job for job in claim(UP)}
+    queue.fail(held[u1], code="rejected")  # ending its waiting member needs the batch row
+    queue.complete(held[u2])
+    producer = Producer(lambda: queue_batches.add(batch, [NewJob(name=UP)])).start()
+    try:
+        with connection.cursor() as cur:
+            cur.execute("SET lock_timeout = 200")
+        with pytest.raises(dependencies.ReleaseFailed):
+            dependencies.release_pending()
+        assert state(unrelated) == ("queued", 0)
+    finally:
+        with connection.cursor() as cur:
+            cur.execute("RESET lock_timeout")
+        assert producer.finish() is None
+    release_all()
+    assert not Settlement.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_release_step_cut_by_the_statement_timeout_is_applied_whole_by_the_next():
+    up = fan_out(3000)
+    [job] = claim(UP)
+    queue.fail(job, code="rejected")
+    with connection.cursor() as cur:
+        cur.execute("SET statement_timeout = 5")
+    try:
+        with pytest.raises(dependencies.ReleaseFailed):
+            dependencies.release()
+    finally:
+        with connection.cursor() as cur:
+            cur.execute("RESET statement_timeout")
+    assert Job.objects.filter(name=DOWN, state="queued", waiting_on=1).count() == 3000
+    release_all()
+    assert Job.objects.filter(name=DOWN, state="cancelled").count() == 3000
+    assert not Settlement.objects.filter(upstream=up).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_migrating_back_with_a_release_pending_ends_the_whole_chain():
+    from django.core.management import call_command
+
+    top = queue.enqueue(NewJob(name=UP)).id
+    mid = queue.enqueue(NewJob(name=DOWN, after=(top,))).id
+    bottom = queue.enqueue(NewJob(name=DOWN, after=(mid,))).id
+    [job] = claim(UP)
+    queue.fail(job, code="rejected")
+    assert Settlement.objects.count() == 1
+    try:
+        call_command("migrate", "jobs", "0024", verbosity=0)
+        with connection.cursor() as cur:
+            cur.execute(
+                "SELECT id, state, waiting_on FROM jobs_job WHERE id IN (%s, %s) ORDER BY id",
+                [mid, bottom],
+            )
+            states = cur.fetchall()
+    finally:
+        call_command("migrate", "jobs", verbosity=0)
+    assert states == [(mid, "cancelled", 0), (bottom, "cancelled", 0)]

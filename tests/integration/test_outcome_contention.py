@@ -325,3 +325,29 @@ def test_any_lock_held_past_the_lock_timeout_defers_the_outcome_it_never_decides
             assert runs_of(recorder, label) == 1
 
         check()
+
+
+@FAST_LOCKS
+@pytest.mark.parametrize("poll", [0.05, 0.5])
+def test_a_member_whose_batch_row_is_held_past_two_leases_keeps_its_lease_and_runs_once(poll):
+    """The member's outcome is written alone while the batch row stays held: the write waits
+    for the batch row before it locks the member's own, which the lease renewal must reach."""
+    recorder = Recorder()
+    batch_id = queue_batches.open(None)
+    lease = timedelta(seconds=1)
+    registry = contended_registry(recorder)
+    with running_worker(registry, lease=lease, recovery_interval=0.1, poll_interval=poll):
+        [member] = queue_batches.add(
+            batch_id, [NewJob(name=Contended.job_name, payload={"label": "member"})]
+        )
+        more = [NewJob(name=Echo.job_name, payload={"text": "m"}, queue="later")]
+        with Holder(lambda: queue_batches.add(batch_id, more)) as holder:
+            wait_for(lambda: runs_of(recorder, "member") == 1, what="the member ran")
+            deadline = time.monotonic() + 3.5 * lease.total_seconds()
+            while time.monotonic() < deadline:
+                assert runs_of(recorder, "member") == 1, "the member ran a second time"
+                assert state_of(member.id) not in ("failed", "cancelled")
+                time.sleep(0.05)
+            holder.release.set()
+        wait_for(lambda: state_of(member.id) == "succeeded", what="the member succeeded")
+    assert runs_of(recorder, "member") == 1

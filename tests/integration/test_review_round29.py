@@ -94,12 +94,8 @@ M13 = importlib.import_module("jobs.migrations.0013_settle_chains")
 M24 = importlib.import_module("jobs.migrations.0024_settle_by_key")
 M25 = importlib.import_module("jobs.migrations.0025_dependents_release")
 # The trigger function that settled waiting jobs in the statement (0010 to 0024).
-SETTLED_IN_STATEMENT = (
-    M25.REVERSE_SQL[M25.REVERSE_SQL.index("CREATE OR REPLACE FUNCTION jobs_job_settled") :].split(
-        "$$;"
-    )[0]
-    + "$$;"
-)
+SETTLED_IN_STATEMENT = M25.SETTLED_IN_STATEMENT
+
 
 BACKLOG = 20_000
 BACKLOG_NAME = "test.review29.backlog.v1"

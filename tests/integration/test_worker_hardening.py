@@ -470,13 +470,26 @@ class TestSecondPass:
         assert timing["others"] < 1.5, "unrelated outcomes and claims went on"
         assert job(locked.id).state == "succeeded"
 
-    @pytest.mark.parametrize("errcode", ["program_limit_exceeded", "lock_not_available"])
-    def test_a_refusal_filed_as_operational_error_is_still_isolated(self, recorder, errcode):
-        with refusing_trigger("refused", errcode):
+    def test_a_refusal_filed_as_operational_error_is_still_isolated(self, recorder):
+        """A program limit (an index row over its size, say) refuses the data itself."""
+        with refusing_trigger("refused", "program_limit_exceeded"):
             poison = queue.enqueue(NewJob(Hostile.job_name, {"action": "refuse-me"})).id
             others = echoes(3)
             run_until(hostile_registry(recorder), lambda w: settled(poison, *others) and w.idle)
         assert job(poison).state == "failed"
+        assert {job(pk).state for pk in others} == {"succeeded"}
+
+    def test_a_lock_timeout_is_contention_whoever_raises_it_never_a_failure(self, recorder):
+        """What says "lock not available" is taken for contention, even a trigger of yours:
+        the outcome waits, the others go on, and it is written once the error stops."""
+        with refusing_trigger("refused", "lock_not_available"):
+            poison = queue.enqueue(NewJob(Hostile.job_name, {"action": "refuse-me"})).id
+            others = echoes(3)
+            run_until(
+                hostile_registry(recorder),
+                lambda w: settled(*others) and job(poison).state == "running" and w.idle is False,
+            )
+        assert job(poison).state == "running"  # its outcome waited, its lease kept
         assert {job(pk).state for pk in others} == {"succeeded"}
 
     def test_a_huge_result_fails_the_attempt(self, recorder):

@@ -1,0 +1,89 @@
+"""Sessions on threads of their own, for tests of what concurrent transactions do."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from django.db import connection, connections, transaction
+
+from tests.worker_support import wait_for
+
+
+class Producer:
+    """``work`` inside ``transaction.atomic()`` on a thread of its own, committed when told."""
+
+    def __init__(self, work: Callable[[], Any]) -> None:
+        self.work = work
+        self.entered = threading.Event()
+        self.go = threading.Event()
+        self.error: BaseException | None = None
+        self.result: Any = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Producer:
+        self.thread.start()
+        assert self.entered.wait(10), "the transaction did not start"
+        return self
+
+    def _run(self) -> None:
+        try:
+            with transaction.atomic():
+                self.result = self.work()
+                self.entered.set()
+                self.go.wait(30)
+        except BaseException as exc:  # reported to the test, COMMIT's errors included
+            self.error = exc
+            self.entered.set()
+        finally:
+            connections.close_all()
+
+    def finish(self) -> BaseException | None:
+        """Commit; the error the work or its COMMIT raised, if any."""
+        self.go.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the transaction did not end"
+        return self.error
+
+
+class InThread:
+    """``fn()`` on a thread of its own, started at once; its result or error once joined."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.error: BaseException | None = None
+        self.result: Any = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            connections.close_all()
+
+    def join(self) -> None:
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the thread did not finish"
+
+
+def sessions_waiting_for_locks(text: str = "") -> int:
+    """How many sessions wait for a lock now (those whose query holds ``text``)."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query ILIKE %s AND pid <> pg_backend_pid()",
+            [f"%{text}%"],
+        )
+        return cur.fetchone()[0]
+
+
+def until_waiting(count: int = 1, text: str = "") -> None:
+    """Poll until ``count`` sessions wait for a lock (with ``text`` in their query)."""
+    wait_for(
+        lambda: sessions_waiting_for_locks(text) >= count or None,
+        what=f"{count} session(s) waiting for a lock ({text or 'any statement'})",
+    )
