@@ -79,7 +79,7 @@ def bodies(plain: str, fair: str) -> dict[str, str]:
 
 
 def test_the_migrations_put_the_passes_back_both_ways():
-    now = bodies("0022_worker_pass_linear", "0023_worker_fair_pass_linear")
+    now = bodies("0022_worker_pass_linear", "0026_worker_fair_pass_accounts")
     before = bodies(
         "0019_worker_pass_busy_when_unwritten", "0020_worker_fair_pass_busy_when_unwritten"
     )

@@ -450,10 +450,10 @@ def test_the_migrations_put_each_function_back_both_ways(fair_gate):
         "jobs_worker_pass": _migration_sql("0016_worker_pass"),
         "jobs_worker_fair_pass": _migration_sql("0017_worker_fair_pass"),
     }
-    # Later migrations replaced both functions again (0022, 0023): the database runs theirs.
+    # Later migrations replaced both functions again (0022, 0026): the database runs theirs.
     latest = {
         "jobs_worker_pass": _migration_sql("0022_worker_pass_linear"),
-        "jobs_worker_fair_pass": _migration_sql("0023_worker_fair_pass_linear"),
+        "jobs_worker_fair_pass": _migration_sql("0026_worker_fair_pass_accounts"),
     }
     assert _sources() == {name: _body(sql) for name, sql in latest.items()}
     # The old text is the new one without the filter (and its comment): nothing else moved.
