@@ -3,16 +3,18 @@ weight whatever the size of the claims, while every tenant has due jobs."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 from collections.abc import Callable, Mapping
 
 import pytest
+from django.db import transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs import queue
-from jobs.models import TenantWeight
+from jobs.models import FairAccount, TenantWeight
 from jobs.queue import AllTenants, ClaimRequest, NewJob, flow
 from jobs.queue.flow import FlowLimits
 from jobs.queue.types import Outcome
@@ -23,11 +25,13 @@ NAME = "test.fair_weights.v1"
 WEIGHTS = {"a": 1, "b": 1, "c": 3}
 
 
-def backlog(weights: Mapping[str, int], depth: int) -> None:
+def backlog(weights: Mapping[str, int], depth: int, name: str = NAME) -> None:
     """``depth`` due jobs for each tenant, and the tenants' weights."""
-    TenantWeight.objects.bulk_create(TenantWeight(tenant=t, weight=w) for t, w in weights.items())
+    TenantWeight.objects.bulk_create(
+        [TenantWeight(tenant=t, weight=w) for t, w in weights.items()], ignore_conflicts=True
+    )
     for tenant in weights:
-        queue.enqueue_many([NewJob(NAME, {}, tenant=tenant) for _ in range(depth)])
+        queue.enqueue_many([NewJob(name, {}, tenant=tenant) for _ in range(depth)])
 
 
 def drive(
@@ -90,15 +94,21 @@ SIZES = {
     "claims of 2-4": lambda rng: rng.randint(2, 4),
     "claims of 50": lambda rng: 50,
 }
+#: The claim's three forms: the flow statement, the worker's pass (jobs_worker_fair_pass),
+#: and the flow statement through the gate of a global limit.
+FORMS = {
+    "claim": (FlowLimits(fair=True), False),
+    "worker pass": (FlowLimits(fair=True), True),
+    "global limit": (FlowLimits(fair=True, global_concurrency=200), False),
+}
 
 
-@pytest.mark.parametrize("through_pass", [False, True], ids=["claim", "worker pass"])
-@pytest.mark.parametrize("global_limit", [None, 200], ids=["fair", "fair with a global limit"])
+@pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("size", sorted(SIZES))
-def test_weights_hold_over_time_whatever_the_claim_size(size, global_limit, through_pass):
-    limits = FlowLimits(fair=True, global_concurrency=global_limit)
+def test_weights_hold_over_time_whatever_the_claim_size(size, form):
+    limits, through_pass = FORMS[form]
     flow.ensure({NAME: limits})
-    backlog(WEIGHTS, depth=1_500)
+    backlog(WEIGHTS, depth=1_200)
     rng = random.Random(7)
 
     claims = drive(limits, lambda: SIZES[size](rng), starts=1_000, through_pass=through_pass)
@@ -108,3 +118,89 @@ def test_weights_hold_over_time_whatever_the_claim_size(size, global_limit, thro
     assert all(abs(r - 1) <= 0.05 for r in off.values()), (off, f"c/a {ratio:.2f}")
     # Not only on the whole: over every stretch of 200 starts too.
     assert worst_window(claims, WEIGHTS, least=200) <= 0.05, f"c/a {ratio:.2f}"
+    # Every start is on its tenant's account.
+    accounts = dict(FairAccount.objects.filter(name=NAME).values_list("tenant", "starts"))
+    assert accounts == dict(sum(claims, Counter()))
+
+
+STARTS = 240
+
+
+@given(
+    weights=st.lists(st.integers(1, 10), min_size=2, max_size=5),
+    sizes=st.one_of(
+        st.lists(st.integers(1, 60), min_size=1, max_size=1),  # one size throughout
+        st.lists(st.integers(1, 8), min_size=2, max_size=6),  # small claims of mixed sizes
+        st.lists(st.integers(1, 60), min_size=2, max_size=6),
+    ),
+    through_pass=st.booleans(),
+)
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_any_weights_hold_over_time_for_any_claim_sizes(weights, sizes, through_pass):
+    tenants = {f"t{i}": w for i, w in enumerate(weights)}
+    limits = FlowLimits(fair=True)
+    with transaction.atomic():
+        flow.ensure({NAME: limits})
+        backlog(tenants, depth=STARTS + 60)  # every tenant has due jobs throughout
+        cycle = itertools.cycle(sizes)
+
+        claims = drive(limits, lambda: next(cycle), STARTS, through_pass=through_pass)
+
+        got = sum(claims, Counter())
+        total = sum(got.values())
+        weight = sum(weights)
+        for tenant, w in tenants.items():
+            expected = total * w / weight
+            # Within 5 %, or two starts where 5 % is less than that: a tenant is found by
+            # the rotation in its first claims, and the last claim may end mid-round.
+            assert abs(got[tenant] - expected) <= max(0.05 * expected, 2), (tenant, got, tenants)
+        transaction.set_rollback(True)
+
+
+OTHER = "test.fair_weights.other.v1"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_passes_of_two_fair_types_keep_the_weights_and_never_deadlock(threads):
+    """Three workers' passes at once, each over two fair types in its own rotation: the
+    accounts are written in one order by every claim, so none waits for another in a cycle
+    (PostgreSQL would end one with a deadlock error), and each type's shares hold."""
+    limits = {NAME: FlowLimits(fair=True), OTHER: FlowLimits(fair=True)}
+    flow.ensure(limits)
+    for name in limits:
+        backlog(WEIGHTS, depth=800, name=name)  # more than any tenant takes
+
+    def worker(index: int) -> Counter[tuple[str, str]]:
+        rng = random.Random(index)
+        names = [NAME, OTHER] if index % 2 else [OTHER, NAME]
+        after: dict[str, str] = {}
+        held: list[queue.ClaimedJob] = []
+        started: Counter[tuple[str, str]] = Counter()
+        for turn in range(100):
+            rotation = names[turn % 2 :] + names[: turn % 2]
+            _, held = queue.record_and_claim(
+                [Outcome.succeeded(job) for job in held],
+                [ClaimRequest(name, rng.randint(2, 4)) for name in rotation],
+                scope=AllTenants(),
+                count=False,
+                limits=limits,
+                after=after,
+            )
+            for name in limits:
+                tenants = [job.tenant for job in held if job.name == name]
+                after[name] = flow.next_cursor(after.get(name, ""), tenants)
+            started.update((job.name, job.tenant) for job in held)
+        return started
+
+    started = sum(threads(3, worker, timeout=120), Counter())
+
+    accounts = {
+        (name, tenant): starts
+        for name, tenant, starts in FairAccount.objects.values_list("name", "tenant", "starts")
+    }
+    assert accounts == dict(started)
+    for name in limits:
+        counts = [Counter({t: n for (m, t), n in started.items() if m == name})]
+        assert all(abs(r - 1) <= 0.05 for r in shares_off(counts, WEIGHTS).values()), counts
