@@ -96,8 +96,8 @@ BEGIN
         LIMIT (SELECT n FROM reserve)
     ),
     budget AS MATERIALIZED (SELECT p_lim - (SELECT count(*) FROM low)::int AS n),
-    owed(served, tenant, due, found, seen) AS (
-        (SELECT s.served, s.tenant, COALESCE((
+    owed(served, tenant, mine, due, found, seen) AS (
+        (SELECT s.served, s.tenant, s.mine, s.mine AND COALESCE((
             SELECT TRUE FROM jobs_job j
             WHERE j.state = 'queued' AND j.fair AND j.name = p_name AND j.tenant = s.tenant
                   AND j.priority = (SELECT priority FROM top)
@@ -106,24 +106,28 @@ BEGIN
               AND NOT (j.queue || '' = ANY(p_queues::text[])) AND NOT (j.tenant || '' = ANY(p_tenants::text[]))
             ORDER BY j.priority, j.run_after DESC, j.id DESC
             LIMIT 1), FALSE), 0, 1
-         FROM jobs_fairaccount s
-         WHERE s.name = p_name AND s.served IS NOT NULL AND (p_tenant IS NULL OR s.tenant = p_tenant) AND (p_component IS NULL OR NOT EXISTS (SELECT 1 FROM jobs_tenantoverride o WHERE o.tenant = s.tenant AND o.component = p_component))
-           AND (SELECT n FROM budget) > 0
-         ORDER BY s.served, s.tenant LIMIT 1)
+         FROM (SELECT s.served, s.tenant, (p_tenant IS NULL OR s.tenant = p_tenant) AND (p_component IS NULL OR NOT EXISTS (SELECT 1 FROM jobs_tenantoverride o WHERE o.tenant = s.tenant AND o.component = p_component)) AS mine
+               FROM jobs_fairaccount s
+               WHERE s.name = p_name AND s.served IS NOT NULL AND (SELECT n FROM budget) > 0
+               ORDER BY s.served, s.tenant LIMIT 1) s)
         UNION ALL
-        SELECT x.served, x.tenant, x.due, o.found + o.due::int, o.seen + 1
-        FROM owed o CROSS JOIN LATERAL (
-            SELECT s.served, s.tenant, COALESCE((
+        SELECT x.served, x.tenant, x.mine, x.mine AND COALESCE((
             SELECT TRUE FROM jobs_job j
-            WHERE j.state = 'queued' AND j.fair AND j.name = p_name AND j.tenant = s.tenant
+            WHERE j.state = 'queued' AND j.fair AND j.name = p_name AND j.tenant = x.tenant
                   AND j.priority = (SELECT priority FROM top)
               AND j.run_after <= statement_timestamp()
               AND j.attempts < LEAST(j.max_attempts, COALESCE(p_cap, j.max_attempts))
               AND NOT (j.queue || '' = ANY(p_queues::text[])) AND NOT (j.tenant || '' = ANY(p_tenants::text[]))
             ORDER BY j.priority, j.run_after DESC, j.id DESC
-            LIMIT 1), FALSE) AS due
+            LIMIT 1), FALSE),
+            o.found + o.due::int, o.seen + 1
+        FROM owed o CROSS JOIN LATERAL (
+            -- A hop along the index alone, the worker's scope tested on the account found: as a
+            -- condition of the hop, the planner takes the scope for one that keeps hardly any
+            -- row, and reads every account of the type to sort them.
+            SELECT s.served, s.tenant, (p_tenant IS NULL OR s.tenant = p_tenant) AND (p_component IS NULL OR NOT EXISTS (SELECT 1 FROM jobs_tenantoverride o WHERE o.tenant = s.tenant AND o.component = p_component)) AS mine
             FROM jobs_fairaccount s
-            WHERE s.name = p_name AND s.served IS NOT NULL AND (p_tenant IS NULL OR s.tenant = p_tenant) AND (p_component IS NULL OR NOT EXISTS (SELECT 1 FROM jobs_tenantoverride o WHERE o.tenant = s.tenant AND o.component = p_component))
+            WHERE s.name = p_name AND s.served IS NOT NULL
               AND (s.served, s.tenant) > (o.served, o.tenant)
             ORDER BY s.served, s.tenant LIMIT 1
         ) x
@@ -151,16 +155,16 @@ BEGIN
                 ORDER BY j.tenant DESC LIMIT 1)
         FROM behind b WHERE b.tenant IS NOT NULL
     ),
-    -- The rotation's tenants, as many as the claim takes jobs, of those in play (read above if
-    -- they are among the least served) or with a due job (the others are passed over, as a
-    -- claim of a tenant-limited type passes them). One that comes to rest now is out of play.
+    -- The rotation's tenants, as many as the claim takes jobs, of those in play (their level,
+    -- ``served``) or with a due job (the others are passed over, as a claim of a tenant-limited
+    -- type passes them). One that comes to rest now is out of play.
     walked AS MATERIALIZED (
-        SELECT c.tenant, c.pass, c.playing FROM (
-            SELECT c.tenant, c.pass, EXISTS (
-                SELECT FROM jobs_fairaccount s
-                WHERE s.name = p_name AND s.tenant = c.tenant AND s.served IS NOT NULL)
-                AND NOT EXISTS (SELECT FROM owed o WHERE o.tenant = c.tenant AND NOT o.due)
-                    AS playing
+        SELECT c.tenant, c.pass, c.served FROM (
+            SELECT c.tenant, c.pass, (
+                SELECT s.served FROM jobs_fairaccount s
+                WHERE s.name = p_name AND s.tenant = c.tenant AND s.served IS NOT NULL
+                  AND NOT EXISTS (SELECT FROM owed o WHERE o.tenant = c.tenant AND o.mine AND NOT o.due)
+            ) AS served
             FROM (
                 SELECT tenant, 1 AS pass FROM ahead WHERE tenant IS NOT NULL
                 UNION ALL
@@ -168,7 +172,7 @@ BEGIN
             ) c
             WHERE c.tenant || '' <> ALL(p_tenants::text[]) AND (p_tenant IS NULL OR c.tenant = p_tenant) AND (p_component IS NULL OR NOT EXISTS (SELECT 1 FROM jobs_tenantoverride o WHERE o.tenant = c.tenant AND o.component = p_component))
         ) c
-        WHERE CASE WHEN c.playing THEN TRUE ELSE COALESCE((
+        WHERE CASE WHEN c.served IS NOT NULL THEN TRUE ELSE COALESCE((
             SELECT TRUE FROM jobs_job j
             WHERE j.state = 'queued' AND j.fair AND j.name = p_name AND j.tenant = c.tenant
                   AND j.priority = (SELECT priority FROM top)
@@ -184,11 +188,14 @@ BEGIN
     level AS MATERIALIZED (
         SELECT COALESCE(
             (SELECT min(o.served) FILTER (WHERE o.due) FROM owed o),
-            (SELECT min(o.served) FROM owed o),
+            (SELECT min(o.served) FILTER (WHERE o.mine) FROM owed o),
             (SELECT s.served FROM jobs_fairaccount s
              WHERE s.name = p_name AND s.served IS NOT NULL ORDER BY s.served LIMIT 1),
             0) AS served
     ),
+    -- The tenants the claim's places go to: the least served in play with a due job; those the
+    -- rotation found not in play; and, when the first are fewer than the claim's places (the
+    -- accounts read were out of the worker's scope or at rest), those it found in play.
     candidates AS MATERIALIZED (
         SELECT c.tenant, c.base, c.pass,
             COALESCE((SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = c.tenant), 1)
@@ -198,7 +205,21 @@ BEGIN
                 CASE WHEN o.tenant < p_after THEN 1 ELSE 2 END AS pass
             FROM owed o WHERE o.due
             UNION ALL
-            SELECT k.tenant, (SELECT served FROM level), k.pass FROM walked k WHERE NOT k.playing
+            SELECT k.tenant, (SELECT served FROM level), k.pass FROM walked k WHERE k.served IS NULL
+            UNION ALL
+            SELECT k.tenant, k.served, k.pass FROM walked k
+            WHERE k.served IS NOT NULL
+              AND (SELECT count(*) FROM owed o WHERE o.due) < (SELECT n FROM budget)
+              AND NOT EXISTS (SELECT FROM owed o WHERE o.tenant = k.tenant)
+              AND COALESCE((
+            SELECT TRUE FROM jobs_job j
+            WHERE j.state = 'queued' AND j.fair AND j.name = p_name AND j.tenant = k.tenant
+                  AND j.priority = (SELECT priority FROM top)
+              AND j.run_after <= statement_timestamp()
+              AND j.attempts < LEAST(j.max_attempts, COALESCE(p_cap, j.max_attempts))
+              AND NOT (j.queue || '' = ANY(p_queues::text[])) AND NOT (j.tenant || '' = ANY(p_tenants::text[]))
+            ORDER BY j.priority, j.run_after DESC, j.id DESC
+            LIMIT 1), FALSE)
         ) c
     ),
     tenants AS MATERIALIZED (
@@ -291,7 +312,7 @@ BEGIN
     SELECT NULL, t.tenant, t.base, (SELECT priority FROM top)
     FROM tenants t WHERE EXISTS (SELECT FROM shares s WHERE s.tenant = t.tenant)
     UNION ALL
-    SELECT NULL, o.tenant, NULL, NULL FROM owed o WHERE NOT o.due;
+    SELECT NULL, o.tenant, NULL, NULL FROM owed o WHERE o.mine AND NOT o.due;
 END
 $$;
 """

@@ -523,32 +523,37 @@ RESTING_READS = 16
 # (:data:`_AFTER_ACCOUNTS`).
 #
 # The tenants read: the accounts in play, least served first, up to the first ``n`` whose
-# tenant has a job due (one index hop each, so however many tenants the type has); those
-# read on the way with nothing due come to rest (their ``served`` is cleared), so a tenant
-# that went quiet banks no credit and holds up no claim. Then the worker's rotation (as the
-# claim of a tenant-limited type walks it, ``n`` tenants), for tenants without an account in
-# play: each comes into play level with the least served account, so a new tenant's first
-# jobs start in the claim that finds it. The function returns the rows to claim, then one
-# row per tenant to write: its level before the claim (``base``) or that it comes to rest.
+# tenant has a job due (one index hop each, so however many tenants the type has, and at
+# most RESTING_READS more); those of the worker's tenants read on the way with nothing due
+# come to rest (their ``served`` is cleared), so a tenant that went quiet banks no credit and
+# holds up no claim. Then the worker's rotation (as the claim of a tenant-limited type walks
+# it, ``n`` tenants), for tenants without an account in play: each comes into play level with
+# the least served account, so a new tenant's first jobs start in the claim that finds it.
+# The function returns the rows to claim, then one row per tenant to write: its level before
+# the claim (``base``) or that it comes to rest.
 FAIR_ROWS = (
     """
 WITH RECURSIVE {top}budget AS MATERIALIZED (SELECT {budget} AS n),
-owed(served, tenant, due, found, seen) AS (
-    (SELECT s.served, s.tenant, """
+owed(served, tenant, mine, due, found, seen) AS (
+    (SELECT s.served, s.tenant, s.mine, s.mine AND """
     + HAS_DUE.replace("{alias}", "s")
     + """, 0, 1
-     FROM jobs_fairaccount s
-     WHERE s.name = w.name AND s.served IS NOT NULL AND {account_scope}
-       AND (SELECT n FROM budget) > 0
-     ORDER BY s.served, s.tenant LIMIT 1)
+     FROM (SELECT s.served, s.tenant, {account_scope} AS mine
+           FROM jobs_fairaccount s
+           WHERE s.name = w.name AND s.served IS NOT NULL AND (SELECT n FROM budget) > 0
+           ORDER BY s.served, s.tenant LIMIT 1) s)
     UNION ALL
-    SELECT x.served, x.tenant, x.due, o.found + o.due::int, o.seen + 1
+    SELECT x.served, x.tenant, x.mine, x.mine AND """
+    + HAS_DUE.replace("{alias}", "x")
+    + """,
+        o.found + o.due::int, o.seen + 1
     FROM owed o CROSS JOIN LATERAL (
-        SELECT s.served, s.tenant, """
-    + HAS_DUE.replace("{alias}", "s")
-    + """ AS due
+        -- A hop along the index alone, the worker's scope tested on the account found: as a
+        -- condition of the hop, the planner takes the scope for one that keeps hardly any
+        -- row, and reads every account of the type to sort them.
+        SELECT s.served, s.tenant, {account_scope} AS mine
         FROM jobs_fairaccount s
-        WHERE s.name = w.name AND s.served IS NOT NULL AND {account_scope}
+        WHERE s.name = w.name AND s.served IS NOT NULL
           AND (s.served, s.tenant) > (o.served, o.tenant)
         ORDER BY s.served, s.tenant LIMIT 1
     ) x
@@ -559,16 +564,16 @@ owed(served, tenant, due, found, seen) AS (
 ),
 """
     + WALK
-    + """-- The rotation's tenants, as many as the claim takes jobs, of those in play (read above if
--- they are among the least served) or with a due job (the others are passed over, as a
--- claim of a tenant-limited type passes them). One that comes to rest now is out of play.
+    + """-- The rotation's tenants, as many as the claim takes jobs, of those in play (their level,
+-- ``served``) or with a due job (the others are passed over, as a claim of a tenant-limited
+-- type passes them). One that comes to rest now is out of play.
 walked AS MATERIALIZED (
-    SELECT c.tenant, c.pass, c.playing FROM (
-        SELECT c.tenant, c.pass, EXISTS (
-            SELECT FROM jobs_fairaccount s
-            WHERE s.name = w.name AND s.tenant = c.tenant AND s.served IS NOT NULL)
-            AND NOT EXISTS (SELECT FROM owed o WHERE o.tenant = c.tenant AND NOT o.due)
-                AS playing
+    SELECT c.tenant, c.pass, c.served FROM (
+        SELECT c.tenant, c.pass, (
+            SELECT s.served FROM jobs_fairaccount s
+            WHERE s.name = w.name AND s.tenant = c.tenant AND s.served IS NOT NULL
+              AND NOT EXISTS (SELECT FROM owed o WHERE o.tenant = c.tenant AND o.mine AND NOT o.due)
+        ) AS served
         FROM (
             SELECT tenant, 1 AS pass FROM ahead WHERE tenant IS NOT NULL
             UNION ALL
@@ -576,7 +581,7 @@ walked AS MATERIALIZED (
         ) c
         WHERE c.tenant || '' <> ALL((SELECT tenants FROM paused)::text[]) AND {tenant_scope}
     ) c
-    WHERE CASE WHEN c.playing THEN TRUE ELSE """
+    WHERE CASE WHEN c.served IS NOT NULL THEN TRUE ELSE """
     + HAS_DUE.replace("{alias}", "c")
     + """ END
     LIMIT (SELECT n FROM budget)
@@ -586,11 +591,14 @@ walked AS MATERIALIZED (
 level AS MATERIALIZED (
     SELECT COALESCE(
         (SELECT min(o.served) FILTER (WHERE o.due) FROM owed o),
-        (SELECT min(o.served) FROM owed o),
+        (SELECT min(o.served) FILTER (WHERE o.mine) FROM owed o),
         (SELECT s.served FROM jobs_fairaccount s
          WHERE s.name = w.name AND s.served IS NOT NULL ORDER BY s.served LIMIT 1),
         0) AS served
 ),
+-- The tenants the claim's places go to: the least served in play with a due job; those the
+-- rotation found not in play; and, when the first are fewer than the claim's places (the
+-- accounts read were out of the worker's scope or at rest), those it found in play.
 candidates AS MATERIALIZED (
     SELECT c.tenant, c.base, c.pass,
         COALESCE((SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = c.tenant), 1)
@@ -600,7 +608,15 @@ candidates AS MATERIALIZED (
             CASE WHEN o.tenant < w.after THEN 1 ELSE 2 END AS pass
         FROM owed o WHERE o.due
         UNION ALL
-        SELECT k.tenant, (SELECT served FROM level), k.pass FROM walked k WHERE NOT k.playing
+        SELECT k.tenant, (SELECT served FROM level), k.pass FROM walked k WHERE k.served IS NULL
+        UNION ALL
+        SELECT k.tenant, k.served, k.pass FROM walked k
+        WHERE k.served IS NOT NULL
+          AND (SELECT count(*) FROM owed o WHERE o.due) < (SELECT n FROM budget)
+          AND NOT EXISTS (SELECT FROM owed o WHERE o.tenant = k.tenant)
+          AND """
+    + HAS_DUE.replace("{alias}", "k")
+    + """
     ) c
 ),
 tenants AS MATERIALIZED (
@@ -657,7 +673,7 @@ UNION ALL
 SELECT NULL, t.tenant, t.base, (SELECT priority FROM top)
 FROM tenants t WHERE EXISTS (SELECT FROM shares s WHERE s.tenant = t.tenant)
 UNION ALL
-SELECT NULL, o.tenant, NULL, NULL FROM owed o WHERE NOT o.due
+SELECT NULL, o.tenant, NULL, NULL FROM owed o WHERE o.mine AND NOT o.due
 """
 )
 

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs import queue
-from jobs.models import FairAccount, TenantWeight
-from jobs.queue import AllTenants, ClaimRequest, NewJob, flow
+from jobs.models import FairAccount, TenantOverride, TenantWeight
+from jobs.queue import AllTenants, AllTenantsExcept, ClaimRequest, NewJob, OnlyTenant, flow
 from jobs.queue.flow import FlowLimits
 from jobs.queue.types import Outcome
 
@@ -121,6 +121,69 @@ def test_weights_hold_over_time_whatever_the_claim_size(size, form):
     # Every start is on its tenant's account.
     accounts = dict(FairAccount.objects.filter(name=NAME).values_list("tenant", "starts"))
     assert accounts == dict(sum(claims, Counter()))
+
+
+def accounts(name: str = NAME) -> dict[str, float | None]:
+    """Each tenant's account: its starts so far per unit of weight (None: at rest)."""
+    return dict(FairAccount.objects.filter(name=name).values_list("tenant", "served"))
+
+
+def test_a_tenant_with_nothing_due_banks_no_credit():
+    """A tenant whose account a claim finds with nothing due comes to rest, and comes back
+    level with the least served: it does not take every start until it has caught up with
+    the tenants that ran meanwhile."""
+    limits = FlowLimits(fair=True)
+    flow.ensure({NAME: limits})
+    backlog({"a": 1, "b": 1}, depth=200)
+    FairAccount.objects.bulk_create(
+        [FairAccount(name=NAME, tenant=t, served=s) for t, s in (("a", 100), ("b", 100), ("c", 0))]
+    )
+
+    drive(limits, lambda: 3, starts=3)
+    assert accounts()["c"] is None  # read first (least served), nothing due: at rest
+
+    backlog({"c": 1}, depth=50)
+    claims = drive(limits, lambda: 3, starts=90)
+
+    # Its share of the 90 (within one: it comes in level with the least served), not all.
+    assert abs(sum(claims, Counter())["c"] - 30) <= 1
+    assert accounts()["c"] == pytest.approx(accounts()["a"], abs=1)
+
+
+def test_a_worker_of_one_tenant_claims_it_however_served_its_account():
+    """A worker started for one tenant serves it even when its account comes after every
+    account a claim reads, least served first."""
+    limits = FlowLimits(fair=True)
+    flow.ensure({NAME: limits})
+    tenants = {f"t{i:02d}": 1 for i in range(40)}
+    backlog(tenants, depth=2)
+    FairAccount.objects.bulk_create(
+        [FairAccount(name=NAME, tenant=t, served=float(i)) for i, t in enumerate(tenants)]
+    )
+
+    claimed = queue.claim([ClaimRequest(NAME, 1)], scope=OnlyTenant("t39"), limits={NAME: limits})
+
+    assert [job.tenant for job in claimed] == ["t39"]
+    assert accounts() == {t: float(i) + (i == 39) for i, t in enumerate(tenants)}
+
+
+def test_a_base_worker_leaves_the_accounts_of_tenants_it_does_not_serve():
+    """A tenant taken from the base workers (its own workers serve it) keeps its account:
+    the base workers read it, least served, but neither serve it nor put it to rest."""
+    limits = FlowLimits(fair=True)
+    flow.ensure({NAME: limits})
+    backlog({"a": 1, "b": 1, "branch": 1}, depth=5)
+    TenantOverride.objects.create(tenant="branch", component="base")
+    FairAccount.objects.bulk_create(
+        [FairAccount(name=NAME, tenant=t, served=s) for t, s in (("branch", 0), ("a", 5), ("b", 5))]
+    )
+
+    claimed = queue.claim(
+        [ClaimRequest(NAME, 4)], scope=AllTenantsExcept("base"), limits={NAME: limits}
+    )
+
+    assert Counter(job.tenant for job in claimed) == {"a": 2, "b": 2}
+    assert accounts() == {"branch": 0, "a": 7, "b": 7}
 
 
 STARTS = 240
