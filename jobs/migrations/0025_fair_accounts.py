@@ -161,8 +161,10 @@ BEGIN
     walked AS MATERIALIZED (
         SELECT c.tenant, c.pass, c.served FROM (
             SELECT c.tenant, c.pass, (
+                -- By key (a NULL ``served`` is out of play too): with ``served IS NOT NULL`` the
+                -- planner reads the type's accounts in the order index instead.
                 SELECT s.served FROM jobs_fairaccount s
-                WHERE s.name = p_name AND s.tenant = c.tenant AND s.served IS NOT NULL
+                WHERE s.name = p_name AND s.tenant = c.tenant
                   AND NOT EXISTS (SELECT FROM owed o WHERE o.tenant = c.tenant AND o.mine AND NOT o.due)
             ) AS served
             FROM (
@@ -171,6 +173,8 @@ BEGIN
                 SELECT tenant, 2 FROM behind WHERE tenant IS NOT NULL
             ) c
             WHERE c.tenant || '' <> ALL(p_tenants::text[]) AND (p_tenant IS NULL OR c.tenant = p_tenant) AND (p_component IS NULL OR NOT EXISTS (SELECT 1 FROM jobs_tenantoverride o WHERE o.tenant = c.tenant AND o.component = p_component))
+            -- Not pulled up into the filter below, which would look each account up again.
+            OFFSET 0
         ) c
         WHERE CASE WHEN c.served IS NOT NULL THEN TRUE ELSE COALESCE((
             SELECT TRUE FROM jobs_job j
@@ -222,11 +226,21 @@ BEGIN
             LIMIT 1), FALSE)
         ) c
     ),
+    -- No place past the n-th lowest level among the candidates is taken (each has a place
+    -- there): a tenant can take at most its places up to it, and its due jobs are counted only
+    -- that far (with many tenants level, one or two).
+    reach AS MATERIALIZED (
+        SELECT (SELECT c.base FROM candidates c ORDER BY c.base
+                LIMIT 1 OFFSET GREATEST((SELECT n FROM budget) - 1, 0)) AS base
+    ),
     tenants AS MATERIALIZED (
         SELECT c.tenant, c.base, c.weight,
             row_number() OVER (ORDER BY c.pass, c.tenant DESC) AS pos,
-            -- One tenant read: its share is the budget, and the pull stops at its due rows.
-            CASE WHEN (SELECT count(*) FROM candidates) > 1 THEN (
+            -- One tenant read: its share is the budget, and the pull stops at its due rows. One
+            -- place: the tenant has a due job (that is how it was read).
+            CASE WHEN (SELECT count(*) FROM candidates) = 1 THEN (SELECT n FROM budget)
+                 WHEN c.places = 1 THEN 1
+                 ELSE (
                 SELECT count(*) FROM (
                     SELECT 1 FROM jobs_job j
                     WHERE j.state = 'queued' AND j.fair AND j.name = p_name
@@ -236,9 +250,15 @@ BEGIN
                       AND j.attempts < LEAST(j.max_attempts, COALESCE(p_cap, j.max_attempts))
                       AND NOT (j.queue || '' = ANY(p_queues::text[])) AND NOT (j.tenant || '' = ANY(p_tenants::text[]))
                     ORDER BY j.priority DESC, j.run_after, j.id
-                    LIMIT (SELECT n FROM budget)) due)::int
-            ELSE (SELECT n FROM budget) END AS avail
-        FROM candidates c
+                    LIMIT c.places) due)::int END AS avail
+        FROM (
+            SELECT c.*, CASE WHEN r.base IS NULL THEN (SELECT n FROM budget)
+                             ELSE LEAST((SELECT n FROM budget),
+                                        floor((r.base - c.base) * c.weight + 1e-9)::int + 1) END
+                AS places
+            FROM candidates c CROSS JOIN reach r
+        ) c
+        WHERE c.places > 0
     ),
     -- Each due job's place, its tenant's k-th at base + (k - 1) / weight: the claim takes the
     -- first n places (ties in rotation order).

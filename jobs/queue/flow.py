@@ -570,8 +570,10 @@ owed(served, tenant, mine, due, found, seen) AS (
 walked AS MATERIALIZED (
     SELECT c.tenant, c.pass, c.served FROM (
         SELECT c.tenant, c.pass, (
+            -- By key (a NULL ``served`` is out of play too): with ``served IS NOT NULL`` the
+            -- planner reads the type's accounts in the order index instead.
             SELECT s.served FROM jobs_fairaccount s
-            WHERE s.name = w.name AND s.tenant = c.tenant AND s.served IS NOT NULL
+            WHERE s.name = w.name AND s.tenant = c.tenant
               AND NOT EXISTS (SELECT FROM owed o WHERE o.tenant = c.tenant AND o.mine AND NOT o.due)
         ) AS served
         FROM (
@@ -580,6 +582,8 @@ walked AS MATERIALIZED (
             SELECT tenant, 2 FROM behind WHERE tenant IS NOT NULL
         ) c
         WHERE c.tenant || '' <> ALL((SELECT tenants FROM paused)::text[]) AND {tenant_scope}
+        -- Not pulled up into the filter below, which would look each account up again.
+        OFFSET 0
     ) c
     WHERE CASE WHEN c.served IS NOT NULL THEN TRUE ELSE """
     + HAS_DUE.replace("{alias}", "c")
@@ -619,11 +623,21 @@ candidates AS MATERIALIZED (
     + """
     ) c
 ),
+-- No place past the n-th lowest level among the candidates is taken (each has a place
+-- there): a tenant can take at most its places up to it, and its due jobs are counted only
+-- that far (with many tenants level, one or two).
+reach AS MATERIALIZED (
+    SELECT (SELECT c.base FROM candidates c ORDER BY c.base
+            LIMIT 1 OFFSET GREATEST((SELECT n FROM budget) - 1, 0)) AS base
+),
 tenants AS MATERIALIZED (
     SELECT c.tenant, c.base, c.weight,
         row_number() OVER (ORDER BY c.pass, c.tenant DESC) AS pos,
-        -- One tenant read: its share is the budget, and the pull stops at its due rows.
-        CASE WHEN (SELECT count(*) FROM candidates) > 1 THEN (
+        -- One tenant read: its share is the budget, and the pull stops at its due rows. One
+        -- place: the tenant has a due job (that is how it was read).
+        CASE WHEN (SELECT count(*) FROM candidates) = 1 THEN (SELECT n FROM budget)
+             WHEN c.places = 1 THEN 1
+             ELSE (
             SELECT count(*) FROM (
                 SELECT 1 FROM jobs_job j
                 WHERE j.state = 'queued' AND j.fair AND j.name = w.name
@@ -632,9 +646,15 @@ tenants AS MATERIALIZED (
                   AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
                   AND {paused}
                 ORDER BY j.priority DESC, j.run_after, j.id
-                LIMIT (SELECT n FROM budget)) due)::int
-        ELSE (SELECT n FROM budget) END AS avail
-    FROM candidates c
+                LIMIT c.places) due)::int END AS avail
+    FROM (
+        SELECT c.*, CASE WHEN r.base IS NULL THEN (SELECT n FROM budget)
+                         ELSE LEAST((SELECT n FROM budget),
+                                    floor((r.base - c.base) * c.weight + 1e-9)::int + 1) END
+            AS places
+        FROM candidates c CROSS JOIN reach r
+    ) c
+    WHERE c.places > 0
 ),
 -- Each due job's place, its tenant's k-th at base + (k - 1) / weight: the claim takes the
 -- first n places (ties in rotation order).
