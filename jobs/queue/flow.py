@@ -26,6 +26,11 @@ when several are read, due jobs (up to the claim's limit), and gives each tenant
 the claim weighted by ``jobs_tenantweight``, handing what a tenant cannot use to the others.
 Enqueue puts such types' rows in the per-tenant index
 (the ``fair`` column), as the gate rows say (:func:`ensure`).
+
+**Accounts.** A fair type without tenant limits keeps the weights over time rather than within
+each claim: each tenant has an account (``jobs_fairaccount``) of its starts, each counted as
+1/weight; the claim serves the least served first, and its statement adds its starts to the
+accounts (:data:`FAIR_ROWS`).
 """
 
 from __future__ import annotations
