@@ -11,7 +11,9 @@ rows) in each set-up, alternating rounds so a noisy machine affects all alike:
 * ``global limit``: ``global_concurrency`` (the gate, and a count of running jobs);
 * ``rate limit``: ``rate_limit`` (the gate and its bucket);
 * ``fair, 2 tenants`` / ``fair, 20 tenants`` / ``fair, 1,000 tenants``: ``fair=True`` with
-  the backlog spread over that many tenants (one claim reads up to ``--claim`` of them);
+  the backlog spread over that many tenants, each with an account in play (as a type that
+  has been claimed a while has; one claim reads up to ``--claim`` of them least served
+  first, and as many of the worker's rotation);
 * ``tenant limit, 20 tenants``: ``tenant_concurrency`` with 50 jobs already running;
 * ``everything, 20 tenants``: a global limit, a rate, a tenant limit and a tenant rate.
 
@@ -38,6 +40,12 @@ SELECT 'flow-{tenants}-' || g, %(name)s, '{{"n": 1}}', 't{tenants}-' || (g %% {t
 FROM generate_series(1, %(count)s) AS g
 """
 
+# Each tenant's account in play, the least served ones spread at random.
+ACCOUNTS = """
+INSERT INTO jobs_fairaccount (name, tenant, served, starts)
+SELECT %(name)s, 't{tenants}-' || g, random(), 0 FROM generate_series(0, {tenants} - 1) AS g
+"""
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -53,9 +61,10 @@ def main() -> None:
 
     spreads = {2: f"{NAME}", 20: f"{NAME}.20", 1000: f"{NAME}.1000"}
     with connection.cursor() as cur:
-        cur.execute("TRUNCATE jobs_job, jobs_pause, jobs_flow, jobs_flowtenant")
+        cur.execute("TRUNCATE jobs_job, jobs_pause, jobs_flow, jobs_flowtenant, jobs_fairaccount")
         for tenants, name in spreads.items():
             cur.execute(FILL.format(tenants=tenants), {"name": name, "count": args.queued})
+            cur.execute(ACCOUNTS.format(tenants=tenants), {"name": name})
         cur.execute("VACUUM ANALYZE jobs_job")
     # 50 running jobs of the 20-tenant type, for the limits to count.
     claim([ClaimRequest(spreads[20], 50)], scope=AllTenants(), worker="others")

@@ -636,6 +636,38 @@ class TenantWeight(models.Model):
         return f"{self.tenant} (weight {self.weight})"
 
 
+class FairAccount(models.Model):
+    """A tenant's account in the fair order of a fair job type without tenant limits: its
+    starts so far, each counted as 1/weight, so that the claims serve the least served first
+    and each tenant's share of the starts follows its weight over time (jobs.queue.flow).
+
+    ``served`` is NULL while the account is at rest (the tenant had nothing due when a claim
+    read it): it comes back into play level with the least served. ``starts`` counts every
+    start in fair order. Written by the claims of that type only.
+    """
+
+    pk = models.CompositePrimaryKey("name", "tenant")
+    name = models.CharField(_("job type"), max_length=200)
+    tenant = models.CharField(_("tenant"), max_length=64)
+    served = models.FloatField(null=True)
+    starts = models.BigIntegerField(db_default=0)
+
+    class Meta:
+        verbose_name = _("fair account")
+        verbose_name_plural = _("fair accounts")
+        indexes = [
+            # The claim reads a type's accounts in play least served first.
+            models.Index(
+                fields=["name", "served", "tenant"],
+                name="jobs_fairaccount_served",
+                condition=Q(served__isnull=False),
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} / {self.tenant}"
+
+
 class Batch(models.Model):
     """A group of jobs whose successor is enqueued once, when every member has finished.
 

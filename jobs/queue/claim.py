@@ -135,13 +135,20 @@ _PLAIN_BRANCH = """
         SELECT d.id FROM ({due}
         ) d WHERE NOT w.ordered"""
 # A fair name without tenant limits: its rows come from the function, whose plans each
-# connection keeps (planning the statement inline cost more than running it).
+# connection keeps (planning the statement inline cost more than running it), with the
+# accounts its tenants' starts go to (flow.FAIR_ROWS), written after the claim.
+_FAIR_PICK = """,
+fair_pick AS MATERIALIZED (
+    SELECT w.name, f.id, f.tenant, f.base, f.top
+    FROM room w
+    CROSS JOIN LATERAL jobs_fair_pick_v2(
+        w.name, w.lim, w.cap, w.after, w.lshare,
+        (SELECT queues FROM paused), (SELECT tenants FROM paused),
+        %(pick_tenant)s::text, %(pick_component)s::text) AS f(id, tenant, base, top)
+    WHERE w.lim > 0 AND w.ordered AND w.tcap IS NULL AND w.trate IS NULL
+)"""
 _TIERED_BRANCH = """
-        SELECT t.id FROM jobs_fair_pick(
-            w.name, w.lim, w.cap, w.after, w.lshare,
-            (SELECT queues FROM paused), (SELECT tenants FROM paused),
-            %(pick_tenant)s::text, %(pick_component)s::text) AS t(id)
-        WHERE w.ordered AND w.tcap IS NULL AND w.trate IS NULL"""
+        SELECT fp.id FROM fair_pick fp WHERE fp.name = w.name AND fp.id IS NOT NULL"""
 _CAPPED_BRANCH = """
         SELECT t.id FROM ({tenant_rows}
         ) t WHERE w.ordered AND (w.tcap IS NOT NULL OR w.trate IS NOT NULL)"""
@@ -159,13 +166,18 @@ def _top_and_kept(due: str, scope_sql: str) -> str:
     return top_level + flow.LOW.replace("{due}", flow.below_top(due))
 
 
-def _tiered_rows(due: str, tenant_rows: str, scope_sql: str) -> str:
+def _tiered_rows(due: str, scope_sql: str) -> str:
     """A fair name's rows within its highest class with due jobs, the places it keeps for
-    the classes below first and the room its tenants leave filled from them (``w`` is its
-    room row); :func:`fair_pick_function` makes it a function."""
+    the classes below first and the room its tenants leave filled from them, then its
+    tenants' accounts to write (``w`` is its room row, the rows read within ``scope_sql``);
+    :func:`fair_pick_function` makes it a function."""
     fill = flow.FILL.replace("{due}", flow.below_top(flow.narrowed(due, flow.NOT_LOW)))
     return (
-        tenant_rows.replace("{top}", _top_and_kept(due, scope_sql))
+        flow.FAIR_ROWS.replace("{scope}", scope_sql)
+        .replace("{paused}", pauses.PAUSED_ROWS)
+        .replace("{tenant_scope}", pick_scope_sql("c"))
+        .replace("{account_scope}", pick_scope_sql("s"))
+        .replace("{top}", _top_and_kept(due, scope_sql))
         .replace("{budget}", flow.LOW_BUDGET)
         .replace("{level}", flow.TOP_LEVEL_ROWS)
         .replace("{low_rows}", flow.LOW_ROWS)
@@ -186,7 +198,7 @@ _PICK_ARGUMENTS = {
 
 
 def fair_pick_function() -> str:
-    """``CREATE OR REPLACE FUNCTION jobs_fair_pick``: :func:`_tiered_rows` as a PL/pgSQL
+    """``CREATE OR REPLACE FUNCTION jobs_fair_pick_v2``: :func:`_tiered_rows` as a PL/pgSQL
     function, so each connection plans it a few times and then keeps a generic plan.
 
     A migration holds the text this returns (a test compares them): a change to the SQL
@@ -198,31 +210,25 @@ def fair_pick_function() -> str:
     stay queued.
     """
     due = _DUE_WALK.format(scope=pick_scope_sql("j"), paused=pauses.PAUSED_ROWS)
-    rows = _tiered_rows(
-        due,
-        flow.tenant_rows(limited=False)
-        .replace("{scope}", pick_scope_sql("j"))
-        .replace("{paused}", pauses.PAUSED_ROWS)
-        .replace("{tenant_scope}", pick_scope_sql("c")),
-        pick_scope_sql("j"),
-    )
+    rows = _tiered_rows(due, pick_scope_sql("j"))
     for column, argument in _PICK_ARGUMENTS.items():
         rows = rows.replace(column, argument)
     if re.search(r"\bw\.|\bpaused\b", rows):
         raise AssertionError("the fair pick refers to the claim's statement")
     body = "\n".join("    " + line if line else "" for line in rows.strip().splitlines())
     return (
-        "CREATE OR REPLACE FUNCTION jobs_fair_pick(\n"
+        "CREATE OR REPLACE FUNCTION jobs_fair_pick_v2(\n"
         "    p_name text, p_lim integer, p_cap integer, p_after text, p_lshare float8,\n"
         "    p_queues text[], p_tenants text[], p_tenant text, p_component text\n"
-        ") RETURNS SETOF bigint LANGUAGE plpgsql VOLATILE\n"
+        # The rows to claim (``r_id``), then the accounts to write (``r_id`` NULL).
+        ") RETURNS TABLE (r_id bigint, r_tenant text, r_base float8, r_top integer)\n"
+        "LANGUAGE plpgsql VOLATILE\n"
         # The cost of a custom plan is always estimated below the generic one's (a bound
         # LIMIT reads as few rows), so left to itself PostgreSQL plans it anew every call.
         "SET plan_cache_mode = force_generic_plan AS $$\n"
         "BEGIN\n"
-        "    RETURN QUERY SELECT picked.id FROM (\n"
-        f"{body}\n"
-        "    ) picked LIMIT p_lim;\n"
+        "    RETURN QUERY\n"
+        f"{body};\n"
         "END\n"
         "$$;\n"
     )
@@ -266,12 +272,13 @@ def _flow_ctes(due: str, flows: flow.FlowForm, scope: Scope) -> str:
         + flow.WANTED.format(paused_names=pauses.PAUSED_NAMES)
         + ","
         + flow.gate(flows)
+        + (_FAIR_PICK if flows.tiered else "")
         + _FLOW_PICKED.replace("{branches}", "\n        UNION ALL".join(branches))
     )
 
 
 #: The flow claim's form when every name asked for is fair with no fleet-wide or tenant limit:
-#: their tenant part is :sql:`jobs_fair_pick`, which takes the scope as arguments.
+#: their tenant part is :sql:`jobs_fair_pick_v2`, which takes the scope as arguments.
 TIERED_FORM = flow.FlowForm(
     gated=False, plain=False, tiered=True, capped=False, tenant_rated=False, reserved=False
 )

@@ -165,14 +165,15 @@ def _argument(parameter: str) -> str:
     return "p_" + parameter.removeprefix("pick_")
 
 
-def _pass_query(claim_ctes: str) -> str:
-    """The pass's statement with these claim CTEs, its parameters as the function's arguments."""
+def _pass_query(claim_ctes: str, after: str = "") -> str:
+    """The pass's statement with these claim CTEs (and ``after`` the claim's UPDATE), its
+    parameters as the function's arguments."""
     claimed = ", ".join(f"c_{name}" for name, _ in _PASS_COLUMNS[:_CLAIMED_COLUMNS])
     casts = ", ".join(f"c_{name}::{kind}" for name, kind in _PASS_COLUMNS[:_CLAIMED_COLUMNS])
     sql = (
         f"WITH{PASS_OUTCOME_CTES[False]},"
         f"{claim_ctes}, "
-        f"claimed({claimed}) AS ({claim_update()})\n"
+        f"claimed({claimed}) AS ({claim_update()}){after}\n"
         f"SELECT {casts}, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[], NULL::boolean"
         " FROM claimed\n"
         f"UNION ALL\n{_REPORT_ROW}"
@@ -213,10 +214,12 @@ def fair_pass_function() -> str:
     :func:`pass_function`'s. Planned inline every pass, it cost the fair drain about 26 µs of
     PostgreSQL CPU a job more than the plain one (bench/fairness.py). A migration holds it too.
     """
+    # The claimed rows' columns are named c_<column> here (the function's own are r_<column>).
+    after = flow.after_claim(TIERED_FORM, {c: f"c_{c}" for c in flow.CLAIMED_COLUMNS})
     return _function(
         FAIR_PASS_FUNCTION,
         _FAIR_PASS_ARGUMENTS,
-        f"    RETURN QUERY\n{_pass_query(tiered_claim_ctes())};\n",
+        f"    RETURN QUERY\n{_pass_query(tiered_claim_ctes(), after)};\n",
     )
 
 

@@ -26,6 +26,11 @@ when several are read, due jobs (up to the claim's limit), and gives each tenant
 the claim weighted by ``jobs_tenantweight``, handing what a tenant cannot use to the others.
 Enqueue puts such types' rows in the per-tenant index
 (the ``fair`` column), as the gate rows say (:func:`ensure`).
+
+**Accounts.** A fair type without tenant limits keeps the weights over time rather than within
+each claim: each tenant has an account (``jobs_fairaccount``) of its starts, each counted as
+1/weight; the claim serves the least served first, and its statement adds its starts to the
+accounts (:data:`FAIR_ROWS`).
 """
 
 from __future__ import annotations
@@ -373,17 +378,10 @@ AVAIL = """LEAST(t.room, (
             ORDER BY j.priority DESC, j.run_after, j.id
             LIMIT LEAST(t.room, w.lim)) due)::int)"""
 
-# A tenant-ordered name's due rows (``w`` is its room row): the tenants with queued rows,
-# in the worker's scope (a scope is a condition on the tenant, so it is applied to the list),
-# below the worker's cursor and then from the highest, one index hop each (landing on the
-# end of a tenant's range, where its claimed jobs left no dead entries) and only as many as
-# the claim may use; each one's room and due rows (counted up to the claim's limit, unlocked);
-# weighted max-min fair shares; then each tenant's share of rows in cursor order, locked as
-# pulled.
-TENANT_ROWS = (
-    """
-WITH RECURSIVE {top}budget AS MATERIALIZED (SELECT {budget} AS n),
-ahead(tenant) AS (
+#: The tenants with queued rows of a tenant-ordered name (``w``), in the worker's rotation:
+#: below its cursor (``w.after``), then from the highest down to it, one index hop each
+#: (``ahead``, then ``behind``), evaluated only as far as what reads them asks.
+WALK = """ahead(tenant) AS (
     (SELECT j.tenant FROM jobs_job j
      WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant < w.after
      ORDER BY j.tenant DESC LIMIT 1)
@@ -404,7 +402,21 @@ behind(tenant) AS (
             ORDER BY j.tenant DESC LIMIT 1)
     FROM behind b WHERE b.tenant IS NOT NULL
 ),
-{busy}tenants AS MATERIALIZED (
+"""
+
+# A tenant-ordered name's due rows (``w`` is its room row): the tenants with queued rows,
+# in the worker's scope (a scope is a condition on the tenant, so it is applied to the list),
+# below the worker's cursor and then from the highest, one index hop each (landing on the
+# end of a tenant's range, where its claimed jobs left no dead entries) and only as many as
+# the claim may use; each one's room and due rows (counted up to the claim's limit, unlocked);
+# weighted max-min fair shares; then each tenant's share of rows in cursor order, locked as
+# pulled.
+TENANT_ROWS = (
+    """
+WITH RECURSIVE {top}budget AS MATERIALIZED (SELECT {budget} AS n),
+"""
+    + WALK
+    + """{busy}tenants AS MATERIALIZED (
     SELECT * FROM (
     SELECT t.tenant, t.pass, t.weight,
         -- One tenant read: its share is its room, and the pull stops at its due rows.
@@ -485,6 +497,208 @@ CROSS JOIN LATERAL (
 WHERE s.share > 0
 )
 {low_rows}SELECT id FROM fair_rows{fill}
+"""
+)
+
+
+#: Whether the tenant of a row ``{alias}`` has a job this claim could start: one probe of
+#: the per-tenant index, backwards from the end of its due range (the latest due job), since
+#: the entries of the jobs the last claims took lie at its start until vacuum removes them.
+HAS_DUE = """COALESCE((
+        SELECT TRUE FROM jobs_job j
+        WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant = {alias}.tenant{level}
+          AND j.run_after <= statement_timestamp()
+          AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
+          AND {paused}
+        ORDER BY j.priority, j.run_after DESC, j.id DESC
+        LIMIT 1), FALSE)"""
+
+#: How many accounts at rest-to-be one claim reads past, beyond its budget: a backlog that
+#: drained leaves every account it had at the bottom of the order, and they are put to rest a
+#: few claims at a time rather than all by one.
+RESTING_READS = 16
+
+# A fair name's due rows (``w`` is its room row) when its shares are kept over time (a fair
+# type without tenant limits). Each tenant in play has an account (jobs_fairaccount): its
+# starts so far, each counted as 1/weight (``served``). A claim serves the least served first,
+# start by start: of the due jobs of the tenants it reads, it takes the ``n`` whose places
+# come first, a tenant's k-th job standing at ``served + (k - 1) / weight`` (stride
+# scheduling), so over any run of claims each tenant's starts follow its weight, whatever the
+# claims' sizes. The claim's statement then adds its starts to the accounts
+# (:data:`_AFTER_ACCOUNTS`).
+#
+# The tenants read: the accounts in play, least served first, up to the first ``n`` whose
+# tenant has a job due (one index hop each, so however many tenants the type has, and at
+# most RESTING_READS more); those of the worker's tenants read on the way with nothing due
+# come to rest (their ``served`` is cleared), so a tenant that went quiet banks no credit and
+# holds up no claim. Then the worker's rotation (as the claim of a tenant-limited type walks
+# it, ``n`` tenants), for tenants without an account in play: each comes into play level with
+# the least served account, so a new tenant's first jobs start in the claim that finds it.
+# The function returns the rows to claim, then one row per tenant to write: its level before
+# the claim (``base``) or that it comes to rest.
+FAIR_ROWS = (
+    """
+WITH RECURSIVE {top}budget AS MATERIALIZED (SELECT {budget} AS n),
+owed(served, tenant, mine, due, found, seen) AS (
+    (SELECT s.served, s.tenant, s.mine, s.mine AND """
+    + HAS_DUE.replace("{alias}", "s")
+    + """, 0, 1
+     FROM (SELECT s.served, s.tenant, {account_scope} AS mine
+           FROM jobs_fairaccount s
+           WHERE s.name = w.name AND s.served IS NOT NULL AND (SELECT n FROM budget) > 0
+           ORDER BY s.served, s.tenant LIMIT 1) s)
+    UNION ALL
+    SELECT x.served, x.tenant, x.mine, x.mine AND """
+    + HAS_DUE.replace("{alias}", "x")
+    + """,
+        o.found + o.due::int, o.seen + 1
+    FROM owed o CROSS JOIN LATERAL (
+        -- A hop along the index alone, the worker's scope tested on the account found: as a
+        -- condition of the hop, the planner takes the scope for one that keeps hardly any
+        -- row, and reads every account of the type to sort them.
+        SELECT s.served, s.tenant, {account_scope} AS mine
+        FROM jobs_fairaccount s
+        WHERE s.name = w.name AND s.served IS NOT NULL
+          AND (s.served, s.tenant) > (o.served, o.tenant)
+        ORDER BY s.served, s.tenant LIMIT 1
+    ) x
+    WHERE o.found + o.due::int < (SELECT n FROM budget)
+      AND o.seen < (SELECT n FROM budget) + """
+    + str(RESTING_READS)
+    + """
+),
+"""
+    + WALK
+    + """-- The rotation's tenants, as many as the claim takes jobs, of those in play (their level,
+-- ``served``) or with a due job (the others are passed over, as a claim of a tenant-limited
+-- type passes them). One that comes to rest now is out of play.
+walked AS MATERIALIZED (
+    SELECT c.tenant, c.pass, c.served FROM (
+        SELECT c.tenant, c.pass, (
+            -- By key (a NULL ``served`` is out of play too): with ``served IS NOT NULL`` the
+            -- planner reads the type's accounts in the order index instead.
+            SELECT s.served FROM jobs_fairaccount s
+            WHERE s.name = w.name AND s.tenant = c.tenant
+              AND NOT EXISTS (SELECT FROM owed o WHERE o.tenant = c.tenant AND o.mine AND NOT o.due)
+        ) AS served
+        FROM (
+            SELECT tenant, 1 AS pass FROM ahead WHERE tenant IS NOT NULL
+            UNION ALL
+            SELECT tenant, 2 FROM behind WHERE tenant IS NOT NULL
+        ) c
+        WHERE c.tenant || '' <> ALL((SELECT tenants FROM paused)::text[]) AND {tenant_scope}
+        -- Not pulled up into the filter below, which would look each account up again.
+        OFFSET 0
+    ) c
+    WHERE CASE WHEN c.served IS NOT NULL THEN TRUE ELSE """
+    + HAS_DUE.replace("{alias}", "c")
+    + """ END
+    LIMIT (SELECT n FROM budget)
+),
+-- Where an account comes into play: level with the least served of those with a due job
+-- (else of those read, else of the type's).
+level AS MATERIALIZED (
+    SELECT COALESCE(
+        (SELECT min(o.served) FILTER (WHERE o.due) FROM owed o),
+        (SELECT min(o.served) FILTER (WHERE o.mine) FROM owed o),
+        (SELECT s.served FROM jobs_fairaccount s
+         WHERE s.name = w.name AND s.served IS NOT NULL ORDER BY s.served LIMIT 1),
+        0) AS served
+),
+-- The tenants the claim's places go to: the least served in play with a due job; those the
+-- rotation found not in play; and, when the first are fewer than the claim's places (the
+-- accounts read were out of the worker's scope or at rest), those it found in play.
+candidates AS MATERIALIZED (
+    SELECT c.tenant, c.base, c.pass,
+        COALESCE((SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = c.tenant), 1)
+            AS weight
+    FROM (
+        SELECT o.tenant, o.served AS base,
+            CASE WHEN o.tenant < w.after THEN 1 ELSE 2 END AS pass
+        FROM owed o WHERE o.due
+        UNION ALL
+        SELECT k.tenant, (SELECT served FROM level), k.pass FROM walked k WHERE k.served IS NULL
+        UNION ALL
+        SELECT k.tenant, k.served, k.pass FROM walked k
+        WHERE k.served IS NOT NULL
+          AND (SELECT count(*) FROM owed o WHERE o.due) < (SELECT n FROM budget)
+          AND NOT EXISTS (SELECT FROM owed o WHERE o.tenant = k.tenant)
+          AND """
+    + HAS_DUE.replace("{alias}", "k")
+    + """
+    ) c
+),
+-- No place past the n-th lowest level among the candidates is taken (each has a place
+-- there): a tenant can take at most its places up to it, and its due jobs are counted only
+-- that far (with many tenants level, one or two).
+reach AS MATERIALIZED (
+    SELECT (SELECT c.base FROM candidates c ORDER BY c.base
+            LIMIT 1 OFFSET GREATEST((SELECT n FROM budget) - 1, 0)) AS base
+),
+tenants AS MATERIALIZED (
+    SELECT c.tenant, c.base, c.weight,
+        row_number() OVER (ORDER BY c.pass, c.tenant DESC) AS pos,
+        -- One tenant read: its share is the budget, and the pull stops at its due rows. One
+        -- place: the tenant has a due job (that is how it was read).
+        CASE WHEN (SELECT count(*) FROM candidates) = 1 THEN (SELECT n FROM budget)
+             WHEN c.places = 1 THEN 1
+             ELSE (
+            SELECT count(*) FROM (
+                SELECT 1 FROM jobs_job j
+                WHERE j.state = 'queued' AND j.fair AND j.name = w.name
+                  AND j.tenant = c.tenant{level}
+                  AND j.run_after <= statement_timestamp()
+                  AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
+                  AND {paused}
+                ORDER BY j.priority DESC, j.run_after, j.id
+                LIMIT c.places) due)::int END AS avail
+    FROM (
+        SELECT c.*, CASE WHEN r.base IS NULL THEN (SELECT n FROM budget)
+                         ELSE LEAST((SELECT n FROM budget),
+                                    floor((r.base - c.base) * c.weight + 1e-9)::int + 1) END
+            AS places
+        FROM candidates c CROSS JOIN reach r
+    ) c
+    WHERE c.places > 0
+),
+-- Each due job's place, its tenant's k-th at base + (k - 1) / weight: the claim takes the
+-- first n places (ties in rotation order).
+shares AS (
+    SELECT p.tenant, min(p.pos) AS pos, count(*)::int AS share FROM (
+        SELECT t.tenant, t.pos FROM tenants t
+        CROSS JOIN LATERAL generate_series(0, LEAST(t.avail, (SELECT n FROM budget)) - 1) AS g(k)
+        ORDER BY t.base + g.k::float8 / t.weight, t.pos
+        LIMIT (SELECT n FROM budget)
+    ) p
+    GROUP BY p.tenant
+),
+fair_rows AS MATERIALIZED (
+SELECT due.id FROM (SELECT * FROM shares ORDER BY pos) s
+CROSS JOIN LATERAL (
+    SELECT j.id FROM jobs_job j
+    WHERE j.state = 'queued' AND j.fair AND j.name = w.name AND j.tenant = s.tenant{level}
+      AND j.run_after <= statement_timestamp()
+      AND j.attempts < LEAST(j.max_attempts, COALESCE(w.cap, j.max_attempts))
+      AND {paused}
+    ORDER BY j.priority DESC, j.run_after, j.id
+    LIMIT s.share
+    FOR UPDATE SKIP LOCKED
+) due
+),
+picked AS (
+    SELECT p.id FROM (
+{low_rows}SELECT id FROM fair_rows{fill}
+    ) p
+    LIMIT w.lim
+)
+SELECT id, NULL::text, NULL::float8, NULL::integer FROM picked
+UNION ALL
+-- The accounts to write: those that took a share (their starts are the claimed jobs of the
+-- top class), and those at rest from now on (no level).
+SELECT NULL, t.tenant, t.base, (SELECT priority FROM top)
+FROM tenants t WHERE EXISTS (SELECT FROM shares s WHERE s.tenant = t.tenant)
+UNION ALL
+SELECT NULL, o.tenant, NULL, NULL FROM owed o WHERE o.mine AND NOT o.due
 """
 )
 
@@ -623,11 +837,52 @@ flow_tenants AS (
 )"""
 
 
-def after_claim(flows: FlowForm) -> str:
-    """The CTEs that follow the claim's UPDATE for this form ("" when none is needed)."""
+# After the claim of a fair name without tenant limits: each tenant's account takes the
+# claim's starts of it in the top class (those of the fill below it are the plain order's),
+# at 1/weight each, counted from the level the pick read (``base``), or from what the account
+# holds now if another claim has added to it since; an account the pick found with nothing
+# due comes to rest. One INSERT in (name, tenant) order: the rows are locked in one order by
+# every claim, so two claims never wait for each other in a cycle (they wait only for the
+# other's commit when both started jobs of one tenant).
+_AFTER_ACCOUNTS = """
+fair_accounts AS (
+    INSERT INTO jobs_fairaccount AS a (name, tenant, served, starts)
+    SELECT e.name, e.tenant, e.base + e.started::float8 / e.weight, e.started
+    FROM (
+        SELECT fp.name, fp.tenant, fp.base, COALESCE(n.started, 0) AS started,
+            COALESCE((SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = fp.tenant), 1)
+                AS weight
+        FROM fair_pick fp
+        LEFT JOIN (
+            SELECT c.{name} AS name, c.{tenant} AS tenant, c.{priority} AS priority,
+                count(*) AS started
+            FROM claimed c GROUP BY 1, 2, 3
+        ) n ON n.name = fp.name AND n.tenant = fp.tenant AND n.priority = fp.top
+        WHERE fp.id IS NULL
+    ) e
+    WHERE e.base IS NULL OR e.started > 0
+    ORDER BY e.name, e.tenant
+    ON CONFLICT (name, tenant) DO UPDATE
+    SET served = CASE WHEN EXCLUDED.served IS NOT NULL THEN GREATEST(
+            a.served + EXCLUDED.starts::float8 / COALESCE(
+                (SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = a.tenant), 1),
+            EXCLUDED.served) END,
+        starts = a.starts + EXCLUDED.starts
+)"""
+
+#: The claim's RETURNING columns the accounts' write reads, as :sql:`claimed` names them in
+#: the inline statement (the worker's pass function names them otherwise).
+CLAIMED_COLUMNS = {"name": "name", "tenant": "tenant", "priority": "priority"}
+
+
+def after_claim(flows: FlowForm, claimed: Mapping[str, str] = CLAIMED_COLUMNS) -> str:
+    """The CTEs that follow the claim's UPDATE for this form ("" when none is needed);
+    ``claimed`` names the claimed rows' columns (:data:`CLAIMED_COLUMNS`)."""
     parts = [_AFTER_GATES] if flows.gated else []
     if flows.tenant_rated:
         parts.append(_AFTER_TENANTS)
+    if flows.tiered:
+        parts.append(_AFTER_ACCOUNTS.format(**claimed))
     return "".join("," + part for part in parts)
 
 

@@ -4,6 +4,7 @@ the database (``test_flow_entries``), so the peaks are counted where the limits 
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from datetime import datetime
@@ -12,9 +13,9 @@ import pytest
 from django.db import connection
 
 from jobs import enqueue, enqueue_many
-from jobs.models import Job, Pause
+from jobs.models import Job, Pause, TenantWeight
 from tests.acceptance.conftest import wait_for
-from tests.procapp.jobs import FlowEntry, FlowFair, FlowRate, FlowTenant
+from tests.procapp.jobs import FlowEntry, FlowFair, FlowFairLimited, FlowRate, FlowTenant
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.acceptance, pytest.mark.slow]
 
@@ -147,6 +148,37 @@ def test_fair_order_serves_a_small_tenant_beside_a_flood(spawn):
         (job.started_at - job.run_after).total_seconds() for job in Job.objects.filter(pk__in=small)
     ]
     assert statistics.median(waits) < 1.0, waits
+
+
+@pytest.mark.parametrize("kind", [FlowFair, FlowFairLimited], ids=["fair", "with a global limit"])
+def test_tenant_weights_hold_across_workers_over_time(spawn, kind):
+    """Three tenants weighted 1/1/3 flood a fair type on 3 workers of 20 threads: over the
+    first 1,500 starts (every tenant has due jobs throughout), the starts follow the weights
+    within 5 %."""
+    TenantWeight.objects.bulk_create([TenantWeight(tenant="c", weight=3)])
+    # Jobs of uneven lengths end at their own times: the workers' passes claim a few at once.
+    lengths = random.Random(5)
+    for tenant in ("a", "b", "c"):
+        enqueue_many(
+            [kind(seconds=lengths.uniform(0.005, 0.08)) for _ in range(1000)], tenant=tenant
+        )
+    for _ in range(3):
+        spawn("runworker", *FAST, "--concurrency", "20").wait_for_output("worker .* started")
+
+    def started() -> int:
+        with connection.cursor() as cur:
+            cur.execute("SELECT count(*) FROM test_flow_entries")
+            return cur.fetchone()[0]
+
+    wait_for(lambda: started() >= 1500, timeout=60, what="1,500 starts")
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT tenant, count(*) FROM (SELECT tenant FROM test_flow_entries "
+            "ORDER BY entered LIMIT 1500) s GROUP BY tenant"
+        )
+        starts = dict(cur.fetchall())
+    expected = {"a": 300, "b": 300, "c": 900}
+    assert all(abs(starts[t] - n) <= 0.05 * n for t, n in expected.items()), starts
 
 
 def test_a_throttle_pauses_the_type_on_every_worker_for_its_delay(spawn):

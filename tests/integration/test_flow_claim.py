@@ -463,7 +463,6 @@ def test_a_fair_claim_reads_each_tenants_due_rows_by_index_and_counts_them_once(
     scans = [n for n in nodes if n.get("Relation Name") == "jobs_job"]
     assert scans, "auto_explain reported no plan"
     assert not [n for n in scans if n["Node Type"] == "Seq Scan"]
-    # Per tenant read: one count of its due rows and one pull of its share.
     per_tenant = [
         n
         for n in scans
@@ -471,7 +470,10 @@ def test_a_fair_claim_reads_each_tenants_due_rows_by_index_and_counts_them_once(
         and "tenant)::text = " in n.get("Index Cond", "")
         and n.get("Actual Loops", 0) > 0
     ]
-    assert len(per_tenant) == 2, [n.get("Index Cond") for n in per_tenant]
+    # Per tenant read, once each: a look for one due job (is it in the claim), one count of
+    # its due rows (up to the claim's size) and one pull of its share.
+    assert len(per_tenant) == 3, [n.get("Index Cond") for n in per_tenant]
+    assert [n["Actual Loops"] for n in per_tenant] == [2, 2, 2]
 
 
 def inserted_row_by_row(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -524,8 +526,10 @@ def test_the_latest_migration_holds_the_fair_pick_function_the_claim_builds():
 
     folder = Path(jobs.migrations.__file__).parent
     holders = sorted(
-        path.stem for path in folder.glob("0*.py") if "FUNCTION jobs_fair_pick(" in path.read_text()
+        path.stem
+        for path in folder.glob("0*.py")
+        if "FUNCTION jobs_fair_pick_v2(" in path.read_text()
     )
-    assert holders, "no migration creates jobs_fair_pick"
+    assert holders, "no migration creates jobs_fair_pick_v2"
     latest = importlib.import_module(f"jobs.migrations.{holders[-1]}")
     assert latest.SQL.strip() == fair_pick_function().strip()

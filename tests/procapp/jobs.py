@@ -99,10 +99,15 @@ class FlowFair(FlowEntry, name="test.flow_fair.v1"):
     pass
 
 
+class FlowFairLimited(FlowEntry, name="test.flow_fair_limited.v1"):
+    pass
+
+
 job(FlowEntry, global_concurrency=3, timeout=30, max_attempts=5)(_flow_entry)
 job(FlowTenant, tenant_concurrency=2, timeout=30, max_attempts=5)(_flow_entry)
 job(FlowRate, rate_limit=Rate(20, per=1), timeout=30, max_attempts=5)(_flow_entry)
 job(FlowFair, fair=True, timeout=30, max_attempts=5)(_flow_entry)
+job(FlowFairLimited, fair=True, global_concurrency=30, timeout=30, max_attempts=5)(_flow_entry)
 
 
 # -- workflows: members that finish together, a successor that records each run --------------
