@@ -70,8 +70,13 @@ class CheckedInputs:
             return None  # no row has it: the page says the object does not exist
         return super().get_object(request, object_id, from_field)  # type: ignore[misc]
 
-    def response_action(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
-        """Run the chosen action, unless the selection names something that is no row id."""
+    def response_action(
+        self, request: HttpRequest, queryset: QuerySet[Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """Run the chosen action, unless the selection names something that is no row id.
+
+        Django 6.1 passes where the action was chosen (``action_location``): passed on.
+        """
         selected = request.POST.getlist(helpers.ACTION_CHECKBOX_NAME)
         if not all(self._is_pk(value) for value in selected):
             messages.warning(
@@ -79,7 +84,9 @@ class CheckedInputs:
                 gettext("The selection names something that is not a row here: nothing was done."),
             )
             return HttpResponseRedirect(request.get_full_path())
-        response: HttpResponse | None = super().response_action(request, queryset)  # type: ignore[misc]
+        response: HttpResponse | None = super().response_action(  # type: ignore[misc]
+            request, queryset, *args, **kwargs
+        )
         return response
 
     def _is_pk(self, value: str) -> bool:
