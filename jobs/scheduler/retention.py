@@ -163,22 +163,3 @@ class Retention:
                 extra={"action": "pruned", "counts": dict(counts)},
             )
         return counts
-
-
-class DependentsRelease:
-    """Release the jobs waiting for ones that ended (``jobs.queue.dependencies.release``).
-
-    Workers release at once what their own passes end; this duty catches the rest, jobs
-    ended by the scheduler's own passes, an operator, or a worker that died meanwhile.
-    """
-
-    def __init__(self, *, using: str = DEFAULT_DB_ALIAS) -> None:
-        self.using = using
-
-    def run_once(self, now: datetime | None = None) -> Counter[str]:
-        """Release what is pending, for a while at most; ``released``: waiting jobs settled."""
-        counts: Counter[str] = Counter()
-        settled = queue.dependencies.release_pending(using=self.using)
-        if settled:
-            counts["released"] += settled
-        return counts

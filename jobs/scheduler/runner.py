@@ -56,8 +56,9 @@ from jobs.scheduler.cron import CronService
 from jobs.scheduler.gauges import Gauges
 from jobs.scheduler.leader import Leadership, LeadershipLost
 from jobs.scheduler.per_database import Outages, PerDatabase, RecordedGauges
+from jobs.scheduler.release import DependentsRelease
 from jobs.scheduler.reporting import export, status
-from jobs.scheduler.retention import Archive, DependentsRelease, Retention
+from jobs.scheduler.retention import Archive, Retention
 from jobs.scheduler.schedules import Schedule, get_schedules
 from jobs.scheduler.watchdog import Watchdog
 from jobs.worker.flush import unreachable
