@@ -34,7 +34,7 @@ def main() -> None:
     setup("_progress_bench")
     from django.db import connection
 
-    from jobs.progress import Progress
+    from jobs.core.progress import Progress
     from jobs.queue import AllTenants, ClaimRequest, NewJob, claim, enqueue_many, renew_leases
 
     with connection.cursor() as cur:

@@ -519,7 +519,7 @@ class ClaimProbe:
 @cache
 def worker_maintenance() -> Any:
     """The worker's periodic passes, for the bench registry's types (as a bench worker)."""
-    from jobs.registry import get_registry
+    from jobs.catalogue.registry import get_registry
     from jobs.worker.maintenance import WorkerMaintenance
 
     return WorkerMaintenance(worker_config(), get_registry())
@@ -538,7 +538,7 @@ def worker_run_once() -> object:
 
 def scheduler_watchdog() -> object:
     """The scheduler's watchdog: expired leases and exhaustion for all tenants, stale runs."""
-    from jobs.registry import get_registry
+    from jobs.catalogue.registry import get_registry
     from jobs.scheduler.watchdog import Watchdog
 
     return Watchdog(max_attempts=get_registry().max_attempts()).run_once()
@@ -561,7 +561,7 @@ def scheduler_archive() -> object:
 def scheduler_gauges() -> object:
     """The scheduler leader's gauges duty: the backlog count per type and the table's health
     (in versions that have it; the count moved there from the worker's run_once)."""
-    from jobs.registry import get_registry
+    from jobs.catalogue.registry import get_registry
     from jobs.scheduler.gauges import Gauges
 
     return Gauges(get_registry().names()).run_once()

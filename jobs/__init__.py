@@ -8,13 +8,13 @@ and must not touch models: it is imported before Django's app registry is ready.
 # right in a checkout that was never installed. The one place the version is written.
 __version__ = "0.1.0"
 
-from jobs.batches import Batch, batch
-from jobs.context import JobContext
-from jobs.effects import complete, effect, effect_key
+from jobs.api.batches import Batch, batch
+from jobs.api.effects import complete, effect, effect_key
+from jobs.api.producer import JobSpec, enqueue, enqueue_many
+from jobs.catalogue.payloads import InvalidPayload, Payload
+from jobs.catalogue.registry import Backoff, Policy, Rate, job, register
+from jobs.core.context import JobContext
 from jobs.errors import Cancelled, LeaseLost, Reject, RetryAfter
-from jobs.payloads import InvalidPayload, Payload
-from jobs.producer import JobSpec, enqueue, enqueue_many
-from jobs.registry import Backoff, Policy, Rate, job, register
 
 __all__ = [
     "Backoff",

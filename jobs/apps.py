@@ -13,7 +13,7 @@ class JobsConfig(AppConfig):
         from django.utils.module_loading import autodiscover_modules
 
         from jobs import checks as jobs_checks
-        from jobs.registry import catalogue
+        from jobs.catalogue.registry import catalogue
 
         checks.register(jobs_checks.check_settings, "jobs")
         checks.register(jobs_checks.check_registry, "jobs")

@@ -33,7 +33,7 @@ from traceback import format_exception
 from typing import TYPE_CHECKING, Any, cast
 
 from django.conf import settings
-from django.core.checks import CheckMessage
+from django.core.checks import CheckMessage, Error
 from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus
 from django.tasks.backends.base import BaseTaskBackend
 from django.tasks.base import TASK_REFRESH_ATTRS, TaskError
@@ -42,13 +42,14 @@ from django.tasks.signals import task_enqueued, task_finished, task_started
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from jobs.conf import jobs_settings
-from jobs.context import JobContext
+from jobs.catalogue.payloads import InvalidPayload, Payload
+from jobs.catalogue.policy import Policy
+from jobs.core.conf import jobs_settings
+from jobs.core.context import JobContext
+from jobs.core.limits import validate_key
+from jobs.core.progress import Progress
+from jobs.core.progress import read as read_progress
 from jobs.errors import Reject, fail_now
-from jobs.payloads import InvalidPayload, Payload
-from jobs.policy import Policy
-from jobs.progress import Progress
-from jobs.progress import read as read_progress
 
 if TYPE_CHECKING:
     from jobs.queue.attempts import Attempt
@@ -92,7 +93,7 @@ class DjangoTaskV1(Payload, name="django.task.v1"):
 # arguments at run time.
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobTaskResult(TaskResult):  # type: ignore[misc, type-arg]
-    """Django's ``TaskResult`` with the task's last progress report (:mod:`jobs.progress`).
+    """Django's ``TaskResult`` with the task's last progress report (:mod:`jobs.core.progress`).
 
     ``progress`` is None until the task reports; :meth:`refresh` reads it again too.
     """
@@ -142,14 +143,11 @@ class PostgresBackend(BaseTaskBackend):
 
     def check(self, **kwargs: Any) -> list[CheckMessage]:
         """Django's checks of this backend: ``jobs.E050`` when the jobs app is missing."""
-        from jobs.checks import check_task_backend
-
         return [*super().check(**kwargs), *check_task_backend(self.alias)]
 
     def validate_task(self, task: Task[..., Any]) -> None:
         """Django's checks, and a queue name the jobs table can hold: with ``QUEUES = []``
         Django accepts any name, which would otherwise fail only when enqueued."""
-        from jobs.queue.types import validate_key
 
         super().validate_task(task)
         try:
@@ -162,7 +160,7 @@ class PostgresBackend(BaseTaskBackend):
     def enqueue[**P, R](
         self, task: Task[P, R], args: list[Any], kwargs: dict[str, Any]
     ) -> TaskResult[P, R]:
-        from jobs.producer import enqueue
+        from jobs.api.producer import enqueue
 
         self.validate_task(task)
         payload = DjangoTaskV1(
@@ -510,7 +508,7 @@ def _stand_in(path: str, module_name: str, name: str) -> Callable[..., Any]:
 # codes of jobs.runs.ErrorCode, which this module does not import: it loads before the models).
 _CODE_CLASSES = {
     "deadline_exceeded": "builtins.TimeoutError",
-    "invalid_payload": "jobs.payloads.InvalidPayload",
+    "invalid_payload": "jobs.catalogue.payloads.InvalidPayload",
     "cancelled": "jobs.errors.Cancelled",
 }
 _TRACEBACK_HEADER = "Traceback (most recent call last):"
@@ -591,3 +589,25 @@ def _raised_class(detail: str) -> str | None:
             # format_exception leaves out the module of builtins (and of __main__).
             return found if "." in found else f"builtins.{found}"
     return "builtins.Exception"  # cut short before the exception line (long details are)
+
+
+def check_task_backend(alias: str) -> list[CheckMessage]:
+    """The ``TASKS`` backend ``alias`` of this app needs the app: its tables and its worker.
+
+    Called by ``PostgresBackend.check()``, which Django's task checks call for every backend
+    (the checks registered above run only when the app is installed).
+    """
+    from django.apps import apps
+
+    if apps.is_installed("jobs"):
+        return []
+    return [
+        Error(
+            f"TASKS[{alias!r}] uses {BACKEND_PATH}, but the jobs app is not installed.",
+            hint=(
+                "Add 'jobs' to INSTALLED_APPS and run migrate: the backend keeps its tasks in "
+                "the jobs tables and manage.py runworker runs them."
+            ),
+            id="jobs.E050",
+        )
+    ]

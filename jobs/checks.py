@@ -16,9 +16,10 @@ Ids are stable so they can be looked up and, for warnings, silenced:
 * ``jobs.E023`` ``DB_NETWORK_TIMEOUT`` under one second (keepalives count whole seconds)
 * ``jobs.E040`` ``DATABASE`` (or a task backend's ``DATABASE``) is not a Django alias;
   ``E041`` ``DATABASES`` is not a list of aliases, names an unknown one or leaves out one
-  that holds jobs (:func:`jobs.databases.check_databases`)
+  that holds jobs (:func:`jobs.catalogue.routing.check_databases`)
 * ``jobs.E050`` a ``TASKS`` backend is ``jobs.backends.PostgresBackend`` but ``jobs`` is not
-  in ``INSTALLED_APPS`` (reported through Django's task checks: :func:`check_task_backend`)
+  in ``INSTALLED_APPS`` (reported through Django's task checks:
+  :func:`jobs.backends.check_task_backend`)
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning, register
 
-from jobs.conf import DEFAULTS, DURATION_KEYS, as_timedelta
-from jobs.databases import check_databases
-from jobs.payloads import Payload
-from jobs.registry import MAX_ATTEMPTS_MAX, catalogue
+from jobs.catalogue.payloads import Payload
+from jobs.catalogue.registry import MAX_ATTEMPTS_MAX, catalogue
+from jobs.catalogue.routing import check_databases
+from jobs.core.conf import DEFAULTS, DURATION_KEYS, as_timedelta
+from jobs.core.limits import validate_key
 
 # Durations where zero is meaningful: no window at all, or never wait in-process.
 ZERO_ALLOWED = frozenset(
@@ -126,30 +128,6 @@ def check_registry(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     return messages
 
 
-def check_task_backend(alias: str) -> list[CheckMessage]:
-    """The ``TASKS`` backend ``alias`` of this app needs the app: its tables and its worker.
-
-    Called by ``PostgresBackend.check()``, which Django's task checks call for every backend
-    (the checks registered above run only when the app is installed).
-    """
-    from django.apps import apps
-
-    from jobs.backends import BACKEND_PATH
-
-    if apps.is_installed("jobs"):
-        return []
-    return [
-        Error(
-            f"TASKS[{alias!r}] uses {BACKEND_PATH}, but the jobs app is not installed.",
-            hint=(
-                "Add 'jobs' to INSTALLED_APPS and run migrate: the backend keeps its tasks in "
-                "the jobs tables and manage.py runworker runs them."
-            ),
-            id="jobs.E050",
-        )
-    ]
-
-
 def _unknown(key: object) -> CheckMessage:
     close = difflib.get_close_matches(str(key), DEFAULTS, n=1)
     hint = f"Did you mean {close[0]!r}?" if close else f"Known keys: {', '.join(sorted(DEFAULTS))}."
@@ -188,7 +166,6 @@ def _ints(values: dict[str, Any]) -> list[CheckMessage]:
 
 
 def _keys(values: dict[str, Any]) -> list[CheckMessage]:
-    from jobs.queue.types import validate_key  # needs the app registry, ready by check time
 
     errors: list[CheckMessage] = []
     for key, what in (("DEFAULT_TENANT", "tenant"), ("DEFAULT_QUEUE", "queue")):
@@ -244,7 +221,7 @@ def _label(cls: type) -> str:
 @register("jobs")
 def check_schedules(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Every schedule must parse, name a registered job type and carry a payload it accepts."""
-    from jobs.scheduler.schedules import schedule_problems
+    from jobs.catalogue.schedules import schedule_problems
 
     if not catalogue.frozen:
         return []  # the registry is built at start-up; the scheduler validates again then
@@ -281,7 +258,7 @@ def check_scheduler_settings(app_configs: Any = None, **kwargs: Any) -> list[Che
 
 @register("jobs")
 def check_database_bounds(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """The bounds of jobs.dbbounds must fit the leader timeout and the TCP stack."""
+    """The bounds of jobs.db.bounds must fit the leader timeout and the TCP stack."""
     values = _user_durations(
         (
             "DB_STATEMENT_TIMEOUT",

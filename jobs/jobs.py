@@ -6,7 +6,7 @@ backend is :class:`jobs.backends.PostgresBackend`.
 
 from django.conf import settings
 
-from jobs.registry import register
+from jobs.catalogue.registry import register
 
 if any(
     config.get("BACKEND") == "jobs.backends.PostgresBackend"

@@ -18,9 +18,10 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
-from jobs import databases, queue
+from jobs import queue
+from jobs.catalogue import routing as databases
+from jobs.catalogue.registry import Registry, get_registry
 from jobs.queue import OnlyTenant, Scope
-from jobs.registry import Registry, get_registry
 from jobs.worker.config import WorkerConfig, scope_from
 from jobs.worker.runner import Worker
 

@@ -47,7 +47,7 @@ MAX_CLIENTS = 500
 #: Seconds PgBouncer refuses every client after a failed server login (a database restart):
 #: what docs/operating-at-scale.md recommends, well under a lease, instead of PgBouncer's 15.
 SERVER_LOGIN_RETRY = 1
-#: ``-c`` settings the project sends in ``options`` (jobs.dbbounds), applied per client by
+#: ``-c`` settings the project sends in ``options`` (jobs.db.bounds), applied per client by
 #: PgBouncer 1.20+ when tracked; older versions can only be told to ignore ``options``.
 TRACKED = ("statement_timeout", "lock_timeout")
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import psycopg
 from django.db import connection
 
-from jobs import dbbounds
+from jobs.db import bounds as dbbounds
 
 
 @contextlib.contextmanager

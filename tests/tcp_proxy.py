@@ -4,7 +4,7 @@
 kernel still acknowledges what it sends (the proxy's socket is alive) and keepalive probes
 are answered: a call on a connection through it simply never gets its answer. That is the
 failure TCP's own timeouts cannot see (a hung pooler or proxy, a half-dead NAT), and the one
-the client-side bounds of ``jobs.dbbounds`` exist for.
+the client-side bounds of ``jobs.db.bounds`` exist for.
 
 ``down()`` plays a restart instead: every connection is cut, and each new one is answered as
 PostgreSQL answers while it starts up (``FATAL: the database system is starting up``) until

@@ -13,7 +13,7 @@ from datetime import timedelta
 from types import SimpleNamespace
 
 from jobs import JobContext, Payload, Reject, RetryAfter
-from jobs.registry import Backoff, JobType, Policy, Registry
+from jobs.catalogue.registry import Backoff, JobType, Policy, Registry
 
 FAST_BACKOFF = Backoff(base=timedelta(milliseconds=10), cap=timedelta(milliseconds=50))
 

@@ -2,7 +2,7 @@
 
 ::
 
-    jobs.admin, jobs.monitor (views, forms, templates)    manage.py replay, …
+    jobs.admin, jobs.admin (views, forms, templates)    manage.py replay, …
                          │                                     │
                          └──────────────▶ jobs.control ◀───────┘
                                              │

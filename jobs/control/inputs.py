@@ -7,7 +7,7 @@ error or a traceback instead of an answer. The admin and the commands check ever
 take from an operator here first, and answer as fits where it came from:
 
 * a list filter that no stored row can match shows no rows, and says why
-  (:func:`first_refusal`, used by :mod:`jobs.monitor.inputs`);
+  (:func:`first_refusal`, used by :mod:`jobs.admin.inputs`);
 * a form field is invalid, with the reason (:func:`validate_text`, a Django validator);
 * a command argument ends the command with a ``CommandError`` naming it
   (:func:`check_arguments`, and :func:`check_limit` for a ``--limit``).

@@ -30,8 +30,8 @@ from django.db.models import Case, Exists, OuterRef, Q, QuerySet, TextField, Val
 from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import Cast
 
+from jobs.catalogue.registry import get_registry
 from jobs.control.tables import Row, RunTable
-from jobs.registry import get_registry
 from jobs.runs import ACTIVE_STATES, RunContract
 
 

@@ -15,7 +15,8 @@ from django.core.exceptions import PermissionDenied
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils.translation import gettext as _
 
-from jobs import databases, queue
+from jobs import queue
+from jobs.catalogue import routing as databases
 from jobs.control.tables import Operator
 from jobs.models import Pause, PauseKind
 from jobs.scheduler import pausing
@@ -52,7 +53,7 @@ def refusal(kind: str, value: str, using: str = DEFAULT_DB_ALIAS) -> str | None:
     A pause is read where the work happens: by the claims of the workers of its database, and
     for a schedule by the ticks in the database its job type lives in.
     """
-    from jobs.scheduler.schedules import get_schedules
+    from jobs.catalogue.schedules import get_schedules
 
     if using not in databases.configured():
         return (

@@ -26,11 +26,11 @@ from django.core.exceptions import PermissionDenied
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils.translation import gettext as _
 
-from jobs import databases
+from jobs.catalogue import routing as databases
+from jobs.catalogue.schedules import Schedule, get_schedules
 from jobs.control import pauses
 from jobs.control.tables import Operator, RunTable
 from jobs.models import Job, PauseKind
-from jobs.scheduler.schedules import Schedule, get_schedules
 
 RUN_PERMISSION = "jobs.run_schedule"
 VIEW_PERMISSION = "jobs.view_scheduleslot"
@@ -84,7 +84,7 @@ def run_now(user: Operator, name: str, *, token: str, via: str) -> RunNow:
     that is not configured or a malformed token. Runs whether or not the schedule is paused:
     a pause holds back slots, and this is not one.
     """
-    from jobs.producer import enqueue
+    from jobs.api.producer import enqueue
 
     if not can_run(user):
         raise PermissionDenied(

@@ -30,9 +30,9 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.db.backends.utils import CursorWrapper
 
-from jobs import databases
+from jobs.core.limits import validate_key
 from jobs.queue import _db, enqueue, keys
-from jobs.queue.types import BatchFailure, BatchState, Enqueued, InvalidJob, NewJob, validate_key
+from jobs.queue.types import BatchFailure, BatchState, Enqueued, InvalidJob, NewJob
 
 _STATE_COLUMNS = (
     "id, tenant, description, created_at, created_by, sealed_at, total, succeeded, failed, "
@@ -67,7 +67,6 @@ def open(
                 "it takes no after, run_after, delay or batch_id"
             )
         template = enqueue.validated_row(successor)
-        databases.route([(None, successor.name)], using)  # where its type's workers look
     values: dict[str, Any] = template or {}
     with _db.cursor(using) as cur:
         cur.execute(
@@ -301,7 +300,7 @@ def prune(
 
 
 def _tenant(tenant: str | None, template: dict[str, object] | None) -> str:
-    from jobs.conf import jobs_settings
+    from jobs.core.conf import jobs_settings
 
     if tenant is None:
         tenant = str(template["tenant"]) if template else jobs_settings.DEFAULT_TENANT

@@ -28,8 +28,8 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
-from jobs.conf import jobs_settings
-from jobs.progress import Progress
+from jobs.core.conf import jobs_settings
+from jobs.core.progress import Progress
 from jobs.queue import _db, attempts, flow, pauses, processes, rollup, text
 from jobs.queue._arrays import array
 from jobs.queue.outcomes import report_json
@@ -487,7 +487,7 @@ def renew_leases(
 
     Reports, by claim token, the leases lost and the attempts an operator asked to stop
     (:func:`jobs.queue.cancel`). With no jobs, only the beat is written (an idle worker).
-    ``progress`` holds the handlers' reports not written yet (:mod:`jobs.progress`), by
+    ``progress`` holds the handlers' reports not written yet (:mod:`jobs.core.progress`), by
     claim token: each goes to its row in the same UPDATE, which stays a HOT update (the
     column is in no index); ``Renewal.unsent`` names those that were not written.
     """

@@ -18,14 +18,13 @@ from django.db import OperationalError, connections, transaction
 from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
-from jobs import databases
-from jobs.conf import NOTIFY_CHANNEL, jobs_settings
-from jobs.models import PRIORITY_MAX, PRIORITY_MIN, new_job_id, new_job_ids
-from jobs.policy import MAX_ATTEMPTS_MAX
+from jobs.core.conf import NOTIFY_CHANNEL, jobs_settings
+from jobs.core.limits import MAX_ATTEMPTS_MAX, PRIORITY_MAX, PRIORITY_MIN, validate_key
+from jobs.models import new_job_id, new_job_ids
 from jobs.queue import _db, dependencies, flow, keys, text
 from jobs.queue.flow import FAIR_AT_ENQUEUE as _FAIR
 from jobs.queue.flow import FAIR_OF_ONE as _FAIR_OF_ONE
-from jobs.queue.types import Enqueued, InvalidJob, NewJob, validate_key
+from jobs.queue.types import Enqueued, InvalidJob, NewJob
 
 #: The furthest ahead ``delay`` may put a job; ``run_after`` is bounded by datetime itself.
 DELAY_MAX = timedelta(days=100 * 365)
@@ -62,21 +61,20 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str | None = None) -> list[En
     large keyless batch outside one is checked while COPY streams it, in a transaction of its
     own that rolls back. Inside the caller's ``transaction.atomic()`` the jobs commit or roll
     back with the caller's writes; workers never see them before commit.
-    ``using`` None sends the batch to its types' database alias (:func:`jobs.databases.route`),
-    so the transaction that counts is the one open on that alias.
+    ``using`` is the database alias (None: ``JOBS["DATABASE"]``), so the transaction that
+    counts is the one open on that alias. The queue does not route: the caller picks the
+    alias a job type lives in (:func:`jobs.catalogue.routing.route`, through the producer).
     """
     if not isinstance(jobs, list | tuple):
         jobs = list(jobs)  # any iterable: it is read more than once
     if len(jobs) >= COPY_AT_LEAST and all(map(_copyable, jobs)):
-        copied = _enqueue_by_copy(jobs, using)
-        if copied is not None:
-            return copied
+        return _enqueue_by_copy(jobs, using or jobs_settings.DATABASE)
     defaults = _defaults()
     new_id = iter(new_job_ids(sum(getattr(job, "job_id", "") is None for job in jobs))).__next__
     rows = [_row(job, index, defaults, new_id) for index, job in enumerate(jobs)]
     if not rows:
         return []
-    using = databases.route([(index, row["name"]) for index, row in enumerate(rows)], using)
+    using = using or jobs_settings.DATABASE
     # The first job with a key is the one inserted; later copies in the batch return it.
     firsts: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:
@@ -116,7 +114,7 @@ def _copyable(job: object) -> bool:
     )
 
 
-def _enqueue_by_copy(jobs: Sequence[NewJob], using: str | None) -> list[Enqueued] | None:
+def _enqueue_by_copy(jobs: Sequence[NewJob], using: str) -> list[Enqueued]:
     """A large batch of keyless jobs: no key to look up, so no rounds, and COPY writes it.
 
     Outside any transaction the batch is checked while COPY streams it: the server stores
@@ -124,13 +122,8 @@ def _enqueue_by_copy(jobs: Sequence[NewJob], using: str | None) -> list[Enqueued
     COPY, so the batch's own transaction rolls back and nothing of it is ever seen. Inside the
     caller's transaction (``atomic()``, or autocommit turned off) the batch is checked whole
     before anything is sent: streaming would need a savepoint, a subtransaction of the
-    caller's, to leave it usable after a refused job. None when the batch's database is in
-    question: the general path reports the batch's first problem in the batch's order.
+    caller's, to leave it usable after a refused job.
     """
-    try:
-        using = databases.route([(index, job.name) for index, job in enumerate(jobs)], using)
-    except InvalidJob:
-        return None
     connection = connections[using]
     defaults = _defaults()
     new_id = iter(new_job_ids(len(jobs))).__next__  # every job is keyless (_copyable)

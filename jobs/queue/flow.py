@@ -1014,7 +1014,7 @@ def rate_retry_seconds(limits: FlowLimits | None, *, floor: float = 0.005) -> fl
     return min(0.05, max(floor, 1.0 / max(rates)))
 
 
-# Reads for the console and the gauges duty (jobs.monitor.flow, jobs.scheduler.gauges) --------
+# Reads for the console and the gauges duty (jobs.admin.flow, jobs.scheduler.gauges) --------
 
 
 def tenant_tokens(

@@ -36,7 +36,7 @@ from django.db import DEFAULT_DB_ALIAS, OperationalError, transaction
 from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
-from jobs.conf import jobs_settings
+from jobs.core.conf import jobs_settings
 from jobs.queue import _db
 from jobs.runs import TERMINAL_STATES, RunState
 

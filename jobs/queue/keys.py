@@ -11,7 +11,7 @@ from typing import Any
 
 from django.db.backends.utils import CursorWrapper
 
-from jobs.conf import jobs_settings
+from jobs.core.conf import jobs_settings
 from jobs.queue import _db
 
 # True for a key-holding row (alias j) whose window has passed.

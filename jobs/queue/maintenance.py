@@ -23,9 +23,9 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS
 from django.db.backends.utils import CursorWrapper
 
-from jobs import binding
-from jobs.conf import jobs_settings
+from jobs.core.conf import jobs_settings
 from jobs.queue import _db, attempts, flow, history, rollup
+from jobs.queue import bound as binding
 from jobs.queue.types import (
     BACKLOG_CAP,
     AllTenants,

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, transaction
 
-from jobs import binding
 from jobs.queue import _db, attempts, batches, dependencies, flow, history, keys, rollup
+from jobs.queue import bound as binding
 from jobs.queue.types import ReplayReport
 from jobs.runs import ErrorCode
 

@@ -21,7 +21,7 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
-from jobs.progress import Progress
+from jobs.core.progress import Progress
 from jobs.queue import _db, attempts, flow, rollup, text
 from jobs.queue._arrays import Array, array
 from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay

@@ -18,10 +18,10 @@ from datetime import datetime
 
 from django.db import DEFAULT_DB_ALIAS, transaction
 
-from jobs.conf import NOTIFY_CHANNEL, jobs_settings
+from jobs.core.conf import NOTIFY_CHANNEL, jobs_settings
+from jobs.core.limits import validate_key
 from jobs.models import PauseKind
 from jobs.queue import _db, text
-from jobs.queue.types import validate_key
 
 # The claim's view of the table: what is paused, read once per claim statement. Empty arrays
 # when nothing is (``x <> ALL('{}')`` holds for every x).

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from django.db import DEFAULT_DB_ALIAS
 
-from jobs.conf import jobs_settings
+from jobs.core.conf import jobs_settings
 from jobs.queue import _db
 from jobs.queue.types import ProcessBeat
 
@@ -184,7 +184,7 @@ class HeldJob:
     attempts: int
     started_at: datetime | None
     elapsed: float | None  # seconds since the claim, by PostgreSQL's clock
-    progress: Any = None  # the handler's last report as stored (jobs.progress.read)
+    progress: Any = None  # the handler's last report as stored (jobs.core.progress.read)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from jobs.conf import jobs_settings
+from jobs.core.conf import jobs_settings
 from jobs.queue import _db
 from jobs.queue.types import Outcome
 

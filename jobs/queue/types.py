@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from jobs.frozen import direct_init
+from jobs.core.frozen import direct_init
+from jobs.core.limits import validate_key
 from jobs.queue import text
 from jobs.runs import ErrorCode, RunState
-
-_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 
 #: The longest delay an outcome may ask for: a retry further out is scheduled at this delay.
 #: A ``RetryAfter(timedelta.max)`` would otherwise overflow PostgreSQL's timestamps.
@@ -35,16 +33,6 @@ class InvalidJob(ValueError):
         self.index = index
         prefix = f"job #{index}: " if index is not None else ""
         super().__init__(prefix + message)
-
-
-def validate_key(value: object, what: str) -> str:
-    """Tenants, components and queues are short identifiers: letters, digits, ``_.:-``."""
-    if not isinstance(value, str) or not _KEY.fullmatch(value):
-        raise ValueError(
-            f"{what} must be 1-64 characters of letters, digits, '_', '.', ':' or '-' "
-            f"starting with a letter or digit, got {value!r}"
-        )
-    return value
 
 
 @direct_init
@@ -252,7 +240,7 @@ class Outcome:
     at: datetime | None = None
     attempts_delta: int = 0  # -1 gives the claimed attempt back
     result_json: str | None = None  # the result, already encoded (see jobs.queue.text.dumps)
-    # The handler's last progress report, when no lease renewal wrote it (jobs.progress).
+    # The handler's last progress report, when no lease renewal wrote it (jobs.core.progress).
     progress_json: str | None = None
 
     @classmethod

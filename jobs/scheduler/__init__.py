@@ -7,30 +7,11 @@
   overdue (for the admin and for health checks);
 * :func:`get_schedules` returns the validated schedules.
 
-Names load lazily: importing this package (``jobs.models`` imports its slot vocabulary) pulls
-in neither the database layer nor the scheduler's metrics.
+Declared schedules belong to the catalogue (:mod:`jobs.catalogue.schedules`); they are
+re-exported here, where a project looks for them.
 """
 
-from __future__ import annotations
+from jobs.catalogue.schedules import Schedule, get_schedules, load_schedules, schedule
+from jobs.scheduler.reporting import ScheduleStatus, status
 
-from importlib import import_module
-from typing import Any
-
-_EXPORTS = {
-    "Schedule": "jobs.scheduler.schedules",
-    "get_schedules": "jobs.scheduler.schedules",
-    "load_schedules": "jobs.scheduler.schedules",
-    "schedule": "jobs.scheduler.schedules",
-    "ScheduleStatus": "jobs.scheduler.reporting",
-    "status": "jobs.scheduler.reporting",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'jobs.scheduler' has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__all__ = ["Schedule", "ScheduleStatus", "get_schedules", "load_schedules", "schedule", "status"]

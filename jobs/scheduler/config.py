@@ -8,10 +8,10 @@ from datetime import timedelta
 
 from django.core.exceptions import ImproperlyConfigured
 
-from jobs.conf import jobs_settings
-from jobs.process import process_identity
+from jobs.catalogue.schedules import Schedule
+from jobs.core.conf import jobs_settings
+from jobs.runtime.process import process_identity
 from jobs.scheduler.retention import ArchiveConfig, RetentionConfig
-from jobs.scheduler.schedules import Schedule
 from jobs.scheduler.watchdog import WatchdogConfig
 
 INTERVALS = (

@@ -3,7 +3,7 @@
 One tick of one schedule is one transaction::
 
     (idle timeout) → fence (still the leader?) → lock the schedule → read its latest slot
-      → plan (on time / catch-up / skipped, see jobs.scheduler.timing)
+      → plan (on time / catch-up / skipped, see jobs.catalogue.timing)
       → per slot: INSERT slot ON CONFLICT DO NOTHING; if inserted and it fires, enqueue the
         job with job_id "cron:<schedule>:<slot>" → commit
 
@@ -24,12 +24,13 @@ from datetime import datetime, timedelta
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
+from jobs.catalogue.schedules import Schedule
+from jobs.catalogue.timing import Decision
+from jobs.db.clock import database_now
+from jobs.models import SlotKind
 from jobs.scheduler import metrics, slots
-from jobs.scheduler.clock import database_now
 from jobs.scheduler.leader import LeadershipLost
-from jobs.scheduler.schedules import Schedule
 from jobs.scheduler.slots import PAUSED_KIND
-from jobs.scheduler.timing import Decision, SlotKind
 
 logger = logging.getLogger("jobs.scheduler")
 
@@ -138,7 +139,7 @@ class CronService:
         A slot already recorded (by anyone, ever) is passed over: that conflict, not the
         timing of the callers, is what keeps a slot from firing twice.
         """
-        from jobs.producer import enqueue
+        from jobs.api.producer import enqueue
 
         fired: list[Fired] = []
         with transaction.atomic(using=self.using), connections[self.using].cursor() as cur:

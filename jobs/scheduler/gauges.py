@@ -39,13 +39,13 @@ from django.db import DEFAULT_DB_ALIAS
 from prometheus_client import Gauge
 
 from jobs import queue
+from jobs.catalogue.registry import get_registry
+from jobs.db.clock import database_now
 from jobs.models import PauseKind
 from jobs.queue import BacklogRow, TableHealth, flow
 from jobs.queue.flow import FlowLimits, FlowState, TenantFlow
 from jobs.queue.pauses import PauseRow
-from jobs.registry import get_registry
 from jobs.scheduler import metrics
-from jobs.scheduler.clock import database_now
 
 logger = logging.getLogger("jobs.scheduler")
 

@@ -58,8 +58,8 @@ from typing import Any
 import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from jobs import dbbounds
-from jobs.conf import jobs_settings
+from jobs.core.conf import jobs_settings
+from jobs.db import bounds as dbbounds
 from jobs.scheduler import metrics
 
 logger = logging.getLogger("jobs.scheduler")

@@ -21,10 +21,10 @@ from datetime import datetime
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
+from jobs.catalogue.schedules import get_schedules
+from jobs.catalogue.timing import Decision
+from jobs.db.clock import database_now
 from jobs.scheduler import slots
-from jobs.scheduler.clock import database_now
-from jobs.scheduler.schedules import get_schedules
-from jobs.scheduler.timing import Decision
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """One duty, every database: the leader runs each maintenance duty on every jobs alias.
 
 The scheduler leads once, through its lock on the home alias (``JOBS["DATABASE"]``); what it
-does while leading must reach every alias that holds jobs (:func:`jobs.databases.configured`)::
+does while leading must reach every alias that holds jobs
+(:func:`jobs.catalogue.routing.configured`)::
 
     duty pass ──▶ home alias   at the pass's database time
               ──▶ other alias  at that database's own clock (another server's may differ)
@@ -34,11 +35,11 @@ from typing import Protocol
 from django.db import connections
 
 from jobs import queue
+from jobs.db.clock import database_now
+from jobs.db.sqlstate import unreachable
 from jobs.scheduler import metrics
-from jobs.scheduler.clock import database_now
 from jobs.scheduler.gauges import Gauges
 from jobs.scheduler.leader import LeadershipLost
-from jobs.worker.flush import unreachable
 
 logger = logging.getLogger("jobs.scheduler")
 

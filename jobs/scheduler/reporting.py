@@ -18,9 +18,9 @@ from datetime import datetime
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
+from jobs.catalogue.schedules import Schedule, get_schedules
+from jobs.db.clock import database_now
 from jobs.scheduler import metrics, slots
-from jobs.scheduler.clock import database_now
-from jobs.scheduler.schedules import Schedule, get_schedules
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,12 +29,12 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from jobs import queue
-from jobs.conf import jobs_settings
+from jobs.core.conf import jobs_settings
+from jobs.db.clock import database_now
 from jobs.queue import effects as effect_journal
 from jobs.queue import processes
 from jobs.runs import TERMINAL_STATES
 from jobs.scheduler import metrics, slots
-from jobs.scheduler.clock import database_now
 
 logger = logging.getLogger("jobs.scheduler")
 
@@ -149,7 +149,7 @@ class Retention:
             now, batch_size=batch_size, max_batches=self.config.max_batches, using=self.using
         )
         counts["jobs.rollup:expired"] += compacted["expired"]
-        counts["jobs.process:gone"] += processes.prune_gone(
+        counts["jobs.runtime.process:gone"] += processes.prune_gone(
             older_than=self.config.process_retention, limit=batch_size, now=now, using=self.using
         )
         counts = +counts  # drop zeros

@@ -17,7 +17,7 @@ own thread and connection, and a stall guard watches the loop from a third::
            SCHEDULER_LEADER_TIMEOUT ──▶ step down, abort the loop's connection (the stuck call
            raises), stay out of the contest for one timeout so a standby takes over
 
-Every call has a bound (jobs.dbbounds): the loop's connection carries statement_timeout,
+Every call has a bound (jobs.db.bounds): the loop's connection carries statement_timeout,
 lock_timeout and TCP keepalives/tcp_user_timeout, the lock session's calls have a deadline,
 and the guard catches what none of those can see (a path that went silent).
 
@@ -45,12 +45,15 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from jobs import databases, dbbounds
-from jobs.dbbounds import StallGuard
-from jobs.process import Presence, install_stop_signals, restore_signals, start_http
-from jobs.registry import Registry, get_registry
+from jobs.catalogue import routing as databases
+from jobs.catalogue.registry import Registry, get_registry
+from jobs.catalogue.schedules import Schedule, get_schedules
+from jobs.db import bounds as dbbounds
+from jobs.db.bounds import StallGuard
+from jobs.db.clock import database_now
+from jobs.db.sqlstate import unreachable
+from jobs.runtime.process import Presence, install_stop_signals, restore_signals, start_http
 from jobs.scheduler import metrics
-from jobs.scheduler.clock import database_now
 from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.cron import CronService
 from jobs.scheduler.gauges import Gauges
@@ -59,9 +62,7 @@ from jobs.scheduler.per_database import Outages, PerDatabase, RecordedGauges
 from jobs.scheduler.release import DependentsRelease
 from jobs.scheduler.reporting import export, status
 from jobs.scheduler.retention import Archive, Retention
-from jobs.scheduler.schedules import Schedule, get_schedules
 from jobs.scheduler.watchdog import Watchdog
-from jobs.worker.flush import unreachable
 
 logger = logging.getLogger("jobs.scheduler")
 

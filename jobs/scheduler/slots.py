@@ -14,10 +14,11 @@ from datetime import datetime
 
 from django.db.backends.utils import CursorWrapper
 
-from jobs.scheduler.timing import Decision, SlotKind
+from jobs.catalogue.timing import Decision
+from jobs.models import SlotKind
 
 # The jobs_pause kind of a paused schedule: jobs.models.PauseKind.SCHEDULE, spelled out so
-# that this module stays importable without the models (as jobs.scheduler.timing is).
+# that this module stays importable without the models (as jobs.catalogue.timing is).
 PAUSED_KIND = "schedule"
 # The first key of pg_advisory_xact_lock(int, int) for per-schedule tick locks ("jobs").
 TICK_LOCK_NAMESPACE = 0x6A6F6273

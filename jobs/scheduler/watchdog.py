@@ -8,7 +8,7 @@
   whose heartbeat is older than its ``stale_after`` (default ``JOBS["STALE_AFTER"]``) fails as
   ``stale`` (``jobs.runs.reap_stale``), which frees its active-state lock for the next run.
   A row bound to a job type (``Policy(run_model=…)``) whose job is still active is skipped:
-  the job's lease decides (see :mod:`jobs.binding`).
+  the job's lease decides (see :mod:`jobs.queue.bound`).
 
 Each statement handles at most ``batch_size`` rows and skips rows others have locked; a pass
 repeats a statement at most ``max_batches`` times per table. A failing table is logged and
@@ -27,12 +27,13 @@ from functools import partial
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, router
 
-from jobs import binding, queue
-from jobs.conf import jobs_settings
+from jobs import queue
+from jobs.core.conf import jobs_settings
+from jobs.db.clock import database_now
 from jobs.queue import AllTenants
+from jobs.queue import bound as binding
 from jobs.runs import RunContract, reap_stale, run_contract_models
 from jobs.scheduler import metrics
-from jobs.scheduler.clock import database_now
 
 logger = logging.getLogger("jobs.scheduler")
 

@@ -13,8 +13,8 @@ from datetime import datetime
 from django import template
 from django.utils.safestring import SafeString
 
-from jobs.conf import jobs_settings
-from jobs.monitor.display import moment
+from jobs.admin.display import moment
+from jobs.core.conf import jobs_settings
 
 register = template.Library()
 

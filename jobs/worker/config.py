@@ -10,9 +10,9 @@ from datetime import timedelta
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from jobs.conf import jobs_settings
-from jobs.process import process_identity
+from jobs.core.conf import jobs_settings
 from jobs.queue.types import AllTenantsExcept, OnlyTenant, Scope
+from jobs.runtime.process import process_identity
 
 #: The component name base workers use for tenant overrides unless told otherwise.
 DEFAULT_COMPONENT = "worker"
@@ -36,7 +36,7 @@ class WorkerConfig:
     """How one worker process runs. Every field has a default; see the README's table."""
 
     scope: Scope = field(default_factory=lambda: AllTenantsExcept(DEFAULT_COMPONENT))
-    # The database alias whose jobs this worker runs (jobs.databases): every statement of
+    # The database alias whose jobs this worker runs (jobs.catalogue.routing): every statement of
     # the worker's own goes there, and its handlers' contexts say so (``ctx.using``).
     database: str = field(default_factory=lambda: str(jobs_settings.DATABASE))
     concurrency: int = DEFAULT_CONCURRENCY

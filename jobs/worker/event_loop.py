@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from asgiref.sync import AsyncToSync, SyncToAsync
 
 if TYPE_CHECKING:
-    from jobs.context import JobContext
+    from jobs.core.context import JobContext
 
 logger = logging.getLogger("jobs.worker")
 

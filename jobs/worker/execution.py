@@ -46,14 +46,15 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connections
 from psycopg.pq import TransactionStatus
 
-from jobs import dbbounds, queue, runs
-from jobs.context import JobContext
-from jobs.effects import completed_by_handler
+from jobs import queue, runs
+from jobs.api.effects import completed_by_handler
+from jobs.catalogue.payloads import InvalidPayload
+from jobs.catalogue.registry import JobType, classify
+from jobs.core.context import JobContext
+from jobs.db import bounds as dbbounds
 from jobs.errors import RetryAfter, fails_now
-from jobs.payloads import InvalidPayload
 from jobs.queue import ClaimedJob, InvalidResult, Outcome
 from jobs.queue.types import clamp_delay
-from jobs.registry import JobType, classify
 from jobs.runs import ErrorCode
 from jobs.worker import metrics, thread_connections
 from jobs.worker.event_loop import CancelEvent, run_async

@@ -35,9 +35,10 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from jobs import dbbounds, queue, runs
-from jobs.conf import as_timedelta
-from jobs.progress import Progress
+from jobs import queue, runs
+from jobs.core.conf import as_timedelta
+from jobs.core.progress import Progress
+from jobs.db import bounds as dbbounds
 from jobs.queue import Outcome, ProcessBeat
 from jobs.queue.outcomes import with_progress
 from jobs.worker import metrics

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 
 from jobs import queue
+from jobs.catalogue.registry import Registry
 from jobs.queue import SweepRow
-from jobs.registry import Registry
 from jobs.worker import metrics
 from jobs.worker.config import WorkerConfig
 

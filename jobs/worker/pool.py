@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 
 from django.db import connections
 
-from jobs.conf import jobs_settings
+from jobs.core.conf import jobs_settings
 from jobs.worker import thread_connections
 from jobs.worker.event_loop import HandlerLoop
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from jobs.process import Presence
 from jobs.queue.types import AllTenants, AllTenantsExcept, OnlyTenant, Scope
+from jobs.runtime.process import Presence
 from jobs.worker.config import WorkerConfig
 
 logger = logging.getLogger("jobs.worker")

@@ -16,9 +16,9 @@ import threading
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from jobs import dbbounds
+from jobs.db import bounds as dbbounds
+from jobs.db.sqlstate import one_line
 from jobs.queue import dependencies
-from jobs.worker.flush import one_line
 
 logger = logging.getLogger("jobs.worker")
 

@@ -34,12 +34,15 @@ from django.db import Error as DbError
 from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from jobs import databases, dbbounds, queue
-from jobs.effects import completed_by_handler
-from jobs.process import install_stop_signals, restore_signals, start_http
+from jobs import queue
+from jobs.api.effects import completed_by_handler
+from jobs.catalogue import routing as databases
+from jobs.catalogue.registry import Registry
+from jobs.db import bounds as dbbounds
+from jobs.db.sqlstate import one_line, unreachable
 from jobs.queue import ClaimedJob, ClaimRequest, Outcome, OutcomeReport, flow
-from jobs.registry import Registry
 from jobs.runs import ErrorCode, RunState
+from jobs.runtime.process import install_stop_signals, restore_signals, start_http
 from jobs.worker import metrics
 from jobs.worker.config import WorkerConfig
 from jobs.worker.drain import Draining
@@ -50,7 +53,7 @@ from jobs.worker.execution import (
     make_context,
     sync_run_rows,
 )
-from jobs.worker.flush import one_line, unreachable, write_one_by_one
+from jobs.worker.flush import write_one_by_one
 from jobs.worker.history import History
 from jobs.worker.leases import LeaseKeeper, with_last_report
 from jobs.worker.maintenance import WorkerMaintenance
@@ -158,7 +161,7 @@ class Worker(Draining):
         self.registry = registry
         self.config = config or WorkerConfig()
         self._on_terminal = on_terminal_failure
-        # The types bound to this worker's database and the unbound ones (jobs.databases).
+        # The types bound to this worker's database and the unbound ones (jobs.catalogue.routing).
         self._names = list(databases.served(registry, self.config.database))
         # Flow controls held by the claim (jobs.queue.flow): each type's limits, its gate row
         # made once, each tenant-ordered type's cursor, and when a type held back by its
@@ -257,7 +260,7 @@ class Worker(Draining):
         if self.config.notify_enabled and self._names:
             listener.start()
         self._log_start()
-        # The loop's own connection gets statement, lock and network bounds (jobs.dbbounds):
+        # The loop's own connection gets statement, lock and network bounds (jobs.db.bounds):
         # no call of the run loop may wait forever. Handler threads keep the plain settings.
         bounds = contextlib.ExitStack()
         bounds.enter_context(dbbounds.bounded(self._connection))

@@ -24,7 +24,7 @@ listening only once a probe comes back::
        └── a lost connection: retry at once, backing off; a failed proof: REPROVE_AFTER
 
 A working listener is not re-proved while its connection lives: a direct session cannot stop
-delivering without failing, and keepalives (:mod:`jobs.dbbounds`) turn a dead path into an
+delivering without failing, and keepalives (:mod:`jobs.db.bounds`) turn a dead path into an
 error, which reconnects and proves again.
 """
 
@@ -41,8 +41,8 @@ from typing import Any
 import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from jobs import dbbounds
-from jobs.conf import NOTIFY_CHANNEL
+from jobs.core.conf import NOTIFY_CHANNEL
+from jobs.db import bounds as dbbounds
 from jobs.worker import metrics
 
 logger = logging.getLogger("jobs.worker")

@@ -15,8 +15,8 @@ import pytest
 from django.db import connections
 
 from jobs import queue
+from jobs.db.clock import database_now
 from jobs.queue import AllTenants, ClaimRequest, rollup
-from jobs.scheduler.clock import database_now
 from tests.acceptance.test_browser import CHROMIUM, FLAGS, TIMEOUT_MS, log_in, shot
 from tests.factories import JobFactory
 from tests.integration.test_admin_console import end, put_history

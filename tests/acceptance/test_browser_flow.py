@@ -17,8 +17,8 @@ from django.contrib.admin.models import CHANGE, LogEntry
 from django.db import connections
 
 from jobs import queue
+from jobs.admin import flow as flow_page
 from jobs.models import TenantWeight
-from jobs.monitor import flow as flow_page
 from tests.acceptance.test_browser import CHROMIUM, FLAGS, SMALL, TIMEOUT_MS, shot
 from tests.integration.test_admin_factories import operator
 from tests.integration.test_admin_flow import (

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from jobs import queue
-from jobs.progress import Progress
+from jobs.core.progress import Progress
 from tests.acceptance.test_browser_live import (  # noqa: F401 - fixtures used by name
     browser,
     claim,

@@ -17,11 +17,11 @@ from django.db import connections
 from django.test import override_settings
 
 from jobs import queue
+from jobs.catalogue.schedules import Schedule, get_schedules
+from jobs.db.clock import database_now
 from jobs.models import Job, ScheduleSlot
 from jobs.runs import ErrorCode, RunState
-from jobs.scheduler.clock import database_now
 from jobs.scheduler.cron import CronService
-from jobs.scheduler.schedules import Schedule, get_schedules
 from tests.acceptance.test_browser import CHROMIUM, FLAGS, SMALL, TIMEOUT_MS, shot
 from tests.integration.test_admin_factories import operator
 

@@ -14,7 +14,7 @@ import time
 import psycopg
 import pytest
 
-from jobs import dbbounds
+from jobs.db import bounds as dbbounds
 from jobs.scheduler.leader import LOCK_KEY
 from tests.acceptance.conftest import wait_for
 from tests.acceptance.test_scheduler_processes import (

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from django.db.models.functions import Now
 
-from jobs import dbbounds
+from jobs.db import bounds as dbbounds
 from jobs.models import Job, ScheduleSlot
 from jobs.scheduler.slots import TICK_LOCK_NAMESPACE
 from tests.acceptance.conftest import Process, database_url_for_tests, wait_for

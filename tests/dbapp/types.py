@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from jobs import JobContext, Payload
-from jobs.registry import JobType, Policy
+from jobs.catalogue.registry import JobType, Policy
 
 #: The alias the bound type lives in.
 OTHER = "other"

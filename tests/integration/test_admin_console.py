@@ -18,8 +18,8 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from jobs import queue
+from jobs.db.clock import database_now
 from jobs.queue import AllTenants, ClaimRequest, Outcome, rollup
-from jobs.scheduler.clock import database_now
 from tests.dom import Elements, marks
 from tests.factories import JobFactory
 from tests.integration.test_admin_factories import client_for, operator

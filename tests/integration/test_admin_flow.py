@@ -17,10 +17,10 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from jobs import JobContext, Payload, Policy, Rate, queue
+from jobs.admin import flow as page
+from jobs.catalogue.registry import JobType, Registry
 from jobs.models import TenantWeight
-from jobs.monitor import flow as page
 from jobs.queue import AllTenants, ClaimedJob, ClaimRequest, NewJob, flow
-from jobs.registry import JobType, Registry
 from tests.dom import Elements
 from tests.integration.test_admin_factories import client_for, operator
 

@@ -8,9 +8,9 @@ import pytest
 from django.contrib.admin.models import LogEntry
 from django.urls import reverse
 
+from jobs.db.clock import database_now
 from jobs.models import Job, JobHistory
 from jobs.queue import history
-from jobs.scheduler.clock import database_now
 from tests.integration.test_admin_factories import client_for, operator
 from tests.integration.test_history import finish, job
 
@@ -67,7 +67,7 @@ def test_a_finished_job_replays_from_history_through_the_monitor_confirmation():
 
 
 def test_the_overview_counts_finished_jobs_in_the_history_too():
-    from jobs.monitor.overview import overview_data
+    from jobs.admin.overview import overview_data
 
     archived("succeeded")
     pk = archived("failed")

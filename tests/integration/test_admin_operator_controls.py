@@ -16,10 +16,10 @@ from django.test import Client
 from django.urls import reverse
 
 from jobs import queue
+from jobs.db.clock import database_now
 from jobs.models import Job, JobHistory, Pause
 from jobs.queue import ProcessBeat, history, processes
 from jobs.runs import RunState
-from jobs.scheduler.clock import database_now
 from tests.factories import JobFactory
 from tests.integration.test_admin_factories import (
     client_for,

@@ -12,9 +12,9 @@ from django.contrib.admin.models import LogEntry
 from django.urls import reverse
 
 from jobs import queue
+from jobs.admin.display import moment
+from jobs.db.clock import database_now
 from jobs.models import Pause
-from jobs.monitor.display import moment
-from jobs.scheduler.clock import database_now
 from tests.factories import JobFactory
 from tests.integration.test_admin_factories import VIEW_ALL, client_for, operator
 

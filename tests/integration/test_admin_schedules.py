@@ -19,16 +19,16 @@ from django.test import Client, override_settings
 from django.urls import reverse
 
 from jobs import queue
+from jobs.catalogue import schedules as schedules_module
+from jobs.catalogue import timing
+from jobs.catalogue.schedules import get_schedules
 from jobs.control import schedules as control
-from jobs.models import Job, JobHistory, Pause, ScheduleSlot
+from jobs.db.clock import database_now
+from jobs.models import Job, JobHistory, Pause, ScheduleSlot, SlotKind
 from jobs.queue import history
-from jobs.scheduler import pausing, timing
-from jobs.scheduler import schedules as schedules_module
-from jobs.scheduler.clock import database_now
+from jobs.scheduler import pausing
 from jobs.scheduler.cron import CronService
 from jobs.scheduler.reporting import status
-from jobs.scheduler.schedules import get_schedules
-from jobs.scheduler.timing import SlotKind
 from tests.integration.test_admin_factories import client_for, operator
 from tests.integration.test_history import finish, job
 
@@ -382,7 +382,7 @@ class TestPauseAndResume:
 
 
 class TestPausedStretch:
-    """The rule at pinned times: :func:`jobs.scheduler.timing.skipped_while_paused`."""
+    """The rule at pinned times: :func:`jobs.catalogue.timing.skipped_while_paused`."""
 
     T = datetime(2030, 5, 1, 10, tzinfo=UTC)
     UTC_ZONE = ZoneInfo("UTC")

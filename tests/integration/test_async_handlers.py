@@ -22,8 +22,8 @@ from django.db import connection
 from django.tasks import task
 
 from jobs import JobContext, Payload, enqueue
+from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job
-from jobs.registry import JobType, Policy, Registry
 from jobs.testing import run_worker
 from jobs.worker.config import WorkerConfig
 from jobs.worker.event_loop import HandlerLoop

@@ -17,8 +17,8 @@ from asgiref.sync import sync_to_async
 from django.db import connection
 
 from jobs import JobContext, Payload, RetryAfter, enqueue
+from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job
-from jobs.registry import JobType, Policy, Registry
 from jobs.worker import runner
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker

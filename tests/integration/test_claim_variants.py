@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs import queue
+from jobs.db.clock import database_now
 from jobs.queue import AllTenants, ClaimRequest, NewJob, OnlyTenant
-from jobs.scheduler.clock import database_now
 
 pytestmark = pytest.mark.django_db
 

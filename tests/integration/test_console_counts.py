@@ -20,12 +20,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs import queue
+from jobs.admin.overview import counted_text
+from jobs.db.clock import database_now
 from jobs.models import Job, JobHistory, Process
-from jobs.monitor.overview import counted_text
 from jobs.queue import AllTenants, ClaimRequest, NewJob, batches, history, processes
 from jobs.queue._db import load_json
 from jobs.queue.history import Counted
-from jobs.scheduler.clock import database_now
 from tests.factories import JobFactory
 
 pytestmark = pytest.mark.django_db

@@ -19,16 +19,17 @@ from django.db import connections, transaction
 from django.test import override_settings
 
 import jobs
-from jobs import databases, queue
-from jobs.databases import check_databases
+from jobs import queue
+from jobs.admin.databases import DatabaseFilter
+from jobs.catalogue import routing as databases
+from jobs.catalogue.registry import Registry, catalogue, get_registry
+from jobs.catalogue.routing import check_databases
+from jobs.catalogue.schedules import load_schedules
+from jobs.db.clock import database_now
 from jobs.models import Job, JobHistory, Rollup, ScheduleSlot
-from jobs.monitor.databases import DatabaseFilter
 from jobs.queue import AllTenants, ClaimRequest, InvalidJob, NewJob
-from jobs.registry import Registry, catalogue, get_registry
-from jobs.scheduler.clock import database_now
 from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.runner import Scheduler
-from jobs.scheduler.schedules import load_schedules
 from jobs.testing import run_worker
 from tests import otherdb
 from tests.dbapp.types import OTHER, NoteV1, ReportV1, job_types
@@ -86,8 +87,8 @@ def test_a_bound_type_elsewhere_and_a_batch_over_two_databases_are_refused(two_d
         jobs.enqueue(ReportV1(number=1), using="default")
     with pytest.raises(InvalidJob, match=r"job #0 \(dbapp.note.v1\) to 'default'; job #1"):
         jobs.enqueue_many([NoteV1(number=1), ReportV1(number=2)])
-    with pytest.raises(InvalidJob, match="lives in database 'other'"):  # the raw queue too
-        queue.enqueue(NewJob(ReportV1.job_name, {"number": 3}), using="default")
+    with pytest.raises(InvalidJob, match="lives in database 'other'"):  # in a batch too
+        jobs.enqueue_many([ReportV1(number=3)], using="default")
     assert not on("default").exists() and not on(OTHER).exists()
 
     # With using=, an unbound type goes along with the bound one.
@@ -95,18 +96,18 @@ def test_a_bound_type_elsewhere_and_a_batch_over_two_databases_are_refused(two_d
     assert {job.id for job in both} == set(on(OTHER).values_list("pk", flat=True))
 
 
-def test_a_large_batch_reports_an_invalid_job_before_its_database(two_databases):
+def test_a_large_batch_is_refused_whole_for_an_invalid_job_or_its_database(two_databases):
     """Which error a batch reports does not depend on the path that inserts it (by COPY
-    from COPY_AT_LEAST keyless jobs on): an invalid job first, then a database mismatch."""
+    from COPY_AT_LEAST keyless jobs on): the producer refuses a batch for the wrong database
+    before the queue sees it, and the queue refuses an invalid job on either path."""
     from jobs.queue.enqueue import COPY_AT_LEAST
 
     jobs_ = [NewJob(ReportV1.job_name, {"number": n}) for n in range(COPY_AT_LEAST)]
     jobs_[5] = NewJob(ReportV1.job_name, {"number": 5}, priority="high")
     with pytest.raises(InvalidJob, match=r"^job #5: priority"):
-        queue.enqueue_many(jobs_, using="default")
-    jobs_[5] = NewJob(ReportV1.job_name, {"number": 5})
+        queue.enqueue_many(jobs_, using=OTHER)
     with pytest.raises(InvalidJob, match="lives in database 'other'"):
-        queue.enqueue_many(jobs_, using="default")
+        jobs.enqueue_many([ReportV1(number=n) for n in range(COPY_AT_LEAST)], using="default")
     assert not on("default").exists() and not on(OTHER).exists()
 
 
@@ -126,8 +127,10 @@ def test_enqueue_joins_the_transaction_open_on_the_types_database(two_databases)
     assert sorted(on(OTHER).values_list("pk", flat=True)) == sorted([kept.id, outside.id])
 
 
-def test_the_raw_queue_routes_by_the_registered_name_too(two_databases):
-    raw = queue.enqueue(NewJob(ReportV1.job_name, {"number": 1}))
+def test_jobs_are_routed_by_the_registered_name_and_the_queue_writes_where_told(two_databases):
+    assert databases.route([(0, ReportV1.job_name)], None) == OTHER
+    assert databases.route([(0, "nobody.registers.v1")], None) == "default"
+    raw = queue.enqueue(NewJob(ReportV1.job_name, {"number": 1}), using=OTHER)
     assert on(OTHER).filter(pk=raw.id).exists()
     unregistered = queue.enqueue(NewJob("nobody.registers.v1", {}))
     assert on("default").filter(pk=unregistered.id).exists()

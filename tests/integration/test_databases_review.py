@@ -23,16 +23,17 @@ from django.db import connections, transaction
 from django.tasks import task
 
 import jobs
-from jobs import JobContext, Payload, databases, queue
-from jobs.databases import check_databases
+from jobs import JobContext, Payload, queue
+from jobs.catalogue import routing as databases
+from jobs.catalogue.registry import JobType, Policy, Rate, Registry, catalogue, get_registry
+from jobs.catalogue.routing import check_databases
+from jobs.catalogue.schedules import load_schedules
 from jobs.errors import RetryAfter
 from jobs.models import Job, Pause, ScheduleSlot
 from jobs.queue import AllTenants, ClaimRequest, InvalidJob
-from jobs.registry import JobType, Policy, Rate, Registry, catalogue, get_registry
 from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.per_database import Outages
 from jobs.scheduler.runner import Scheduler
-from jobs.scheduler.schedules import load_schedules
 from jobs.testing import run_worker
 from tests.dbapp.types import OTHER, NoteV1, ReportV1, job_types
 from tests.runapp.models import QuickRun

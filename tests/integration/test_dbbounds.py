@@ -11,8 +11,8 @@ import pytest
 from django.db import OperationalError, connection, transaction
 from django.test import override_settings
 
-from jobs import dbbounds
-from jobs.dbbounds import Bounds, CallTimedOut, StallGuard
+from jobs.db import bounds as dbbounds
+from jobs.db.bounds import Bounds, CallTimedOut, StallGuard
 from tests.conftest import run_in_threads
 from tests.tcp_proxy import TcpProxy
 

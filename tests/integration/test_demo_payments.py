@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import jobs
-from jobs.effects import key_for
+from jobs.api.effects import key_for
 from jobs.models import Effect, Job
 from jobs.testing import run_worker
 from project.payments.jobs import ChargeOrderV1

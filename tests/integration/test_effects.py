@@ -20,12 +20,12 @@ from django.db.transaction import TransactionManagementError
 
 import jobs
 from jobs import JobContext, LeaseLost, Payload, enqueue, queue
-from jobs.effects import key_for
+from jobs.api.effects import key_for
+from jobs.catalogue.registry import JobType, Policy, Registry
+from jobs.db.clock import database_now
 from jobs.models import Effect, Job, JobHistory, Rollup, TenantOverride
 from jobs.queue import AllTenants, ClaimedJob, ClaimRequest, NewJob, history
 from jobs.queue import effects as journal
-from jobs.registry import JobType, Policy, Registry
-from jobs.scheduler.clock import database_now
 from jobs.scheduler.retention import Retention
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker

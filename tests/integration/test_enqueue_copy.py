@@ -20,9 +20,11 @@ from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobs import queue
+from jobs import enqueue_many, queue
+from jobs.catalogue import routing
 from jobs.models import FlowGate, Job
 from jobs.queue import NewJob
+from tests.jobapp.jobs import PingV1
 
 enqueue_module = importlib.import_module("jobs.queue.enqueue")
 COPY_AT_LEAST = enqueue_module.COPY_AT_LEAST
@@ -282,16 +284,13 @@ def test_a_batch_of_keyless_jobs_draws_its_random_ids_at_once(monkeypatch, size,
 
 @pytest.mark.parametrize("inside", [False, True])
 def test_a_large_keyless_batch_works_out_its_database_once(monkeypatch, inside):
-    """The alias a batch goes to is one lookup a type, but a pass over every job. Inside the
-    caller's transaction a batch used to work it out, find the transaction open and take the
-    general path, which worked it out again and built every result twice."""
+    """The alias a batch goes to is one lookup a type, but a pass over every job: the producer
+    works it out once, inside the caller's transaction too, and the queue not again."""
     calls = []
-    real = enqueue_module.databases.route
-    monkeypatch.setattr(
-        enqueue_module.databases, "route", lambda jobs, using: calls.append(1) or real(jobs, using)
-    )
+    real = routing.route
+    monkeypatch.setattr(routing, "route", lambda jobs, using: calls.append(1) or real(jobs, using))
     with transaction.atomic() if inside else contextlib.nullcontext():
-        results = queue.enqueue_many(batch(COPY_AT_LEAST * 2))
+        results = enqueue_many([PingV1(message=str(n)) for n in range(COPY_AT_LEAST * 2)])
 
     assert len(calls) == 1
     assert [r.id for r in results] == sorted(r.id for r in results)

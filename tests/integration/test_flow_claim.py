@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from jobs import queue
+from jobs.db.clock import database_now
 from jobs.models import FlowGate, Job, TenantBucket, TenantWeight
 from jobs.queue import AllTenants, ClaimRequest, NewJob, OnlyTenant, flow
 from jobs.queue.flow import FlowLimits
-from jobs.scheduler.clock import database_now
 from tests.acceptance.conftest import wait_for
 
 enqueue_module = importlib.import_module("jobs.queue.enqueue")

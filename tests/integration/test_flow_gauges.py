@@ -7,11 +7,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 from jobs import queue
+from jobs.admin.flow import controlled
+from jobs.db.clock import database_now
 from jobs.models import Job
-from jobs.monitor.flow import controlled
 from jobs.runs import RunState
 from jobs.scheduler import gauges as gauges_module
-from jobs.scheduler.clock import database_now
 from jobs.scheduler.gauges import Gauges, held_back
 from tests.integration.test_admin_flow import (
     FAIR,

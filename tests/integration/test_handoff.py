@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs import enqueue
+from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job
-from jobs.registry import JobType, Policy, Registry
 from jobs.worker import pool as pool_module
 from jobs.worker import runner as runner_module
 from jobs.worker.config import WorkerConfig

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from jobs import queue
 from jobs.control.failures import fetch_page
 from jobs.control.tables import Filters, RunTable, run_tables
+from jobs.db.clock import database_now
 from jobs.models import Job, JobHistory
 from jobs.queue import AllTenants, ClaimRequest, NewJob, history
 from jobs.queue.history import DAY, HOUR, Partition, plan
-from jobs.scheduler.clock import database_now
 from jobs.scheduler.retention import Archive, Retention
 
 pytestmark = pytest.mark.django_db

@@ -13,15 +13,15 @@ from django.db import connection
 from django.urls import reverse
 
 from jobs import enqueue
+from jobs.catalogue.registry import Registry, get_registry
 from jobs.control import links
 from jobs.control.failures import eligible_rows, fetch_page
 from jobs.control.replays import replay
 from jobs.control.tables import Filters, RunTable, run_tables
+from jobs.db.clock import database_now
 from jobs.models import Job, JobHistory
 from jobs.queue import history
-from jobs.registry import Registry, get_registry
 from jobs.runs import ErrorCode, RunState
-from jobs.scheduler.clock import database_now
 from jobs.testing import JobFailed, run_worker
 from tests.factories import JobFactory
 from tests.integration.test_admin_factories import ago, client_for, operator

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from django.db import connection, transaction
 
-from jobs import dbbounds
+from jobs.db import bounds as dbbounds
 from jobs.scheduler.leader import LOCK_KEY, Leadership, LeadershipLost
 from tests.pgbouncer import pgbouncer_fixture  # noqa: F401  (provides `pgbouncer`)
 

@@ -22,7 +22,7 @@ import psycopg
 import pytest
 from django.db import connection, transaction
 
-from jobs import dbbounds
+from jobs.db import bounds as dbbounds
 from jobs.scheduler.leader import Leadership, LeadershipLost
 from tests.integration import test_leader_pooler as base
 from tests.pgbouncer import (

@@ -20,10 +20,10 @@ from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 
 import jobs
 from jobs import JobContext, Payload, RetryAfter, queue
+from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job
 from jobs.queue import ClaimRequest, NewJob
 from jobs.queue.types import AllTenants
-from jobs.registry import JobType, Policy, Registry
 from jobs.worker.config import WorkerConfig
 from jobs.worker.execution import Running, make_context
 from jobs.worker.leases import LeaseKeeper

@@ -12,8 +12,8 @@ from django.urls import reverse
 from jobs.control import failures
 from jobs.control.failures import failure_groups, fetch_page
 from jobs.control.tables import Filters, run_tables, summarize
+from jobs.db.clock import database_now
 from jobs.runs import ErrorCode, RunState, run_contract_models
-from jobs.scheduler.clock import database_now
 from tests.factories import JobFactory
 from tests.integration.test_admin_factories import (
     VIEW_ALL,

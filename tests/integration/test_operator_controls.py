@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from jobs import enqueue, queue
-from jobs.conf import NOTIFY_CHANNEL
+from jobs.core.conf import NOTIFY_CHANNEL
 from jobs.models import Job, Pause
 from jobs.queue import ClaimRequest, NewJob, Outcome, attempts
 from jobs.queue.types import AllTenants

@@ -31,9 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs import queue
+from jobs.admin.databases import DatabaseRunTableAdmin
+from jobs.admin.modeladmin import RunTableAdmin
 from jobs.models import Job, Pause
-from jobs.monitor.databases import DatabaseRunTableAdmin
-from jobs.monitor.modeladmin import RunTableAdmin
 from jobs.queue import AllTenants, ClaimRequest, NewJob, processes
 from tests.factories import JobFactory
 from tests.integration.test_admin_factories import client_for, operator

@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 import jobs
 from jobs import JobContext, Payload
 from jobs import queue as jobs_queue
+from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job, JobHistory
 from jobs.queue import NewJob
 from jobs.queue import batches as queue_batches
-from jobs.registry import JobType, Policy, Registry
 from tests.worker_support import Echo, Recorder, echo_handler, running_worker, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

@@ -27,7 +27,7 @@ from django.utils import timezone
 from prometheus_client import REGISTRY
 
 from jobs import enqueue, queue
-from jobs.conf import DEFAULTS, NOTIFY_CHANNEL
+from jobs.core.conf import DEFAULTS, NOTIFY_CHANNEL
 from jobs.models import Job
 from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome
 from jobs.worker import wakeup
@@ -444,7 +444,7 @@ def test_a_listener_proves_again_after_losing_its_connection(caplog):
 
 
 def _connect_params() -> dict:
-    from jobs import dbbounds
+    from jobs.db import bounds as dbbounds
 
     return dbbounds.connect_params(connection)
 

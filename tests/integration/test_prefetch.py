@@ -17,9 +17,9 @@ from django.core.exceptions import ImproperlyConfigured
 from prometheus_client import REGISTRY
 
 from jobs import enqueue
+from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job
 from jobs.queue import ClaimedJob
-from jobs.registry import JobType, Policy, Registry
 from jobs.worker.config import WorkerConfig
 from jobs.worker.execution import Running, make_context
 from jobs.worker.runner import PREFETCH_HORIZON, Worker

@@ -18,10 +18,10 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from jobs import queue
+from jobs.db.clock import database_now
 from jobs.models import Job, Process
-from jobs.process import Presence, process_identity
 from jobs.queue import AllTenants, ClaimRequest, NewJob, ProcessBeat, processes
-from jobs.scheduler.clock import database_now
+from jobs.runtime.process import Presence, process_identity
 from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.retention import Retention, RetentionConfig
 from jobs.scheduler.runner import Scheduler
@@ -161,7 +161,7 @@ class TestPruneGone:
         register("live:2:bb", expires_in=10)
         shift("g:1:aa", expires_at=120)
         counts = Retention(RetentionConfig(process_retention=timedelta(seconds=60))).run_once()
-        assert counts["jobs.process:gone"] == 1
+        assert counts["jobs.runtime.process:gone"] == 1
         assert list(Process.objects.values_list("identity", flat=True)) == ["live:2:bb"]
 
 

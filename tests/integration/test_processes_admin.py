@@ -1,4 +1,4 @@
-"""The processes admin page (jobs.monitor.processes): read-only, states by the database clock."""
+"""The processes admin page (jobs.admin.processes): read-only, states by the database clock."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from django.contrib.auth.models import Permission, User
 from django.urls import reverse
 
+from jobs.db.clock import database_now
 from jobs.models import Job, Process
 from jobs.queue import ProcessBeat, processes
-from jobs.scheduler.clock import database_now
 from tests.integration.test_processes import claim_for, register, shift
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import jobs
 from jobs import JobSpec, Payload
+from jobs.api.producer import new_jobs
 from jobs.models import Job
-from jobs.producer import new_jobs
 from jobs.queue import InvalidJob
 from tests.jobapp.jobs import AuditV1, PingV1
 

@@ -15,13 +15,13 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from jobs import JobContext, Payload, enqueue, queue
+from jobs.catalogue.registry import JobType, Policy, Registry
+from jobs.core.progress import Progress
+from jobs.db.clock import database_now
 from jobs.models import Job, JobHistory
-from jobs.progress import Progress
 from jobs.queue import ClaimRequest, NewJob, Outcome
 from jobs.queue.outcomes import with_progress
 from jobs.queue.types import AllTenants
-from jobs.registry import JobType, Policy, Registry
-from jobs.scheduler.clock import database_now
 from jobs.testing import run_worker
 from jobs.worker.config import WorkerConfig
 from jobs.worker.execution import Running, make_context

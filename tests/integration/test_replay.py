@@ -13,8 +13,8 @@ from django.db import connection, connections, transaction
 from django.test import Client
 from django.urls import reverse
 
+from jobs.admin import modeladmin, views
 from jobs.models import Job
-from jobs.monitor import modeladmin, views
 from jobs.runs import RunState
 from project.curation.models import CurationRun
 from project.harvester.models import DeadLetter

@@ -6,8 +6,8 @@ from datetime import timedelta
 
 import pytest
 
+from jobs.db.clock import database_now
 from jobs.models import Job, ScheduleSlot
-from jobs.scheduler.clock import database_now
 from jobs.scheduler.retention import Retention, RetentionConfig
 from tests.factories import JobFactory
 

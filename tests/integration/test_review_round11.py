@@ -19,14 +19,14 @@ from django.test import override_settings
 from django.utils import timezone
 
 from jobs import JobContext, Payload, queue
-from jobs.models import Job, ScheduleSlot
+from jobs.catalogue.registry import JobType, Policy, Registry, get_registry
+from jobs.catalogue.schedules import load_schedules
+from jobs.catalogue.timing import Decision
+from jobs.models import Job, ScheduleSlot, SlotKind
 from jobs.queue import AllTenants, ClaimRequest, NewJob
 from jobs.queue import keys as keys_module
-from jobs.registry import JobType, Policy, Registry, get_registry
 from jobs.scheduler.cron import CronService
 from jobs.scheduler.reporting import status
-from jobs.scheduler.schedules import load_schedules
-from jobs.scheduler.timing import Decision, SlotKind
 from jobs.testing import run_worker
 from tests.factories import JobFactory
 

@@ -25,10 +25,10 @@ from django.urls import reverse
 from jobs import queue
 from jobs.control.replays import replay as monitor_replay
 from jobs.control.tables import RunTable
+from jobs.db.clock import database_now
 from jobs.models import Job, JobHistory, ScheduleSlot
 from jobs.queue import AllTenants, ClaimRequest, NewJob, OnlyTenant, history
 from jobs.queue.history import HOUR, _floor
-from jobs.scheduler.clock import database_now
 from jobs.scheduler.retention import Archive, Retention
 from tests.integration.test_admin_factories import client_for, operator
 from tests.integration.test_history import NAME, finish, job, where

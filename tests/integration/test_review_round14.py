@@ -22,7 +22,8 @@ from django.db import IntegrityError, connection, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from jobs import dbbounds, queue
+from jobs import queue
+from jobs.db import bounds as dbbounds
 from jobs.models import Job, TenantOverride
 from jobs.queue import (
     AllTenants,

@@ -18,6 +18,7 @@ from django.core.management import CommandError, call_command
 from django.db import connection, transaction
 
 from jobs import JobContext, Payload, RetryAfter, enqueue, queue
+from jobs.catalogue.registry import Backoff, JobType, Policy, Registry, get_registry
 from jobs.control import cancels
 from jobs.models import Job, Pause, TenantOverride
 from jobs.queue import (
@@ -31,7 +32,6 @@ from jobs.queue import (
     attempts,
     processes,
 )
-from jobs.registry import Backoff, JobType, Policy, Registry, get_registry
 from jobs.runs import mark_running
 from jobs.scheduler.watchdog import Watchdog
 from jobs.worker.config import WorkerConfig
@@ -677,7 +677,7 @@ def test_guard_no_claim_started_after_the_pause_committed_takes_a_paused_job(cla
 @pytest.mark.parametrize("value", ["emails ", " emails", "two words", "x" * 65])
 def test_bug_a_pause_that_can_never_match_is_accepted(kind, value):
     """pauses.validate promises to refuse 'a value that could never name anything'; queues
-    and tenants are keys (jobs.queue.types.validate_key) at enqueue."""
+    and tenants are keys (jobs.core.limits.validate_key) at enqueue."""
     queue.enqueue(NewJob(NOOP, **{kind: "emails"}))
     with pytest.raises(ValueError):
         queue.pause(kind, value, by="alice")

@@ -25,10 +25,10 @@ from django.db import DatabaseError, connection, transaction
 from django.test import override_settings
 
 from jobs import JobContext, Payload, RetryAfter, enqueue, queue
+from jobs.catalogue.registry import JobType, Policy, Registry
+from jobs.db.clock import database_now
 from jobs.models import Job, Rollup
 from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, attempts, rollup
-from jobs.registry import JobType, Policy, Registry
-from jobs.scheduler.clock import database_now
 from jobs.testing import run_worker
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
@@ -388,7 +388,7 @@ def test_guard_the_run_model_transaction_path_counts_each_attempt():
 
 
 def queue_backoff():
-    from jobs.registry import Backoff
+    from jobs.catalogue.registry import Backoff
 
     return Backoff(base=0.01, cap=0.05)
 

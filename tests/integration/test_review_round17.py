@@ -19,6 +19,7 @@ from django.db import connection, transaction
 from django.urls import reverse
 
 from jobs import Policy, Rate, enqueue, queue
+from jobs.catalogue.registry import JobType, Registry
 from jobs.models import FlowGate, Job, Pause, TenantWeight
 from jobs.queue import (
     AllTenants,
@@ -30,7 +31,6 @@ from jobs.queue import (
     flow,
 )
 from jobs.queue.flow import FlowLimits, limits_of
-from jobs.registry import JobType, Registry
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
 from tests.acceptance.conftest import wait_for

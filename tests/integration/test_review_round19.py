@@ -158,7 +158,7 @@ def test_adding_a_member_that_waits_for_a_sibling_does_not_deadlock_the_siblings
 
 
 def _running(job):
-    from jobs.registry import JobType, Policy
+    from jobs.catalogue.registry import JobType, Policy
     from jobs.worker.execution import Running, make_context
 
     job_type = JobType(Noop, lambda payload, ctx: None, Policy())

@@ -61,7 +61,7 @@ def test_a_handlers_held_time_does_not_count_the_threads_cpu_between_jobs(monkey
     """FIXED: a job's CPU count started at the thread's previous job's end, so CPU the pool
     thread spent between two jobs (an async job's steps it served as a JobThread, anything)
     was charged to the next job. Without a pool (as here) the clock is read at the start."""
-    from jobs.registry import Registry
+    from jobs.catalogue.registry import Registry
 
     worker = runner_module.Worker(Registry())
     monkeypatch.setattr(runner_module, "execute", lambda running, **kwargs: None)
@@ -171,7 +171,7 @@ def test_cpu_a_pool_thread_spends_on_another_task_is_not_a_jobs(monkeypatch):
     """FIXED, on a real pool: between two jobs the thread serves another task (an async
     job's steps borrow pool threads); the second job reads its own start, so an instant
     handler does not count as holding its thread for the other task's CPU."""
-    from jobs.registry import Registry
+    from jobs.catalogue.registry import Registry
     from jobs.worker.pool import HandlerPool
 
     worker = runner_module.Worker(Registry())

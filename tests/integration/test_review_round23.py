@@ -23,8 +23,8 @@ from datetime import timedelta
 import pytest
 
 from jobs import JobContext, Payload, RetryAfter, enqueue, queue
+from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job
-from jobs.registry import JobType, Policy, Registry
 from jobs.worker import on_loop
 from jobs.worker.runner import Worker
 from tests.integration.test_async_on_loop import config, run

@@ -62,10 +62,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from jobs import JobContext, JobSpec, Payload, RetryAfter, enqueue, enqueue_many
+from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job
 from jobs.queue.maintenance import requeue_expired
 from jobs.queue.operations import cancel, cancel_running
-from jobs.registry import JobType, Policy, Registry
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
 from tests.runapp.models import Delivery

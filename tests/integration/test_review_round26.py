@@ -74,10 +74,10 @@ from hypothesis import strategies as st
 from psycopg.types.json import Jsonb
 
 from jobs import enqueue, queue
-from jobs.conf import NOTIFY_CHANNEL
+from jobs.catalogue.registry import Registry, catalogue, get_registry
+from jobs.core.conf import NOTIFY_CHANNEL
 from jobs.models import FlowGate, Job
 from jobs.queue import AllTenants, ClaimRequest, InvalidJob, NewJob, Outcome, _db, text
-from jobs.registry import Registry, catalogue, get_registry
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
 from tests.dbapp.types import OTHER, ReportV1, job_types

@@ -58,7 +58,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from jobs import queue
-from jobs.conf import NOTIFY_CHANNEL
+from jobs.core.conf import NOTIFY_CHANNEL
 from jobs.models import Job
 from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, OutcomeReport, flow
 from jobs.queue import outcomes as outcomes_module

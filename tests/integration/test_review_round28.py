@@ -49,8 +49,8 @@ import psycopg
 import pytest
 from django.db import connection
 
-from jobs import dbbounds
-from jobs.conf import NOTIFY_CHANNEL
+from jobs.core.conf import NOTIFY_CHANNEL
+from jobs.db import bounds as dbbounds
 from jobs.worker import wakeup
 from jobs.worker.wakeup import NotifyListener
 from tests import pgbouncer as pgbouncer_module

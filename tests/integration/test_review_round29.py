@@ -69,6 +69,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from jobs import queue
+from jobs.db.clock import database_now
 from jobs.models import WAITING_UNTIL, Job, JobHistory
 from jobs.queue import (
     AllTenants,
@@ -83,7 +84,6 @@ from jobs.queue import (
     operations,
 )
 from jobs.queue.claim import next_attempt
-from jobs.scheduler.clock import database_now
 from tests.integration.test_pgbouncer import wait_for
 from tests.integration.test_review_round22 import explained_nested_statements
 from tests.support.workflows import settle

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs import queue
+from jobs.db.clock import database_now
 from jobs.models import BacklogSample, Job, Rollup
 from jobs.queue import AllTenants, ClaimRequest, Outcome, rollup
-from jobs.scheduler.clock import database_now
 from jobs.scheduler.retention import Retention
 from tests.factories import JobFactory
 

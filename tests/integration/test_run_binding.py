@@ -10,7 +10,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from jobs import JobContext, Payload, Reject, enqueue
-from jobs.registry import Backoff, JobType, Policy, Registry
+from jobs.catalogue.registry import Backoff, JobType, Policy, Registry
 from jobs.testing import JobFailed, run_worker
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker

@@ -1,6 +1,6 @@
 """Every transition of a bound job against its run row, fenced cases included.
 
-The rule under test (jobs.binding): a bound row moves only with its job, and only by the
+The rule under test (jobs.queue.bound): a bound row moves only with its job, and only by the
 process whose write to the jobs table was applied.
 """
 
@@ -12,9 +12,9 @@ import pytest
 from django.utils import timezone
 
 from jobs import enqueue, queue
+from jobs.catalogue.registry import get_registry
 from jobs.models import Job
 from jobs.queue import AllTenants, ClaimRequest, Outcome
-from jobs.registry import get_registry
 from jobs.scheduler.watchdog import Watchdog
 from jobs.testing import run_worker
 from jobs.worker.execution import Running, make_context, sync_run_rows

@@ -9,15 +9,15 @@ from django.db import connection
 from django.utils import timezone
 from prometheus_client import REGISTRY
 
-import jobs.producer
+import jobs.api.producer
 from jobs import enqueue
-from jobs.models import Job, ScheduleSlot
-from jobs.registry import get_registry
+from jobs.catalogue.registry import get_registry
+from jobs.catalogue.schedules import Schedule, load_schedules
+from jobs.catalogue.timing import Decision
+from jobs.models import Job, ScheduleSlot, SlotKind
 from jobs.scheduler.cron import CronService
 from jobs.scheduler.leader import LeadershipLost
 from jobs.scheduler.reporting import export, status
-from jobs.scheduler.schedules import Schedule, load_schedules
-from jobs.scheduler.timing import Decision, SlotKind
 from tests.jobapp.jobs import PingV1
 
 pytestmark = pytest.mark.django_db
@@ -184,20 +184,20 @@ class TestAtMostOneJobPerSlot:
     def test_a_tick_that_dies_before_commit_leaves_nothing_and_the_next_tick_fires(
         self, monkeypatch
     ):
-        real = jobs.producer.enqueue
+        real = jobs.api.producer.enqueue
 
         def broken(payload, **kwargs):
             if kwargs["job_id"].startswith("cron:broken:"):
                 raise RuntimeError("the process died mid-tick")
             return real(payload, **kwargs)
 
-        monkeypatch.setattr(jobs.producer, "enqueue", broken)
+        monkeypatch.setattr(jobs.api.producer, "enqueue", broken)
         service = CronService([make("broken"), make("fine")], identity="test")
         counts = service.run_once(at(seconds=5))
         assert (counts.on_time, counts.errors) == (1, 1)  # one schedule's failure spares the other
         assert rows("broken") == [] and rows("fine") == [(T, "on_time", None)]
 
-        monkeypatch.setattr(jobs.producer, "enqueue", real)
+        monkeypatch.setattr(jobs.api.producer, "enqueue", real)
         assert service.run_once(at(seconds=10)).on_time == 1
         assert rows("broken") == [(T, "on_time", None)]
         assert Job.objects.count() == 2

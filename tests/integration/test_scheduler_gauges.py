@@ -12,8 +12,8 @@ from django.utils import timezone
 from prometheus_client import REGISTRY
 
 from jobs import queue
+from jobs.catalogue.registry import get_registry
 from jobs.models import Job
-from jobs.registry import get_registry
 from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.gauges import Gauges
 from jobs.scheduler.leader import LOCK_KEY, Leadership

@@ -12,12 +12,12 @@ from django.db import connection, transaction
 from django.test import override_settings
 from prometheus_client import REGISTRY
 
+from jobs.catalogue.registry import get_registry
+from jobs.catalogue.schedules import load_schedules
 from jobs.models import ScheduleSlot
-from jobs.registry import get_registry
 from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.leader import FENCE_SQL, LOCK_KEY, Leadership, LeadershipLost
 from jobs.scheduler.runner import Scheduler
-from jobs.scheduler.schedules import load_schedules
 from jobs.scheduler.slots import TICK_LOCK_NAMESPACE
 from tests.runapp.models import QuickRun
 

@@ -192,8 +192,8 @@ def _enqueue_path(
     backend: str = "default",
 ) -> str:
     """A stored django.task.v1 job naming ``path``, as a deploy that removed the task leaves."""
+    from jobs.api.producer import enqueue
     from jobs.backends import DjangoTaskV1
-    from jobs.producer import enqueue
 
     payload = DjangoTaskV1(path=path, args=list(args), kwargs={}, backend=backend)
     return str(enqueue(payload, queue=queue, max_attempts=max_attempts).id)
@@ -397,7 +397,7 @@ def test_a_payload_that_does_not_decode_fails_at_once_and_its_result_stays_reada
     result = _failed_at_once(str(job.pk), code="invalid_payload")
 
     [error] = result.errors
-    assert error.exception_class_path == "jobs.payloads.InvalidPayload"
+    assert error.exception_class_path == "jobs.catalogue.payloads.InvalidPayload"
     assert error.traceback == "invalid_payload: unknown field 'later'"
 
 

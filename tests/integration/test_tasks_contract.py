@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from jobs.backends import PostgresBackend
+from jobs.catalogue.registry import get_registry
 from jobs.models import Job
-from jobs.registry import get_registry
 from jobs.testing import JobFailed, run_worker
 from tests.jobapp import tasks
 from tests.tasks_support import backend_settings, make_due, one_attempt, received

@@ -9,10 +9,10 @@ import pytest
 from django.db import IntegrityError, transaction
 from prometheus_client import REGISTRY
 
+from jobs.catalogue.registry import get_registry
+from jobs.db.clock import database_now
 from jobs.models import Job
-from jobs.registry import get_registry
 from jobs.scheduler import watchdog as watchdog_module
-from jobs.scheduler.clock import database_now
 from jobs.scheduler.watchdog import Watchdog, WatchdogConfig
 from tests.factories import JobFactory
 from tests.runapp.models import Delivery, QuickRun

@@ -14,9 +14,9 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from jobs import enqueue, queue
+from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job
 from jobs.queue import NewJob
-from jobs.registry import JobType, Policy, Registry
 from jobs.scheduler import metrics as scheduler_metrics
 from jobs.scheduler.gauges import Gauges
 from jobs.testing import JobFailed, WorkerTimeout, run_worker

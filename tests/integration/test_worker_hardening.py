@@ -18,9 +18,9 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from jobs import Payload, enqueue, queue
+from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job, TenantOverride
 from jobs.queue import NewJob
-from jobs.registry import JobType, Policy, Registry
 from jobs.worker import metrics
 from jobs.worker.config import WorkerConfig
 from jobs.worker.execution import Running, make_context
@@ -549,7 +549,7 @@ class TestSecondPass:
         assert time.monotonic() - started < 5, "not left for the exhaustion pass"
 
     def test_the_workers_writes_on_handler_connections_are_bounded_locally(self):
-        from jobs import dbbounds
+        from jobs.db import bounds as dbbounds
 
         def show() -> str:
             with connection.cursor() as cur:

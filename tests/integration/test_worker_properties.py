@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs import JobContext, Payload, Reject, RetryAfter, enqueue
+from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job
-from jobs.registry import JobType, Policy, Registry
 from jobs.runs import ErrorCode, RunState
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker

@@ -7,7 +7,7 @@ import time
 from datetime import timedelta
 
 from jobs import JobContext, Payload, Rate, RetryAfter, job
-from jobs.registry import Backoff
+from jobs.catalogue.registry import Backoff
 
 
 class Trace(Payload, name="test.trace.v1"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jobs import JobContext, Payload, Policy, register
-from jobs.registry import Backoff
+from jobs.catalogue.registry import Backoff
 from tests.runapp.models import Delivery
 
 

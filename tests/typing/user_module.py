@@ -25,8 +25,8 @@ from jobs import (
     job,
     register,
 )
+from jobs.catalogue.registry import JobType
 from jobs.queue import Enqueued
-from jobs.registry import JobType
 
 
 class ResizeImageV1(Payload, name="images.resize.v1"):

@@ -10,7 +10,7 @@ from django.utils import timezone
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobs.monitor import charts, windows
+from jobs.admin import charts, windows
 from tests.dom import Elements, marks
 
 START = datetime(2026, 12, 2, 10, 0, tzinfo=UTC)

@@ -197,7 +197,7 @@ class TestRegistryChecks:
 
 
 class TestDatabaseBounds:
-    """The bounds on the worker's and the scheduler's own connections (jobs.dbbounds)."""
+    """The bounds on the worker's and the scheduler's own connections (jobs.db.bounds)."""
 
     @staticmethod
     def bounds_messages(jobs_setting) -> list[tuple[str, str, str | None]]:

@@ -8,9 +8,9 @@ from datetime import timedelta
 from pathlib import Path
 
 from jobs import queue
-from jobs.admin import ACTION_LIMIT
-from jobs.conf import DEFAULTS
+from jobs.admin.jobs import ACTION_LIMIT
 from jobs.control.replays import REPLAY_ALL_LIMIT
+from jobs.core.conf import DEFAULTS
 from jobs.testing import run_worker
 from tests.pgbouncer import SERVER_LOGIN_RETRY
 

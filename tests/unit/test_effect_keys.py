@@ -1,4 +1,4 @@
-"""Effect keys (jobs.effects.key_for): stable for a (row, step), distinct across them."""
+"""Effect keys (jobs.api.effects.key_for): stable for a (row, step), distinct across them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta, timezone
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jobs.effects import STEP_MAX, key_for
+from jobs.api.effects import STEP_MAX, key_for
 
 ids = st.integers(min_value=1, max_value=2**63 - 1)
 steps = st.text(min_size=1, max_size=STEP_MAX)

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jobs.frozen import direct_init
-from jobs.producer import JobSpec
+from jobs.api.producer import JobSpec
+from jobs.core.frozen import direct_init
 from jobs.queue import ClaimedJob, Enqueued, NewJob, Outcome
 from tests.timing import cost_ratio
 

@@ -16,8 +16,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jobs import InvalidPayload, Payload
-from jobs import payloads as payloads_module
-from jobs.payloads import _decode, _decode_dataclass, _decoder, checked_json, payload_problems
+from jobs.catalogue import payloads as payloads_module
+from jobs.catalogue.payloads import (
+    _decode,
+    _decode_dataclass,
+    _decoder,
+    checked_json,
+    payload_problems,
+)
 
 EMAIL_ID = UUID("6f1c1f0e-8a6e-4c55-9a39-0d2d7f0b5c11")
 

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jobs import JobContext
-from jobs.progress import COUNT_MAX, NOTE_MAX, Progress, read, report
+from jobs.core.progress import COUNT_MAX, NOTE_MAX, Progress, read, report
 
 
 def context(attempt: int = 1) -> JobContext:

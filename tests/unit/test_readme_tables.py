@@ -1,6 +1,6 @@
 """The README's reference tables match the code: settings, command options, metrics.
 
-README.md documents every ``JOBS`` key with its default (jobs/conf.py), every ``runworker`` and
+README.md documents every ``JOBS`` key with its default (jobs/core/conf.py), every ``runworker`` and
 ``runscheduler`` option with its default and environment variable (the commands' parsers), and
 every Prometheus metric with its type and labels (jobs/worker/metrics.py and
 jobs/scheduler/metrics.py). These tests parse the Markdown and compare, both ways, so a renamed
@@ -20,7 +20,7 @@ from django.core.management.base import BaseCommand
 from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 
-from jobs.conf import DEFAULTS
+from jobs.core.conf import DEFAULTS
 from jobs.management.commands import runscheduler, runworker
 from jobs.scheduler import metrics as scheduler_metrics
 from jobs.worker import metrics as worker_metrics
@@ -117,10 +117,10 @@ def test_configuration_table_lists_every_setting_with_its_default():
     documented = {names(key)[0]: default for key, default, _ in CONFIG_ROWS}
     assert set(documented) == set(DEFAULTS), (
         f"only in README: {sorted(set(documented) - set(DEFAULTS))}; "
-        f"only in jobs.conf.DEFAULTS: {sorted(set(DEFAULTS) - set(documented))}"
+        f"only in jobs.core.conf.DEFAULTS: {sorted(set(DEFAULTS) - set(documented))}"
     )
     wrong = [
-        f"{key}: README says {cell}, jobs.conf.DEFAULTS has {DEFAULTS[key]!r}"
+        f"{key}: README says {cell}, jobs.core.conf.DEFAULTS has {DEFAULTS[key]!r}"
         for key, cell in documented.items()
         if not same(value(cell), DEFAULTS[key])
     ]

@@ -16,7 +16,7 @@ from django.test import override_settings
 
 import jobs
 from jobs import JobContext, Payload, Reject, RetryAfter
-from jobs.registry import (
+from jobs.catalogue.registry import (
     Backoff,
     Catalogue,
     JobType,

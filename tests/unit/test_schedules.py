@@ -8,7 +8,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from jobs.scheduler.timing import (
+from jobs.catalogue.timing import (
     Decision,
     SlotKind,
     check_expression,

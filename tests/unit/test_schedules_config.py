@@ -10,11 +10,11 @@ from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
 from jobs import JobContext, Payload
+from jobs.catalogue import schedules as schedules_module
+from jobs.catalogue.registry import JobType, Registry
+from jobs.catalogue.schedules import load_schedules, schedule, schedule_problems
 from jobs.checks import check_scheduler_settings, check_schedules
-from jobs.registry import JobType, Registry
-from jobs.scheduler import schedules as schedules_module
 from jobs.scheduler.config import SchedulerConfig
-from jobs.scheduler.schedules import load_schedules, schedule, schedule_problems
 
 
 class ReportV1(Payload, name="schedtest.report.v1"):

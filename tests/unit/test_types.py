@@ -10,7 +10,7 @@ from django.test import override_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jobs.conf import DEFAULTS, as_timedelta, jobs_settings
+from jobs.core.conf import DEFAULTS, as_timedelta, jobs_settings
 from jobs.queue import ClaimedJob, Outcome
 
 

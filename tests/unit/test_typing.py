@@ -15,8 +15,8 @@ import pytest
 from mypy import api as mypy_api
 
 import jobs
-from jobs.conf import DEFAULTS, JobsSettings
-from jobs.policy import Policy, PolicyOptions
+from jobs.catalogue.policy import Policy, PolicyOptions
+from jobs.core.conf import DEFAULTS, JobsSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 TYPING = ROOT / "tests" / "typing"
@@ -43,7 +43,7 @@ def test_typed_user_code_passes_mypy(monkeypatch):
     # reveal_type shows the decorated handler as the user wrote it, typed by its payload.
     assert (
         'Revealed type is "def (tests.typing.user_module.ResizeImageV1, '
-        'jobs.context.JobContext) -> Any"' in report
+        'jobs.core.context.JobContext) -> Any"' in report
     )
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from django.core.exceptions import PermissionDenied
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from jobs import databases
+from jobs.catalogue import routing as databases
 from jobs.control import cancels, pauses, schedules
 from jobs.control.inputs import check_arguments, check_limit
 from jobs.control.operators import staff_user

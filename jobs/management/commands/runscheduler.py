@@ -8,10 +8,10 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from jobs.registry import get_registry
+from jobs.catalogue.registry import get_registry
+from jobs.catalogue.schedules import load_schedules
 from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.runner import Scheduler
-from jobs.scheduler.schedules import load_schedules
 
 #: Exit status of ``--once`` when another scheduler leads and this one did nothing.
 STOOD_BY = 3

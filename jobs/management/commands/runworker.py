@@ -9,9 +9,9 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from jobs import databases
-from jobs.conf import jobs_settings
-from jobs.registry import get_registry
+from jobs.catalogue import routing as databases
+from jobs.catalogue.registry import get_registry
+from jobs.core.conf import jobs_settings
 from jobs.worker.config import DEFAULT_CONCURRENCY, WorkerConfig, env_scope, scope_from
 from jobs.worker.runner import Worker
 

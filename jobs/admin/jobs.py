@@ -1,0 +1,529 @@
+"""The jobs admin: the jobs list and detail, operator actions, and the monitor's pages.
+
+Read-only by default: nobody edits, adds or deletes a job here, since every state change
+belongs to :mod:`jobs.queue`. The deliberate actions go through :mod:`jobs.control` or the
+queue once per action, for the eligible selected rows only, after a confirmation page, and
+log one entry per changed row:
+
+* replay failed jobs (``jobs.replay_job``), through the failure monitor's confirmation;
+* cancel queued and running jobs (``jobs.cancel_job``), from the list or the job's page;
+* run delayed jobs now ("retry now") (``jobs.change_job``);
+* pause and resume job types, queues and tenants (``jobs.pause_work``), on the pauses page
+  and the overview (:mod:`jobs.admin.pauses`);
+* set tenant weights for fair job types (``jobs.change_tenantweight``), each change logged
+  (:mod:`jobs.admin.flow`).
+
+List actions take the newest ``ACTION_LIMIT`` eligible rows of a selection at most, as
+replay-all. The failure monitor, its grouped view, replay and the overview are mounted under
+this admin's URLs (``admin/jobs/job/monitor/`` …), so the default admin site is kept; the
+processes page is :class:`jobs.admin.processes.ProcessAdmin`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.core import checks
+from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db.models import QuerySet
+from django.db.models.functions import Now
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path
+from django.utils.functional import Promise
+from django.utils.html import format_html
+from django.utils.translation import gettext, ngettext
+from django.utils.translation import gettext_lazy as _
+
+from jobs import queue
+from jobs.admin import (
+    attempts,
+    batches,
+    flow,
+    live,
+    overview,
+    performance,
+    progress,
+    schedules,
+    views,
+)
+from jobs.admin.batches import BatchAdmin
+from jobs.admin.cancels import ELIGIBLE, cancel_url, cancel_view, effects, eligible
+from jobs.admin.databases import DatabaseFilter, DatabaseRunTableAdmin, chosen, query
+from jobs.admin.display import moment, now_of
+from jobs.admin.inputs import CheckedInputs
+from jobs.admin.modeladmin import InputFilter
+from jobs.admin.modeladmin import RunTableAdmin as RunTableAdmin  # apps subclass it from here
+from jobs.admin.pauses import PauseAdmin, pause_links
+from jobs.admin.processes import ProcessAdmin
+from jobs.catalogue.registry import get_registry
+from jobs.control import cancels, pauses
+from jobs.control.checks import check_run_tables
+from jobs.control.failures import MAX_ROWS
+from jobs.control.replays import REPLAY_ALL_LIMIT
+from jobs.db.clock import database_now
+from jobs.models import (
+    Batch,
+    Job,
+    JobHistory,
+    Pause,
+    Process,
+    TenantOverride,
+    TenantWeight,
+)
+from jobs.runs import RunState
+
+if TYPE_CHECKING:
+    from django_stubs_ext import StrOrPromise
+
+# Rows one cancel or retry-now may change, over "select all" too: replay-all's bound.
+ACTION_LIMIT = REPLAY_ALL_LIMIT
+
+# The monitor's expectations of every run table, checked wherever the admin is installed.
+checks.register(check_run_tables, "jobs")
+
+
+def timestamp(field: str, label: StrOrPromise) -> Callable[[Any, Any], str]:
+    """A read-only detail field showing ``field`` to the second, with zone and age."""
+
+    def show(model_admin: Any, obj: Any) -> str:
+        return moment(getattr(obj, field), now_of(obj))
+
+    return admin.display(description=label)(show)
+
+
+class JobTypeFilter(admin.SimpleListFilter):
+    """Job types from the registry: choices without a ``SELECT DISTINCT`` over the table."""
+
+    title = _("job type")
+    parameter_name = "name"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        names = set(get_registry().names())
+        if value := self.value():
+            names.add(value)
+        return [(name, name) for name in sorted(names)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        return queryset.filter(name=self.value()) if self.value() else queryset
+
+
+class TenantFilter(InputFilter):
+    title = _("tenant")
+    parameter_name = field_name = "tenant"
+
+
+class QueueFilter(InputFilter):
+    title = _("queue")
+    parameter_name = field_name = "queue"
+
+
+class JobDisplay(DatabaseRunTableAdmin):
+    """What the jobs list and the finished-jobs history share: filters, renderings, detail.
+
+    Both read the alias the request chooses (:mod:`jobs.admin.databases`).
+    """
+
+    list_display_links = ("id", "job_id")
+    list_filter = (DatabaseFilter, "state", JobTypeFilter, TenantFilter, QueueFilter, "last_error")
+    readonly_fields: ClassVar[list[str] | tuple[str, ...]] = (
+        "payload_pretty",
+        "error_detail_pre",
+        "result_pretty",
+        "attempts_display",
+        "attempt_timeline",
+        "created",
+        "due",
+        "started",
+        "finished",
+        "replayed",
+        "progress_display",
+        "workflow_display",
+    )
+    change_form_template = "admin/jobs/job/change_form.html"
+    #: The detail page's first sections; each admin adds its own timestamps and the rest.
+    detail_fieldsets: tuple[Any, ...] = (
+        (None, {"fields": ("job_id", "name", "tenant", "queue", "priority", "state")}),
+        (_("Payload"), {"fields": ("payload_pretty",)}),
+        (
+            _("Attempts and errors"),
+            {"fields": ("attempts_display", "last_error", "error_detail_pre")},
+        ),
+        (_("Attempt timeline"), {"fields": ("attempt_timeline",), "classes": ("jobs-timeline",)}),
+    )
+    #: The handler's last progress report (jobs.core.progress), after the first section.
+    progress_fieldset: tuple[Any, ...] = (_("Progress"), {"fields": ("progress_display",)})
+
+    created = timestamp("created_at", _("created at"))
+    due = timestamp("run_after", _("run after"))
+    started = timestamp("started_at", _("started at"))
+    finished = timestamp("finished_at", _("finished at"))
+    replayed = timestamp("replayed_at", _("replayed at"))
+
+    @admin.display(description=_("batch and dependencies"))
+    def workflow_display(self, obj: Job | JobHistory) -> str:
+        return batches.workflow(obj)
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        """A job in a batch or in a dependency gets a section saying so, after the first."""
+        fieldsets = list(super().get_fieldsets(request, obj))
+        # Batches and dependencies are read from the default alias (jobs.admin.databases).
+        home = (obj._state.db or DEFAULT_DB_ALIAS) == DEFAULT_DB_ALIAS if obj else False
+        if home and batches.in_workflow(obj):
+            fieldsets.insert(1, (_("Workflow"), {"fields": ("workflow_display",)}))
+        return fieldsets
+
+    @admin.display(description=_("attempt timeline"))
+    def attempt_timeline(self, obj: Job | JobHistory) -> str:
+        return attempts.render(obj)
+
+    @admin.display(description=_("progress"))
+    def progress_display(self, obj: Job | JobHistory) -> str:
+        return progress.detail(obj, now_of(obj))
+
+    @admin.display(description=_("attempts"))
+    def attempts_display(self, obj: Job | JobHistory) -> str:
+        return f"{obj.attempts} / {obj.max_attempts}"
+
+    @admin.display(description=_("payload"))
+    def payload_pretty(self, obj: Job | JobHistory) -> str:
+        return _pre(json.dumps(obj.payload, indent=2, sort_keys=True, ensure_ascii=False))
+
+    @admin.display(description=_("result"))
+    def result_pretty(self, obj: Job | JobHistory) -> str:
+        if obj.result is None:
+            return "—"
+        return _pre(json.dumps(obj.result, indent=2, sort_keys=True, ensure_ascii=False))
+
+    @admin.display(description=_("error detail"))
+    def error_detail_pre(self, obj: Job | JobHistory) -> str:
+        return _pre(obj.error_detail) if obj.error_detail else "—"
+
+
+@admin.register(Job)
+class JobAdmin(JobDisplay):
+    list_display = (
+        "id",
+        "name",
+        "job_id",
+        "tenant",
+        "queue",
+        "state",
+        "attempts_display",
+        "last_error",
+        "run_after_column",
+        "created_at",
+    )
+    actions = ["replay_selected", "cancel_selected", "run_now_selected"]
+    change_list_template = "admin/jobs/job/change_list.html"
+    fieldsets = (
+        JobDisplay.detail_fieldsets[0],
+        JobDisplay.progress_fieldset,
+        *JobDisplay.detail_fieldsets[1:],
+        (
+            _("Timestamps"),
+            {"fields": ("created", "due", "started", "finished")},
+        ),
+        (
+            _("Lease and heartbeat"),
+            {"fields": ("claimed_by", "claim_token", "lease_expiry", "heartbeat")},
+        ),
+        (
+            _("Replay, cancel and result"),
+            {"fields": ("replayed", "replayed_by", "cancel_requested", "result_pretty")},
+        ),
+    )
+    readonly_fields = (*JobDisplay.readonly_fields, "cancel_requested", "lease_expiry", "heartbeat")
+    lease_expiry = timestamp("lease_expires_at", _("lease expires at"))
+    heartbeat = timestamp("heartbeat_at", _("heartbeat at"))
+
+    @admin.display(description=_("cancel requested"))
+    def cancel_requested(self, obj: Job) -> str:
+        if obj.cancel_requested_at is None:
+            return "—"
+        return format_html(
+            gettext("by {by} at {at}"),
+            by=obj.cancel_requested_by or "?",
+            at=moment(obj.cancel_requested_at, now_of(obj)),
+        )
+
+    @admin.display(description=_("run after"), ordering="run_after")
+    def run_after_column(self, obj: Job) -> str:
+        """A job waiting for others (run_after in the year 9000) says so instead of a date."""
+        if obj.waiting_on:
+            return ngettext(
+                "waiting for %(count)d job", "waiting for %(count)d jobs", obj.waiting_on
+            ) % {"count": obj.waiting_on}
+        return moment(obj.run_after, now_of(obj))
+
+    @admin.display(description=_("progress"))
+    def progress_column(self, obj: Job) -> str:
+        return progress.cell(obj.progress, running=obj.state == RunState.RUNNING)
+
+    def get_list_display(self, request: HttpRequest) -> Any:
+        """The running jobs view (``?state__exact=running``) has a progress column."""
+        columns = list(super().get_list_display(request))
+        if request.GET.get("state__exact") == RunState.RUNNING:
+            at = next((i + 1 for i, c in enumerate(columns) if c == "state"), len(columns))
+            columns.insert(at, "progress_column")
+        return columns
+
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        return cancels.can_cancel(request.user)
+
+    def has_run_now_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm("jobs.change_job")
+
+    @admin.action(permissions=["cancel"], description=_("Cancel selected jobs…"))
+    def cancel_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
+        """Queued jobs end now; running ones are asked to stop (jobs.control.cancels)."""
+        return self._queue_action(
+            request,
+            queryset.filter(ELIGIBLE),
+            action="cancel_selected",
+            title=_("Cancel jobs?"),
+            act=self._cancel,
+            notes=self._cancel_notes,
+            confirm=lambda n: ngettext(
+                "Yes, cancel %(count)d job", "Yes, cancel %(count)d jobs", n
+            ),
+        )
+
+    @admin.action(permissions=["run_now"], description=_("Retry selected delayed jobs now…"))
+    def run_now_selected(
+        self, request: HttpRequest, queryset: QuerySet[Job]
+    ) -> HttpResponse | None:
+        return self._queue_action(
+            request,
+            # PostgreSQL's clock, as queue.run_now() judges it: not the web host's.
+            queryset.filter(state=RunState.QUEUED, run_after__gt=Now()),
+            action="run_now_selected",
+            title=_("Run delayed jobs now?"),
+            act=partial(
+                self._act,
+                logged="Made due now via the admin jobs list (retry now)",
+                call=lambda ids, by: queue.run_now(ids, using=chosen(request)),
+                done=lambda n: ngettext(
+                    "Made %(count)d job due now.", "Made %(count)d jobs due now.", n
+                ),
+            ),
+        )
+
+    def _cancel(self, request: HttpRequest, ids: list[int]) -> None:
+        """The confirming POST of a cancel: jobs.control checks, changes and records."""
+        done = cancels.cancel(request.user, ids, via="the admin jobs list", using=chosen(request))
+        acted = len(done.ended) + len(done.stopping)
+        message = done.summary()
+        if (selected := len(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))) > len(ids):
+            message += " " + self._not_eligible(selected - len(ids))
+        self.message_user(request, message, messages.SUCCESS if acted else messages.WARNING)
+
+    @staticmethod
+    def _cancel_notes(states: list[str]) -> list[str]:
+        return effects(states.count(RunState.QUEUED), states.count(RunState.RUNNING))
+
+    @staticmethod
+    def _not_eligible(count: int) -> str:
+        return ngettext(
+            "%(count)d selected job was not eligible.",
+            "%(count)d selected jobs were not eligible.",
+            count,
+        ) % {"count": count}
+
+    def _queue_action(
+        self,
+        request: HttpRequest,
+        eligible: QuerySet[Job],
+        *,
+        action: str,
+        title: str | Promise,
+        act: Callable[[HttpRequest, list[int]], None],
+        notes: Callable[[list[str]], list[str]] | None = None,
+        confirm: Callable[[int], str] | None = None,
+    ) -> HttpResponse | None:
+        """Confirm, then one call for the rows the page showed, which records and reports them.
+
+        The page takes the newest ``ACTION_LIMIT`` eligible rows (over "select all" too) and
+        says so; its confirming POST names exactly those rows, so nothing changes that the
+        operator was not shown. A "yes" over a whole filter (``select_across``) is asked again.
+        """
+        rows = list(eligible.order_by("-pk").values_list("pk", "state")[:ACTION_LIMIT])
+        taken = [pk for pk, _state in rows]
+        across = request.POST.get("select_across") == "1"
+        if request.POST.get("post") == "yes" and not across:
+            act(request, taken)
+            return None
+        matching = len(taken)
+        if matching >= ACTION_LIMIT:  # there may be more: count them, up to the list's cap
+            matching = eligible.order_by().values("pk")[:MAX_ROWS].count()
+        selected = len(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))
+        context = {
+            **self.admin_site.each_context(request),
+            "title": title,
+            "opts": self.opts,
+            "jobs": eligible.order_by("-pk")[: min(len(taken), 100)],  # the rows it changes
+            "ids": taken,
+            "count": matching,
+            "capped": matching >= MAX_ROWS,
+            "limit": ACTION_LIMIT,
+            "skipped": 0 if across else max(0, selected - matching),
+            "action": action,
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            # What the confirming POST does to each state among the rows it names.
+            "notes": notes([state for _pk, state in rows]) if notes is not None else [],
+            "confirm": confirm(len(taken)) % {"count": len(taken)} if confirm else "",
+            "database_query": query(chosen(request)),  # the rows' links keep their database
+        }
+        return TemplateResponse(request, "admin/jobs/job/action_confirmation.html", context)
+
+    def _act(
+        self,
+        request: HttpRequest,
+        ids: list[int],
+        *,
+        logged: str,
+        call: Callable[[list[int], str], list[int]],
+        done: Callable[[int], str],
+    ) -> None:
+        """The confirming POST: one queue call, one log entry per changed row, a message.
+
+        The change and its record commit together: no change without who made it.
+        """
+        using = chosen(request)
+        if using != DEFAULT_DB_ALIAS:
+            logged = f"{logged} (database {using})"
+        with transaction.atomic(), transaction.atomic(using=using):
+            changed = call(ids, request.user.get_username()) if ids else []
+            if changed:
+                assert request.user.pk is not None  # the admin lets in only logged-in staff
+                LogEntry.objects.log_actions(
+                    request.user.pk,
+                    Job.objects.using(using).filter(pk__in=changed).order_by("pk"),
+                    CHANGE,
+                    change_message=logged,
+                )
+        selected = len(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))
+        message = done(len(changed)) % {"count": len(changed)}
+        if selected > len(changed):
+            message += " " + self._not_eligible(selected - len(changed))
+        self.message_user(request, message, messages.SUCCESS if changed else messages.WARNING)
+
+    def get_urls(self) -> list[URLPattern]:
+        site = self.admin_site
+
+        def wrap(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+            return site.admin_view(partial(view, site=site))
+
+        cancel = site.admin_view(partial(cancel_view, model_admin=self))
+        return [
+            path("<path:object_id>/cancel/", cancel, name="jobs_job_cancel"),
+            path("monitor/", wrap(views.monitor), name="jobs_monitor"),
+            path("monitor/groups/", wrap(views.groups), name="jobs_monitor_groups"),
+            path("monitor/replay/", wrap(views.replay_view), name="jobs_monitor_replay"),
+            path("overview/", wrap(overview.overview), name="jobs_overview"),
+            *performance.urls(wrap),
+            *schedules.urls(wrap),
+            *flow.urls(wrap),
+            *super().get_urls(),
+        ]
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """The list, with *Pause…* for the job type, queue or tenant it is filtered by."""
+        extra = dict(extra_context or {})
+        if pauses.can_pause(request.user):
+            extra["pause_links"] = pause_links(request, self.admin_site.name)
+        return live.respond(request, super().changelist_view(request, extra))
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        """The job's page, with "Cancel…" for an active job and a stopping job's request."""
+        extra = dict(extra_context or {})
+        job = self.get_object(request, object_id) if request.method == "GET" else None
+        if job is not None:
+            asked = job.cancel_requested_at
+            if cancels.can_cancel(request.user) and eligible(job):
+                extra["cancel_url"] = cancel_url(self, job)
+            if asked is not None:
+                extra["cancel_requested"] = {
+                    "by": job.cancel_requested_by or "?",
+                    "at": moment(asked, now_of(job) or database_now()),
+                }
+            # A running job's page refreshes its progress in place (jobs.admin.live).
+            extra["live"] = job.state == RunState.RUNNING or live.is_live(request)
+        return live.respond(request, super().change_view(request, object_id, form_url, extra))
+
+
+admin.site.register(Pause, PauseAdmin)
+admin.site.register(Process, ProcessAdmin)
+admin.site.register(TenantWeight, flow.TenantWeightAdmin)
+admin.site.register(Batch, BatchAdmin)
+
+
+@admin.register(JobHistory)
+class JobHistoryAdmin(JobDisplay):
+    """Finished jobs the archive moved out of the jobs table, newest first; replay only.
+
+    Readable by whoever may read the jobs list; replay needs ``jobs.replay_job``, as there.
+    """
+
+    list_display = (
+        "id",
+        "name",
+        "job_id",
+        "tenant",
+        "queue",
+        "state",
+        "attempts_display",
+        "last_error",
+        "finished_at",
+    )
+    # The history's index is by finished_at in every partition; ids are not ordered there.
+    ordering = ("-finished_at",)
+    fieldsets = (
+        JobDisplay.detail_fieldsets[0],
+        JobDisplay.progress_fieldset,
+        *JobDisplay.detail_fieldsets[1:],
+        (
+            _("Timestamps"),
+            {"fields": ("created", "due", "started", "finished", "archived")},
+        ),
+        (
+            _("Replay and result"),
+            {"fields": ("claimed_by", "replayed", "replayed_by", "result_pretty")},
+        ),
+    )
+    readonly_fields = (*JobDisplay.readonly_fields, "archived")
+    archived = timestamp("archived_at", _("archived at"))
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return self.run_table.can_view(request.user)
+
+
+@admin.register(TenantOverride)
+class TenantOverrideAdmin(CheckedInputs, admin.ModelAdmin):  # type: ignore[type-arg]  # generic in stubs
+    """Overrides are configuration: add and delete them; a row's tenant and component stay."""
+
+    list_display = ("tenant", "component", "note", "created_at")
+    list_filter = ("component",)
+    search_fields = ("tenant",)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        # Moving an existing override would silently move a tenant between workers.
+        return ("tenant", "component", "created_at") if obj else ("created_at",)
+
+
+def _pre(text: str) -> str:
+    return format_html('<pre class="jobs-pre">{}</pre>', text)
