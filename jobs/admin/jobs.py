@@ -28,21 +28,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
-from django.contrib.admin.models import CHANGE, LogEntry
 from django.core import checks
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import DEFAULT_DB_ALIAS
 from django.db.models import QuerySet
 from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse
-from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
-from django.utils.functional import Promise
 from django.utils.html import format_html
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from jobs import queue
 from jobs.admin import (
+    actions,
     attempts,
     batches,
     flow,
@@ -55,7 +53,7 @@ from jobs.admin import (
 )
 from jobs.admin.batches import BatchAdmin
 from jobs.admin.cancels import ELIGIBLE, cancel_url, cancel_view, effects, eligible
-from jobs.admin.databases import DatabaseFilter, DatabaseRunTableAdmin, chosen, query
+from jobs.admin.databases import DatabaseFilter, DatabaseRunTableAdmin, chosen
 from jobs.admin.display import moment, now_of
 from jobs.admin.inputs import CheckedInputs
 from jobs.admin.modeladmin import InputFilter
@@ -65,8 +63,6 @@ from jobs.admin.processes import ProcessAdmin
 from jobs.catalogue.registry import get_registry
 from jobs.control import cancels, pauses
 from jobs.control.checks import check_run_tables
-from jobs.control.failures import MAX_ROWS
-from jobs.control.replays import REPLAY_ALL_LIMIT
 from jobs.db.clock import database_now
 from jobs.models import (
     Batch,
@@ -81,9 +77,6 @@ from jobs.runs import RunState
 
 if TYPE_CHECKING:
     from django_stubs_ext import StrOrPromise
-
-# Rows one cancel or retry-now may change, over "select all" too: replay-all's bound.
-ACTION_LIMIT = REPLAY_ALL_LIMIT
 
 # The monitor's expectations of every run table, checked wherever the admin is installed.
 checks.register(check_run_tables, "jobs")
@@ -283,7 +276,8 @@ class JobAdmin(JobDisplay):
     @admin.action(permissions=["cancel"], description=_("Cancel selected jobs…"))
     def cancel_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
         """Queued jobs end now; running ones are asked to stop (jobs.control.cancels)."""
-        return self._queue_action(
+        return actions.confirm_then_act(
+            self,
             request,
             queryset.filter(ELIGIBLE),
             action="cancel_selected",
@@ -299,14 +293,16 @@ class JobAdmin(JobDisplay):
     def run_now_selected(
         self, request: HttpRequest, queryset: QuerySet[Job]
     ) -> HttpResponse | None:
-        return self._queue_action(
+        return actions.confirm_then_act(
+            self,
             request,
             # PostgreSQL's clock, as queue.run_now() judges it: not the web host's.
             queryset.filter(state=RunState.QUEUED, run_after__gt=Now()),
             action="run_now_selected",
             title=_("Run delayed jobs now?"),
             act=partial(
-                self._act,
+                actions.act_and_log,
+                self,
                 logged="Made due now via the admin jobs list (retry now)",
                 call=lambda ids, by: queue.run_now(ids, using=chosen(request)),
                 done=lambda n: ngettext(
@@ -321,98 +317,12 @@ class JobAdmin(JobDisplay):
         acted = len(done.ended) + len(done.stopping)
         message = done.summary()
         if (selected := len(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))) > len(ids):
-            message += " " + self._not_eligible(selected - len(ids))
+            message += " " + actions.not_eligible(selected - len(ids))
         self.message_user(request, message, messages.SUCCESS if acted else messages.WARNING)
 
     @staticmethod
     def _cancel_notes(states: list[str]) -> list[str]:
         return effects(states.count(RunState.QUEUED), states.count(RunState.RUNNING))
-
-    @staticmethod
-    def _not_eligible(count: int) -> str:
-        return ngettext(
-            "%(count)d selected job was not eligible.",
-            "%(count)d selected jobs were not eligible.",
-            count,
-        ) % {"count": count}
-
-    def _queue_action(
-        self,
-        request: HttpRequest,
-        eligible: QuerySet[Job],
-        *,
-        action: str,
-        title: str | Promise,
-        act: Callable[[HttpRequest, list[int]], None],
-        notes: Callable[[list[str]], list[str]] | None = None,
-        confirm: Callable[[int], str] | None = None,
-    ) -> HttpResponse | None:
-        """Confirm, then one call for the rows the page showed, which records and reports them.
-
-        The page takes the newest ``ACTION_LIMIT`` eligible rows (over "select all" too) and
-        says so; its confirming POST names exactly those rows, so nothing changes that the
-        operator was not shown. A "yes" over a whole filter (``select_across``) is asked again.
-        """
-        rows = list(eligible.order_by("-pk").values_list("pk", "state")[:ACTION_LIMIT])
-        taken = [pk for pk, _state in rows]
-        across = request.POST.get("select_across") == "1"
-        if request.POST.get("post") == "yes" and not across:
-            act(request, taken)
-            return None
-        matching = len(taken)
-        if matching >= ACTION_LIMIT:  # there may be more: count them, up to the list's cap
-            matching = eligible.order_by().values("pk")[:MAX_ROWS].count()
-        selected = len(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))
-        context = {
-            **self.admin_site.each_context(request),
-            "title": title,
-            "opts": self.opts,
-            "jobs": eligible.order_by("-pk")[: min(len(taken), 100)],  # the rows it changes
-            "ids": taken,
-            "count": matching,
-            "capped": matching >= MAX_ROWS,
-            "limit": ACTION_LIMIT,
-            "skipped": 0 if across else max(0, selected - matching),
-            "action": action,
-            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
-            # What the confirming POST does to each state among the rows it names.
-            "notes": notes([state for _pk, state in rows]) if notes is not None else [],
-            "confirm": confirm(len(taken)) % {"count": len(taken)} if confirm else "",
-            "database_query": query(chosen(request)),  # the rows' links keep their database
-        }
-        return TemplateResponse(request, "admin/jobs/job/action_confirmation.html", context)
-
-    def _act(
-        self,
-        request: HttpRequest,
-        ids: list[int],
-        *,
-        logged: str,
-        call: Callable[[list[int], str], list[int]],
-        done: Callable[[int], str],
-    ) -> None:
-        """The confirming POST: one queue call, one log entry per changed row, a message.
-
-        The change and its record commit together: no change without who made it.
-        """
-        using = chosen(request)
-        if using != DEFAULT_DB_ALIAS:
-            logged = f"{logged} (database {using})"
-        with transaction.atomic(), transaction.atomic(using=using):
-            changed = call(ids, request.user.get_username()) if ids else []
-            if changed:
-                assert request.user.pk is not None  # the admin lets in only logged-in staff
-                LogEntry.objects.log_actions(
-                    request.user.pk,
-                    Job.objects.using(using).filter(pk__in=changed).order_by("pk"),
-                    CHANGE,
-                    change_message=logged,
-                )
-        selected = len(request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))
-        message = done(len(changed)) % {"count": len(changed)}
-        if selected > len(changed):
-            message += " " + self._not_eligible(selected - len(changed))
-        self.message_user(request, message, messages.SUCCESS if changed else messages.WARNING)
 
     def get_urls(self) -> list[URLPattern]:
         site = self.admin_site

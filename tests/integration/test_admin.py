@@ -13,7 +13,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from jobs.admin import jobs as jobs_admin
+from jobs.admin import actions as admin_actions
 from jobs.admin import modeladmin
 from jobs.catalogue.timing import Decision
 from jobs.db.clock import database_now
@@ -146,7 +146,7 @@ def test_retry_now_judges_delayed_by_the_database_clock(superuser, monkeypatch):
 
 @pytest.mark.parametrize("action", ["cancel_selected", "run_now_selected"])
 def test_select_all_is_bounded_like_replay_all_and_the_page_says_so(superuser, monkeypatch, action):
-    monkeypatch.setattr(jobs_admin, "ACTION_LIMIT", 3)
+    monkeypatch.setattr(admin_actions, "ACTION_LIMIT", 3)
     later = database_now() + timedelta(hours=1)
     jobs = [JobFactory(run_after=later) for _ in range(5)]
     select_all = {"action": action, "select_across": "1", "_selected_action": [jobs[0].pk]}

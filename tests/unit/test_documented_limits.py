@@ -8,7 +8,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from jobs import queue
-from jobs.admin.jobs import ACTION_LIMIT
+from jobs.admin.actions import ACTION_LIMIT
 from jobs.control.replays import REPLAY_ALL_LIMIT
 from jobs.core.conf import DEFAULTS
 from jobs.testing import run_worker
