@@ -17,6 +17,9 @@ List actions take the newest ``ACTION_LIMIT`` eligible rows of a selection at mo
 replay-all. The failure monitor, its grouped view, replay and the overview are mounted under
 this admin's URLs (``admin/jobs/job/monitor/`` …), so the default admin site is kept; the
 processes page is :class:`jobs.admin.processes.ProcessAdmin`.
+
+Over 400 lines: the jobs list, the job page and the console's URLs are one ModelAdmin; the
+pages themselves live in their own modules.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ A duty that fails is logged and counted, and runs again on its next interval; a 
 leadership lost stops the pass. Becoming leader runs every duty at once (a returning scheduler
 clears stale work immediately). SIGTERM/SIGINT stop the loop after the current duty and release
 leadership, so a standby takes over at its next attempt.
+
+Over 400 lines because the loop, its stall guard and the leadership hand-over are one state
+machine; each duty lives in its own module.
 """
 
 from __future__ import annotations
