@@ -22,7 +22,7 @@ from jobs.errors import Reject, RetryAfter
 if TYPE_CHECKING:
     from jobs.runs import RunContract
 
-logger = logging.getLogger("jobs.catalogue.registry")
+logger = logging.getLogger("jobs.registry")
 
 CONCURRENCY_MAX = 100
 # Limits shared by the fleet are not bounded by one process's slots.

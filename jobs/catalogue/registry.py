@@ -39,7 +39,7 @@ from jobs.core.conf import as_timedelta
 from jobs.core.context import JobContext
 from jobs.core.limits import MAX_ATTEMPTS_MAX as MAX_ATTEMPTS_MAX
 
-logger = logging.getLogger("jobs.catalogue.registry")
+logger = logging.getLogger("jobs.registry")
 
 type Handler[P: Payload] = Callable[[P, JobContext], Any]
 

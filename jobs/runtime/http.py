@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-logger = logging.getLogger("jobs.runtime.http")
+logger = logging.getLogger("jobs.http")
 
 
 def start_http_server(

@@ -149,7 +149,7 @@ class Retention:
             now, batch_size=batch_size, max_batches=self.config.max_batches, using=self.using
         )
         counts["jobs.rollup:expired"] += compacted["expired"]
-        counts["jobs.runtime.process:gone"] += processes.prune_gone(
+        counts["jobs.process:gone"] += processes.prune_gone(
             older_than=self.config.process_retention, limit=batch_size, now=now, using=self.using
         )
         counts = +counts  # drop zeros

@@ -161,7 +161,7 @@ class TestPruneGone:
         register("live:2:bb", expires_in=10)
         shift("g:1:aa", expires_at=120)
         counts = Retention(RetentionConfig(process_retention=timedelta(seconds=60))).run_once()
-        assert counts["jobs.runtime.process:gone"] == 1
+        assert counts["jobs.process:gone"] == 1
         assert list(Process.objects.values_list("identity", flat=True)) == ["live:2:bb"]
 
 

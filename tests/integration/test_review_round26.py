@@ -73,7 +73,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from psycopg.types.json import Jsonb
 
-from jobs import enqueue, queue
+from jobs import enqueue, enqueue_many, queue
 from jobs.catalogue.registry import Registry, catalogue, get_registry
 from jobs.core.conf import NOTIFY_CHANNEL
 from jobs.models import FlowGate, Job
@@ -164,19 +164,6 @@ def callers_transaction(mode: str):
         transaction.commit()
     finally:
         transaction.set_autocommit(True)
-
-
-def old_enqueue_by_copy(real):
-    """``_enqueue_by_copy`` as at cc63f6c: None inside the caller's transaction."""
-
-    def enqueue_by_copy(jobs, using):
-        alias = using or "default"
-        db = connections[alias]
-        if db.in_atomic_block or not db.get_autocommit():
-            return None
-        return real(jobs, using)
-
-    return enqueue_by_copy
 
 
 # -- 1. text.dumps ----------------------------------------------------------------------------
@@ -468,8 +455,8 @@ def test_inside_a_transaction_a_large_batch_stores_and_reports_what_the_general_
     """Any large keyless batch in the caller's transaction, given as a list, a tuple, a
     generator or one NewJob repeated, with due times, delays (negative, microseconds),
     priorities, tenants, queues, a ``batch_id`` and tenant-ordered types: the direct COPY
-    stores the rows and returns the results the general path returned at cc63f6c, and those
-    the INSERT statement gives; ids rise in input order, with no SAVEPOINT."""
+    stores the rows and returns the results the INSERT statement gives; ids rise in input
+    order, with no SAVEPOINT."""
     Job.objects.all().delete()
     FlowGate.objects.all().delete()
     for name in fair:
@@ -492,17 +479,13 @@ def test_inside_a_transaction_a_large_batch_stores_and_reports_what_the_general_
         return stored(results, absolute), reported(results), copied
 
     direct, direct_results, direct_copy = run()
-    monkeypatch.setattr(
-        enqueue_module, "_enqueue_by_copy", old_enqueue_by_copy(enqueue_module._enqueue_by_copy)
-    )
-    general, general_results, _ = run()
     monkeypatch.setattr(enqueue_module, "COPY_AT_LEAST", 10**9)
     inserted, inserted_results, insert_copy = run()
     monkeypatch.undo()
 
     assert any(direct_copy) and not any(insert_copy)
-    assert direct == general == inserted
-    assert direct_results == general_results == inserted_results
+    assert direct == inserted
+    assert direct_results == inserted_results
     assert {r[4] for r in direct_results} == {"default"}
     assert all(r[2:4] == ("queued", True) for r in direct_results)
 
@@ -548,10 +531,10 @@ def test_a_batch_for_another_database_copies_there_and_follows_that_transaction(
     that transaction (rolled back with it; results say ``other``); inside a transaction on
     ``default`` only it goes in a transaction of its own on ``other``, as before; refused for
     ``default`` before anything is sent there."""
-    reports = [NewJob(ReportV1.job_name, {"number": n}) for n in range(COPY_AT_LEAST)]
+    reports = [ReportV1(number=n) for n in range(COPY_AT_LEAST)]
     with pytest.raises(RuntimeError), transaction.atomic(using=OTHER):
         with CaptureQueriesContext(connections[OTHER]) as statements:
-            results = queue.enqueue_many(reports)
+            results = enqueue_many(reports)
         assert {r.using for r in results} == {OTHER}
         assert Job.objects.using(OTHER).count() == COPY_AT_LEAST
         raise RuntimeError("the business write failed")
@@ -559,13 +542,13 @@ def test_a_batch_for_another_database_copies_there_and_follows_that_transaction(
     assert not Job.objects.using(OTHER).exists()
 
     with pytest.raises(RuntimeError), transaction.atomic():
-        kept = queue.enqueue_many(reports)
+        kept = enqueue_many(reports)
         raise RuntimeError("rolls back default only")
     assert sorted(Job.objects.using(OTHER).values_list("pk", flat=True)) == [r.id for r in kept]
 
     with transaction.atomic(), CaptureQueriesContext(connection) as sent:
         with pytest.raises(InvalidJob, match="lives in database 'other'"):
-            queue.enqueue_many(reports, using="default")
+            enqueue_many(reports, using="default")
         queue.enqueue(NewJob(NAME, {}))  # the caller's transaction goes on
     assert len(sent) == 1 and not Job.objects.filter(name=ReportV1.job_name).exists()
 
