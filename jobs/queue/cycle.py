@@ -240,6 +240,20 @@ def _function(name: str, arguments: dict[str, str], body: str) -> str:
     )
 
 
+def inline_pass(ctes: str, update: str, post: str, *, count: bool) -> str:
+    """The pass as one statement planned where it is sent: the outcome write's CTEs (with the
+    rollup's when it ``count``s), then the claim of :func:`~jobs.queue.claim.claim_parts`'
+    parts, for the passes the functions do not hold (flow controls other than fair order,
+    or counted)."""
+    counted = (f", {ROLLUP_CTE}", f" WHERE {rollup.reads()}") if count else ("", "")
+    return (
+        f"WITH {PASS_OUTCOME_CTES[count]}{counted[0]},{ctes}, claimed AS ({update}){post}\n"
+        "SELECT *, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[], NULL::boolean"
+        " FROM claimed\n"
+        f"UNION ALL\n{_REPORT_ROW}{counted[1]}"
+    )
+
+
 def record_and_claim(
     outcomes: Sequence[Outcome],
     requests: Sequence[ClaimRequest],
@@ -286,13 +300,7 @@ def record_and_claim(
     elif kept_plan:  # every name fair with no limit: the fair pass
         sql = _FAIR_PASS_CALL
     else:
-        counted = (f", {ROLLUP_CTE}", f" WHERE {rollup.reads()}") if count else ("", "")
-        sql = (
-            f"WITH {PASS_OUTCOME_CTES[count]}{counted[0]},{ctes}, claimed AS ({update}){post}\n"
-            "SELECT *, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[], NULL::boolean"
-            " FROM claimed\n"
-            f"UNION ALL\n{_REPORT_ROW}{counted[1]}"
-        )
+        sql = inline_pass(ctes, update, post, count=count)
     with _db.bound_cursor(using) as cur:
         cur.execute(sql, params)
         rows = cur.fetchall()
