@@ -201,8 +201,8 @@ def fair_pick_function() -> str:
     """``CREATE OR REPLACE FUNCTION jobs_fair_pick_v2``: :func:`_tiered_rows` as a PL/pgSQL
     function, so each connection plans it a few times and then keeps a generic plan.
 
-    A migration holds the text this returns (a test compares them): a change to the SQL
-    it is built from needs a migration that replaces the function. It reads the classes by
+    Rendered into jobs/queue/sql/functions/, whose file the migrations install: a change to
+    the SQL it is built from needs a migration that installs it again. It reads the classes by
     the priority walk, which every supported server runs, and takes the worker's scope as
     arguments (:func:`~jobs.queue.types.pick_scope_sql`). It runs in a snapshot of its own
     (a VOLATILE function's): rows it locks that the claim's snapshot does not show are

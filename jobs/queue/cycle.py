@@ -188,10 +188,10 @@ def pass_function() -> str:
     """``CREATE OR REPLACE FUNCTION jobs_worker_pass_v2``: :func:`record_and_claim`'s statement
     for names without flow controls, as a function whose plan each connection keeps.
 
-    A migration holds the text this returns (a test compares them): a change to the SQL it
-    is built from needs a migration that replaces the function. ``p_walk`` picks the claim's
-    priority walk (servers before PostgreSQL 18) or its single ordered scan; each is planned
-    only where it runs. The function reads in a snapshot of its own, as the statement in
+    Rendered into jobs/queue/sql/functions/, whose file the migrations install: a change to
+    the SQL it is built from needs a migration that installs it again. ``p_walk`` picks the
+    claim's priority walk (servers before PostgreSQL 18) or its single ordered scan; each is
+    planned only where it runs. The function reads in a snapshot of its own, as the statement in
     autocommit did (the worker's passes are not inside a transaction).
     """
     scope = pick_scope_sql("j")
@@ -212,7 +212,8 @@ def fair_pass_function() -> str:
     """``CREATE OR REPLACE FUNCTION jobs_worker_fair_pass_v2``: the pass for names that are all
     fair with no limit (:data:`~jobs.queue.claim.TIERED_FORM`), with a kept plan as
     :func:`pass_function`'s. Planned inline every pass, it cost the fair drain about 26 µs of
-    PostgreSQL CPU a job more than the plain one (bench/fairness.py). A migration holds it too.
+    PostgreSQL CPU a job more than the plain one (bench/fairness.py). Rendered and installed
+    as :func:`pass_function` is.
     """
     # The claimed rows' columns are named c_<column> here (the function's own are r_<column>).
     after = flow.after_claim(TIERED_FORM, {c: f"c_{c}" for c in flow.CLAIMED_COLUMNS})

@@ -17,7 +17,6 @@ and against what ``jobs.queue.outcomes`` promises (written, fenced, busy, stoppe
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import re
 import threading
@@ -29,7 +28,6 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from django.core.management import call_command
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from hypothesis import HealthCheck, example, given, settings
@@ -58,19 +56,14 @@ CALLS = {
     "pass function": "SELECT * FROM jobs_worker_pass_v2(",
     "fair pass function": "SELECT * FROM jobs_worker_fair_pass_v2(",
 }
-# The functions the code calls, and the earlier ones a rolling deploy's old workers call.
+# The functions the code calls.
 FUNCTIONS = ("jobs_worker_pass_v2", "jobs_worker_fair_pass_v2")
-EARLIER = ("jobs_worker_pass", "jobs_worker_fair_pass")
 
 
 def _without_filter(sql: str, times: int = 1) -> str:
     old, found = FILTER.subn("", sql)
     assert found == times, "the busy CTE's one-time filter is not where the review expects it"
     return old
-
-
-def _migration_sql(module: str) -> str:
-    return importlib.import_module(f"jobs.migrations.{module}").SQL
 
 
 @contextmanager
@@ -421,17 +414,6 @@ def test_the_worker_functions_kept_plan_skips_the_anti_join_only_when_written_wh
         _clean()
 
 
-def _body(sql: str) -> str:
-    return sql.split("$$")[1]
-
-
-def _sources() -> dict[str, str]:
-    """The earlier functions' texts, as installed."""
-    with connection.cursor() as cur:
-        cur.execute("SELECT proname, prosrc FROM pg_proc WHERE proname = ANY(%s)", [list(EARLIER)])
-        return dict(cur.fetchall())
-
-
 def _busy_through_function(path: str) -> OutcomeReport:
     ids = [e.id for e in queue.enqueue_many([NewJob(NAME, {})] * 3)]
     held = queue.claim([ClaimRequest(NAME, 3)], scope=SCOPE)
@@ -446,38 +428,7 @@ def _busy_through_function(path: str) -> OutcomeReport:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_migrations_put_each_function_back_both_ways(fair_gate):
-    new = {
-        "jobs_worker_pass": _migration_sql("0019_worker_pass_busy_when_unwritten"),
-        "jobs_worker_fair_pass": _migration_sql("0020_worker_fair_pass_busy_when_unwritten"),
-    }
-    old = {
-        "jobs_worker_pass": _migration_sql("0016_worker_pass"),
-        "jobs_worker_fair_pass": _migration_sql("0017_worker_fair_pass"),
-    }
-    # Later migrations replaced both functions again (0022, 0023): the database runs theirs.
-    latest = {
-        "jobs_worker_pass": _migration_sql("0022_worker_pass_linear"),
-        "jobs_worker_fair_pass": _migration_sql("0023_worker_fair_pass_linear"),
-    }
-    assert _sources() == {name: _body(sql) for name, sql in latest.items()}
-    # The old text is the new one without the filter (and its comment): nothing else moved.
-    for name in new:
-        assert re.sub(
-            r"\s+",
-            " ",
-            _without_filter(_body(new[name]), times=2 if name == "jobs_worker_pass" else 1),
-        ).replace(
-            " Looked -- for only when some outcome was not written: comparing each outcome"
-            " with every written one -- costs the square of the batch.",
-            "",
-        ) == re.sub(r"\s+", " ", _body(old[name]))
-    try:
-        call_command("migrate", "jobs", "0018", verbosity=0)
-        assert _sources() == {name: _body(sql) for name, sql in old.items()}
-    finally:
-        call_command("migrate", "jobs", verbosity=0)
-    assert _sources() == {name: _body(sql) for name, sql in latest.items()}
-    for path in CALLS:
-        report = _busy_through_function(path)
-        assert len(report.busy) == 1 and len(report.applied) == 3
+@pytest.mark.parametrize("path", list(CALLS))
+def test_the_worker_functions_report_a_row_another_session_holds_as_busy(fair_gate, path):
+    report = _busy_through_function(path)
+    assert len(report.busy) == 1 and len(report.applied) == 3

@@ -12,15 +12,14 @@ Semantics, pinned (passing):
   conflicts on random tables of a few keys (ids sharing a key, holders within and past their
   window, active holders, ids that do not exist): ``LIMIT 1`` loses nothing, as a key has
   one holder at most;
-* the old (0013) and new (0024) settle functions leave the same rows after random
-  dependency graphs and outcomes, the old one installed in a savepoint on the same
-  connection;
+* the release leaves the rows the settle rules say after random dependency graphs and
+  outcomes (a model of the rules in Python: each edge applied once, lowest ended job first);
 * through the API: a holder is released only past its window (each terminal state, never an
   active holder); one replay of several keys, two ids sharing one; replay from the history
   table, with the key free past the holder's window or taken within it (the row goes back);
   success releasing waiting jobs, failure ending a chain (``fail`` and ``cancel`` edges), a
-  diamond ending once by its lowest upstream's edge; ``migrate jobs 0023`` and forward on one
-  connection with settles between, each definition in effect at once;
+  diamond ending once by its lowest upstream's edge; ``migrate jobs 0001`` (the functions
+  dropped) and forward on one connection with settles between, each in effect at once;
 * concurrency, each session on its own connection, held up on the holder's row lock until
   both wait: two replays of two rows sharing a key (one replays); the same while a keyed
   enqueue takes the key (neither replays); two keyed enqueues releasing the same expired
@@ -55,7 +54,6 @@ Waits poll with a deadline.
 
 from __future__ import annotations
 
-import importlib
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -82,6 +80,7 @@ from jobs.queue import (
     history,
     keys,
     operations,
+    statements,
 )
 from jobs.queue.claim import next_attempt
 from tests.integration.test_pgbouncer import wait_for
@@ -89,12 +88,6 @@ from tests.integration.test_review_round22 import explained_nested_statements
 from tests.support.workflows import settle
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-M13 = importlib.import_module("jobs.migrations.0013_settle_chains")
-M24 = importlib.import_module("jobs.migrations.0024_settle_by_key")
-M25 = importlib.import_module("jobs.migrations.0025_dependents_release")
-# The trigger function that settled waiting jobs in the statement (0010 to 0024).
-SETTLED_IN_STATEMENT = M25.SETTLED_IN_STATEMENT
 
 
 BACKLOG = 20_000
@@ -171,30 +164,18 @@ OLD_UNRESTORE_WHERE = (
 UNRESTORE_WHERE = re.search(r"WHERE (.*?)\n\s*RETURNING", history.UNRESTORE, re.S)[1]
 
 
-def _settle_body(sql: str) -> str:
-    """The text of ``jobs_dependents_settle`` between its dollar quotes in a migration's SQL."""
-    at = sql.index("CREATE OR REPLACE FUNCTION jobs_dependents_settle")
-    start = sql.index("$$", at) + 2
-    return sql[start : sql.index("$$", start)]
-
-
-# 0013's definition of the settle function, as that migration wrote it.
-SETTLE_0013 = M13.SQL[M13.SQL.index("CREATE OR REPLACE FUNCTION jobs_dependents_settle") :]
-assert SETTLE_0013.rstrip().endswith("$$;")
-
-
-def settle_source(function: str = "jobs_dependents_settle") -> str | None:
+def settle_source(function: str = "jobs_dependents_release") -> str | None:
     with connection.cursor() as cur:
         cur.execute("SELECT prosrc FROM pg_proc WHERE proname = %s", [function])
         row = cur.fetchone()
     return None if row is None else row[0]
 
 
-def _release_body(sql: str) -> str:
-    """The text of ``jobs_dependents_release`` between its dollar quotes in a migration's SQL."""
-    at = sql.index("CREATE FUNCTION jobs_dependents_release")
-    start = sql.index("$$", at) + 2
-    return sql[start : sql.index("$$", start)]
+def _release_body() -> str:
+    """The text of ``jobs_dependents_release`` between its dollar quotes, in its file."""
+    return (
+        (statements.FOLDER / "functions" / "jobs_dependents_release.sql").read_text().split("$$")[1]
+    )
 
 
 def backend() -> int:
@@ -618,9 +599,9 @@ steps_strategy = st.lists(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(dag=dag_strategy, steps=steps_strategy)
-def test_the_settle_function_acts_as_0013s_on_any_graph_and_outcomes(dag, steps):
+def test_the_release_settles_any_graph_and_outcomes_as_the_rules_say(dag, steps):
     """Each job waits for some earlier ones; jobs due to run end one after another, the
-    trigger settling what waits for them: 0013's function and 0024's leave the same rows."""
+    release settling what waits for them after each: the rows are the model's."""
     with transaction.atomic(), connection.cursor() as cur:
         ups = [sorted({u % j for u in wanted}) if j else [] for j, (wanted, _) in enumerate(dag)]
         waited = {u for each in ups for u in each}
@@ -642,48 +623,88 @@ def test_the_settle_function_acts_as_0013s_on_any_graph_and_outcomes(dag, steps)
                     "INSERT INTO jobs_dependency (job, upstream, on_failure) VALUES (%s, %s, %s)",
                     [ids[j], ids[u], dag[j][1]],
                 )
-
-        def run() -> list[tuple]:
-            return run_steps(steps)
-
-        def run_steps(steps: list[tuple[int, str]]) -> list[tuple]:
-            for index, state in steps:
-                cur.execute(
-                    "UPDATE jobs_job SET state = %(state)s, finished_at = statement_timestamp(), "
-                    "key_held = %(state)s <> 'cancelled' "
-                    "WHERE id = %(id)s AND state = 'queued' AND waiting_on = 0",
-                    {"state": state, "id": ids[index % len(ids)]},
-                )
+        for index, state in steps:
             cur.execute(
-                "SELECT id, state, waiting_on, key_held, last_error, error_detail, "
-                "run_after = %s, finished_at IS NULL FROM jobs_job ORDER BY id",
-                [WAITING_UNTIL],
+                "UPDATE jobs_job SET state = %(state)s, finished_at = statement_timestamp(), "
+                "key_held = %(state)s <> 'cancelled' "
+                "WHERE id = %(id)s AND state = 'queued' AND waiting_on = 0",
+                {"state": state, "id": ids[index % len(ids)]},
             )
-            return cur.fetchall()
-
-        def with_0013() -> list[tuple]:
-            # 0013's function, called by the trigger in the statement that ends a job.
-            cur.execute(SETTLE_0013)
-            cur.execute(SETTLED_IN_STATEMENT)
-            assert "|| ''" not in settle_source()
-            return run()
-
-        def released_after() -> list[tuple]:
-            # Today's: each job's waiting jobs released after it ends, before the next step.
-            for index, state in steps:
-                cur.execute(
-                    "UPDATE jobs_job SET state = %(state)s, finished_at = statement_timestamp(), "
-                    "key_held = %(state)s <> 'cancelled' "
-                    "WHERE id = %(id)s AND state = 'queued' AND waiting_on = 0",
-                    {"state": state, "id": ids[index % len(ids)]},
-                )
-                settle()
-            return run_steps([])
-
-        old, new = _outcome(cur, with_0013), _outcome(cur, released_after)
-        assert settle_source() is None  # 0025's trigger, back
-        assert old == new
+            settle()
+        cur.execute(
+            "SELECT id, state, waiting_on, key_held, last_error, error_detail, "
+            "run_after = %s, finished_at IS NULL FROM jobs_job ORDER BY id",
+            [WAITING_UNTIL],
+        )
+        assert cur.fetchall() == _settled_as_the_rules_say(ids, ups, dag, steps)
         transaction.set_rollback(True)
+
+
+def _settled_as_the_rules_say(
+    ids: list[int], ups: list[list[int]], dag: list[tuple[list[int], str]], steps: list
+) -> list[tuple]:
+    """The rows the settle rules leave. A job that ends, if others wait for it, settles them
+    after it, each edge once, the lowest ended job first: a success takes one off each waiting
+    job's count (due now at none); a failure or cancel ends each waiting job as its edge says
+    (``fail``: failed, holding its key; ``cancel``: cancelled), and those settle in turn."""
+    n = len(ids)
+    row = [
+        {
+            "state": "queued",
+            "waiting": len(ups[j]),
+            "held": True,
+            "error": "",
+            "detail": "",
+            "until": bool(ups[j]),
+            "open": True,
+        }
+        for j in range(n)
+    ]
+    waited = {u for each in ups for u in each}
+    settled: set[tuple[int, int]] = set()
+    pending: list[tuple[int, str]] = []
+    for index, state in steps:
+        j = index % n
+        if row[j]["state"] == "queued" and row[j]["waiting"] == 0:
+            row[j].update(state=state, held=state != "cancelled", open=False)
+            if j in waited:
+                pending.append((j, state))
+        while pending:
+            pending.sort()
+            up, ended = pending.pop(0)
+            for d in (d for d in range(n) if up in ups[d] and (d, up) not in settled):
+                settled.add((d, up))
+                if row[d]["state"] != "queued" or row[d]["waiting"] == 0:
+                    continue
+                if ended == "succeeded":
+                    row[d]["waiting"] -= 1
+                    row[d]["until"] = row[d]["waiting"] > 0
+                    continue
+                fail = dag[d][1] == "fail"
+                row[d].update(
+                    state="failed" if fail else "cancelled",
+                    held=fail,
+                    waiting=0,
+                    until=False,
+                    open=False,
+                    error="dependency_failed",
+                    detail=f"job {ids[up]}, which this job waited for, ended {ended}",
+                )
+                if d in waited:
+                    pending.append((d, row[d]["state"]))
+    return [
+        (
+            ids[j],
+            r["state"],
+            r["waiting"],
+            r["held"],
+            r["error"],
+            r["detail"],
+            r["until"],
+            r["open"],
+        )
+        for j, r in enumerate(row)
+    ]
 
 
 HOLDERS = [
@@ -821,24 +842,22 @@ def _settles_each_way() -> None:
     Job.objects.filter(name__in=[UP, DOWN]).delete()
 
 
-def test_settles_are_right_before_across_and_after_migrating_back_to_0023_and_forward():
-    """On one connection: settles by the release (0025's function, its plan kept), ``migrate
-    jobs 0023`` (0013's function back; this release's code does not run on that schema),
-    ``migrate`` forward, settles by the release again; each text exactly its migration's,
-    each in effect at once on the connection that ran the other."""
+def test_settles_are_right_before_across_and_after_migrating_back_to_0001_and_forward():
+    """On one connection: settles by the release (its plan kept), ``migrate jobs 0001`` (the
+    functions and the trigger dropped), ``migrate`` forward (made anew), settles by the
+    release again; the function's text is its file's, in effect at once on the connection
+    that ran the one before."""
     pid = backend()
     _settles_each_way()
-    assert settle_source() is None
-    assert settle_source("jobs_dependents_release") == _release_body(M25.SQL)
+    assert settle_source() == _release_body()
     try:
-        call_command("migrate", "jobs", "0023", verbosity=0)
+        call_command("migrate", "jobs", "0001", verbosity=0)
         assert backend() == pid
-        assert settle_source() == _settle_body(M13.SQL)
+        assert settle_source() is None
     finally:
         call_command("migrate", "jobs", verbosity=0)
     assert backend() == pid
-    assert settle_source() is None
-    assert settle_source("jobs_dependents_release") == _release_body(M25.SQL)
+    assert settle_source() == _release_body()
     _settles_each_way()
 
 
