@@ -7,11 +7,11 @@ Semantics, pinned (passing):
 * ``state`` and ``key_held`` are NOT NULL and ``state`` compares under a deterministic
   collation, so ``state || ''`` and ``key_held IS TRUE`` test what ``state`` and
   ``key_held`` did for every value the schema allows;
-* the old and new ``keys.release``, ``keys.release_for`` (then replay's statement),
-  replay's statement alone and the restore's undo condition give the same rows, results and
-  conflicts on random tables of a few keys (ids sharing a key, holders within and past their
-  window, active holders, ids that do not exist): ``LIMIT 1`` loses nothing, as a key has
-  one holder at most;
+* ``keys.release``, ``keys.release_for`` (then replay's statement), replay's statement alone
+  and the restore's undo condition give the rows, results and conflicts the key rules say
+  (a model in Python) on random tables of a few keys (ids sharing a key, holders within and
+  past their window, active holders, ids that do not exist): ``LIMIT 1`` loses nothing, as
+  a key has one holder at most;
 * the release leaves the rows the settle rules say after random dependency graphs and
   outcomes (a model of the rules in Python: each edge applied once, lowest ended job first);
 * through the API: a holder is released only past its window (each terminal state, never an
@@ -74,9 +74,7 @@ from jobs.queue import (
     ClaimRequest,
     NewJob,
     Outcome,
-    attempts,
     effects,
-    flow,
     history,
     keys,
     operations,
@@ -99,68 +97,6 @@ SECOND = 1.0
 MINUTE, DAY = 60 * SECOND, 86_400 * SECOND
 
 
-# --- The statements as they were before the two commits (f7d7598), written out -------------
-
-OLD_WINDOW_PASSED = """(
-    (j.state = 'succeeded'
-     AND j.finished_at <= statement_timestamp() - make_interval(secs => %(success_window)s))
-    OR (j.state IN ('failed', 'cancelled')
-        AND j.finished_at <= statement_timestamp() - make_interval(secs => %(failure_window)s))
-)"""
-
-OLD_RELEASE = f"""
-UPDATE jobs_job AS j SET key_held = FALSE
-WHERE j.id = ANY(%(ids)s) AND j.key_held AND {OLD_WINDOW_PASSED}
-RETURNING j.id
-"""
-
-OLD_RELEASE_FOR = f"""
-UPDATE jobs_job AS j SET key_held = FALSE
-FROM jobs_job t
-WHERE t.id = ANY(%(ids)s) AND j.tenant = t.tenant AND j.job_id = t.job_id
-  AND j.id <> t.id AND j.key_held AND {OLD_WINDOW_PASSED}
-"""
-
-# Its other parts are built by helpers neither commit touched, as they were then.
-OLD_REPLAY = (
-    """
-WITH target AS (
-    SELECT j.id FROM jobs_job j
-    WHERE j.id = ANY(%(ids)s) AND j.state IN ('failed', 'cancelled')
-      AND NOT EXISTS (
-          SELECT 1 FROM jobs_job o
-          WHERE o.tenant = j.tenant AND o.job_id = j.job_id AND o.key_held AND o.id <> j.id
-      )
-    FOR UPDATE OF j
-)
-UPDATE jobs_job j
-SET state = 'queued', attempts = 0, run_after = statement_timestamp(), key_held = TRUE,
-    fair = """
-    + flow.FAIR_AT_ENQUEUE.format(name="j.name")
-    + """,
-    started_at = NULL, finished_at = NULL, heartbeat_at = NULL, result = NULL,
-    replayed_at = statement_timestamp(), replayed_by = %(by)s,
-    cancel_requested_at = NULL, cancel_requested_by = '',
-    attempt_log = CASE WHEN """
-    + attempts.unlogged_last_sql("j")
-    + """
-        THEN j.attempt_log || """
-    + attempts.entry_sql(
-        row="j",
-        outcome="j.state",
-        code="j.last_error",
-        error="j.error_detail",
-        ended="j.finished_at",
-    )
-    + """
-        ELSE j.attempt_log END
-FROM target WHERE j.id = target.id
-RETURNING j.id
-"""
-)
-OLD_UNRESTORE_WHERE = (
-    "j.id = ANY(%(ids)s) AND j.state IN ('failed', 'cancelled') AND NOT j.key_held"
-)
 UNRESTORE_WHERE = re.search(r"WHERE (.*?)\n\s*RETURNING", history.UNRESTORE, re.S)[1]
 
 
@@ -532,54 +468,114 @@ def _rows_of(cur) -> set[int]:
     ],
     picks=[1, 3, 5, 9],
 )
-def test_the_key_statements_act_as_before_on_any_table_of_a_few_keys(rows, picks):
-    """Old and new ``release``, ``release_for`` then replay's statement (as replay runs them),
-    replay's statement alone and the restore's undo condition: same rows, same results."""
+def test_the_key_statements_act_as_the_key_rules_say_on_any_table_of_a_few_keys(rows, picks):
+    """``release``, ``release_for`` then replay's statement (as replay runs them), replay's
+    statement alone and the restore's undo condition: the rows and results the rules say."""
     params = keys.window_params()
+    model = _modelled(rows)
     with transaction.atomic(), connection.cursor() as cur:
         ids = insert_rows(cur, rows)
         chosen = sorted({ids[p] if p < len(ids) else ids[-1] + 1000 + p for p in picks})
+        picked = sorted({p for p in picks if p < len(ids)})
         p = {"ids": chosen, "by": "review", **params}
 
-        def old_release():
-            cur.execute(OLD_RELEASE, p)
-            return _rows_of(cur)
-
-        def new_release():
-            return keys.release(cur, chosen) if chosen else set()
-
-        def replay_after(release_for: Callable[[], None], statement: str) -> Callable[[], set]:
+        def replay_after(release_for: Callable[[], None]) -> Callable[[], set]:
             def run():
                 release_for()
-                cur.execute(statement, p)
+                cur.execute(operations._REPLAY, p)
                 return _rows_of(cur)
 
             return run
 
-        def selected(condition: str) -> Callable[[], set]:
-            def run():
-                cur.execute(f"SELECT j.id FROM jobs_job j WHERE {condition}", p)
-                return _rows_of(cur)
+        def undo() -> set:
+            cur.execute(f"SELECT j.id FROM jobs_job j WHERE {UNRESTORE_WHERE}", p)
+            return _rows_of(cur)
 
-            return run
-
-        pairs = [
-            ("release", old_release, new_release),
-            (
-                "release_for, then replay",
-                replay_after(lambda: cur.execute(OLD_RELEASE_FOR, p), OLD_REPLAY),
-                replay_after(lambda: keys.release_for(cur, chosen), operations._REPLAY),
-            ),
-            (
-                "replay alone",
-                replay_after(lambda: None, OLD_REPLAY),
-                replay_after(lambda: None, operations._REPLAY),
-            ),
-            ("restore's undo", selected(OLD_UNRESTORE_WHERE), selected(UNRESTORE_WHERE)),
-        ]
-        for what, old, new in pairs:
-            assert _outcome(cur, old) == _outcome(cur, new), what
+        runs = {
+            "release": lambda: keys.release(cur, chosen) if chosen else set(),
+            "release_for, then replay": replay_after(lambda: keys.release_for(cur, chosen)),
+            "replay alone": replay_after(lambda: None),
+            "restore's undo": undo,
+        }
+        for what, run in runs.items():
+            expected = _by_the_rules(what, model, picked, params)
+            result, after = _outcome(cur, run)
+            if isinstance(result, set):
+                result = sorted(ids.index(id_) for id_ in result)
+            assert (result, after) == (expected[0], _as_table(ids, expected[1])), what
         transaction.set_rollback(True)
+
+
+def _modelled(rows) -> list[dict[str, Any]]:
+    """The rows :func:`insert_rows` makes of ``rows``, as the key rules read them."""
+    held: set[int] = set()
+    model = []
+    for key, state, wants, age in rows:
+        active = state in ("queued", "running")
+        holds = (active or wants) and key not in held
+        if holds:
+            held.add(key)
+        model.append(
+            {
+                "key": key,
+                "state": "failed" if active and not holds else state,
+                "held": holds,
+                "age": AGES[age],
+                "attempts": 1,
+                "by": "",
+            }
+        )
+    return model
+
+
+def _window_passed(row: dict[str, Any], params: dict[str, float]) -> bool:
+    """A finished row's key may go: past the success window, or the failure window."""
+    if row["age"] is None or row["state"] in ("queued", "running"):
+        return False
+    window = params["success_window" if row["state"] == "succeeded" else "failure_window"]
+    return row["age"] >= window
+
+
+def _by_the_rules(
+    what: str, model: list[dict[str, Any]], picked: list[int], params: dict[str, float]
+) -> tuple[Any, list[dict[str, Any]]]:
+    """What a statement returns (row positions) and the rows after it, by the key rules: a
+    key held by a finished row past its window may be released (of the rows picked, or of
+    the others sharing their keys before a replay); a failed or cancelled row is replayed
+    when no other row holds its key, and two replayed rows of one key meet the key lock."""
+    rows = [dict(row) for row in model]
+    if what == "restore's undo":
+        undone = [i for i in picked if rows[i]["state"] in ("failed", "cancelled")]
+        return [i for i in undone if not rows[i]["held"]], rows
+    if what == "release":
+        released = [i for i in picked if rows[i]["held"] and _window_passed(rows[i], params)]
+        for i in released:
+            rows[i]["held"] = False
+        return released, rows
+    if what == "release_for, then replay":
+        for j, row in enumerate(rows):
+            sharing = any(rows[t]["key"] == row["key"] and t != j for t in picked)
+            if sharing and row["held"] and _window_passed(row, params):
+                row["held"] = False
+    replayed = [
+        i
+        for i in picked
+        if rows[i]["state"] in ("failed", "cancelled")
+        and not any(o["held"] and o["key"] == rows[i]["key"] for o in rows if o is not rows[i])
+    ]
+    if len({rows[i]["key"] for i in replayed}) < len(replayed):
+        return "key conflict", [dict(row) for row in model]
+    for i in replayed:
+        rows[i].update(state="queued", held=True, attempts=0, by="review", age=None)
+    return replayed, rows
+
+
+def _as_table(ids: list[int], rows: list[dict[str, Any]]) -> list[tuple]:
+    """Model rows as :func:`_table` reads the table."""
+    return [
+        (id_, row["state"], row["held"], row["attempts"], row["by"], row["age"] is None)
+        for id_, row in zip(ids, rows, strict=True)
+    ]
 
 
 dag_strategy = st.lists(
