@@ -39,7 +39,7 @@ from jobs.queue.cycle import (
     pass_function,
 )
 from jobs.queue.enqueue import enqueue_function
-from jobs.queue.outcomes import _RECORD, _RECORD_SKIPPING
+from jobs.queue.outcomes import _RECORD, _RECORD_SKIPPING, outcome_params
 from jobs.queue.types import AllTenantsExcept, Scope
 
 #: Where the files are.
@@ -53,6 +53,12 @@ _HEADER = (
     "-- Rendered from {source} by scripts/render-sql:\n"
     "-- edit the code, not this file, then run it (a test fails while the two differ).\n"
 )
+
+
+def _header(*builders: Callable[..., object]) -> str:
+    """The first lines of a rendered file: the modules of the functions that build it."""
+    modules = dict.fromkeys(b.__module__.replace(".", "/") + ".py" for b in builders)
+    return _HEADER.format(source=" and ".join(modules))
 
 
 def _form(**parts: bool) -> flow.FlowForm:
@@ -120,7 +126,7 @@ def claim_file() -> str:
     ]
     for name, (form, about) in _FLOW_FORMS.items():
         parts.append(_named(name, about, claim_sql(_SCOPE, walk=False, flows=form)[0]))
-    return _HEADER.format(source="jobs/queue/claim.py and flow.py") + "".join(parts)
+    return _header(claim_sql, flow.after_claim) + "".join(parts)
 
 
 def pass_file() -> str:
@@ -149,7 +155,7 @@ def pass_file() -> str:
             inline_pass(ctes, claim_update(), flow.after_claim(gated), count=False),
         ),
     ]
-    return _HEADER.format(source="jobs/queue/cycle.py") + "".join(parts)
+    return _header(inline_pass) + "".join(parts)
 
 
 def outcomes_file() -> str:
@@ -177,11 +183,11 @@ def outcomes_file() -> str:
             _RECORD_SKIPPING[False],
         ),
     ]
-    return _HEADER.format(source="jobs/queue/outcomes.py") + "".join(parts)
+    return _header(outcome_params) + "".join(parts)
 
 
-def _function(source: str, build: Callable[[], str]) -> Callable[[], str]:
-    return lambda: _HEADER.format(source=source) + build()
+def _function(build: Callable[[], str]) -> Callable[[], str]:
+    return lambda: _header(build) + build()
 
 
 #: Each rendered file (its path under :data:`FOLDER`) and what renders it.
@@ -189,10 +195,10 @@ RENDERED: dict[str, Callable[[], str]] = {
     "claim.sql": claim_file,
     "pass.sql": pass_file,
     "outcomes.sql": outcomes_file,
-    "functions/jobs_worker_pass_v2.sql": _function("jobs/queue/cycle.py", pass_function),
-    "functions/jobs_worker_fair_pass_v2.sql": _function("jobs/queue/cycle.py", fair_pass_function),
-    "functions/jobs_fair_pick_v2.sql": _function("jobs/queue/claim.py", fair_pick_function),
-    "functions/jobs_enqueue_job.sql": _function("jobs/queue/enqueue.py", enqueue_function),
+    "functions/jobs_worker_pass_v2.sql": _function(pass_function),
+    "functions/jobs_worker_fair_pass_v2.sql": _function(fair_pass_function),
+    "functions/jobs_fair_pick_v2.sql": _function(fair_pick_function),
+    "functions/jobs_enqueue_job.sql": _function(enqueue_function),
 }
 
 
