@@ -28,6 +28,8 @@ FUNCTIONS = statements.FOLDER / "functions"
 def migrated(django_db_blocker):
     """The description of a database ``migrate`` built from nothing."""
     with django_db_blocker.unblock():
+        if not schema.comparable():
+            pytest.skip(f"the description is PostgreSQL {schema.SERVER_MAJOR}'s catalogue")
         return schema.migrated_schema()
 
 
@@ -154,5 +156,7 @@ def test_migrate_goes_back_and_forward_again_on_a_database_with_jobs(django_db_b
         call_command("migrate", "jobs", database=alias, verbosity=0)
         with connections[alias].cursor() as cur:
             rebuilt = schema.describe(cur)
-    described = schema.checked_in()
-    assert rebuilt == {key: value for key, value in described.items() if key not in DROPPED}
+        if schema.comparable(alias):
+            described = schema.checked_in()
+            expected = {key: value for key, value in described.items() if key not in DROPPED}
+            assert rebuilt == expected
