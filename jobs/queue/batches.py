@@ -2,7 +2,7 @@
 
 A batch row counts its members (``total``) and their terminal outcomes (``succeeded``,
 ``failed``, ``cancelled``); a member that fails for good or is cancelled has finished as
-surely as one that succeeded. The settle trigger (migration 0010) moves the counts in the
+surely as one that succeeded. The settle trigger (jobs_job_settled) moves the counts in the
 transaction of the member's state change, whichever statement makes it, and the change that
 settles the last member of a sealed batch inserts the successor, in that same transaction,
 once: a worker killed at any point either committed the member's outcome with the successor

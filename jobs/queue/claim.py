@@ -201,8 +201,8 @@ def fair_pick_function() -> str:
     """``CREATE OR REPLACE FUNCTION jobs_fair_pick_v2``: :func:`_tiered_rows` as a PL/pgSQL
     function, so each connection plans it a few times and then keeps a generic plan.
 
-    A migration holds the text this returns (a test compares them): a change to the SQL
-    it is built from needs a migration that replaces the function. It reads the classes by
+    Rendered into jobs/queue/sql/functions/, whose file the migrations install: a change to
+    the SQL it is built from needs a migration that installs it again. It reads the classes by
     the priority walk, which every supported server runs, and takes the worker's scope as
     arguments (:func:`~jobs.queue.types.pick_scope_sql`). It runs in a snapshot of its own
     (a VOLATILE function's): rows it locks that the claim's snapshot does not show are
@@ -302,15 +302,29 @@ def claim_update() -> str:
 
 
 def claim_sql(
-    scope: Scope, *, walk: bool | None = None, using: str = DEFAULT_DB_ALIAS
+    scope: Scope,
+    *,
+    walk: bool | None = None,
+    flows: flow.FlowForm | None = None,
+    using: str = DEFAULT_DB_ALIAS,
 ) -> tuple[str, dict[str, Any]]:
-    """The claim statement for a scope and the scope's parameters (also used for EXPLAIN).
+    """The claim statement for a scope and the scope's parameters (also used for EXPLAIN,
+    and for the named forms in jobs/queue/sql/claim.sql).
 
     ``walk`` picks the priority walk (default: on servers before PostgreSQL 18, which cannot
-    skip through an index by themselves) or the single ordered scan.
+    skip through an index by themselves) or the single ordered scan; ``flows`` the flow
+    claim's form (None: the claim of names without flow controls).
     """
-    ctes, scope_params = _claim_ctes(scope, walk, using)
-    return "WITH " + ctes + _CLAIM_UPDATE, scope_params
+    ctes, scope_params = _claim_ctes(scope, walk, using, flows)
+    post = "" if flows is None else flow.after_claim(flows)
+    return claim_statement(ctes, _CLAIM_UPDATE, post), scope_params
+
+
+def claim_statement(ctes: str, update: str, post: str) -> str:
+    """The claim statement made of :func:`claim_parts`' parts."""
+    if post:
+        return f"WITH {ctes}, claimed AS ({update}){post}\nSELECT * FROM claimed"
+    return "WITH " + ctes + update
 
 
 def _claim_ctes(
@@ -435,13 +449,8 @@ def claim(
 def run_claim(parts: tuple[str, str, dict[str, Any], str], using: str) -> list[ClaimedJob]:
     """Run the claim statement :func:`claim_parts` built."""
     ctes, update, params, post = parts
-    sql = (
-        f"WITH {ctes}, claimed AS ({update}){post}\nSELECT * FROM claimed"
-        if post
-        else "WITH " + ctes + update
-    )
     with _db.bound_cursor(using) as cur:
-        cur.execute(sql, params)
+        cur.execute(claim_statement(ctes, update, post), params)
         return claimed_jobs(cur.fetchall())
 
 

@@ -188,10 +188,10 @@ def pass_function() -> str:
     """``CREATE OR REPLACE FUNCTION jobs_worker_pass_v2``: :func:`record_and_claim`'s statement
     for names without flow controls, as a function whose plan each connection keeps.
 
-    A migration holds the text this returns (a test compares them): a change to the SQL it
-    is built from needs a migration that replaces the function. ``p_walk`` picks the claim's
-    priority walk (servers before PostgreSQL 18) or its single ordered scan; each is planned
-    only where it runs. The function reads in a snapshot of its own, as the statement in
+    Rendered into jobs/queue/sql/functions/, whose file the migrations install: a change to
+    the SQL it is built from needs a migration that installs it again. ``p_walk`` picks the
+    claim's priority walk (servers before PostgreSQL 18) or its single ordered scan; each is
+    planned only where it runs. The function reads in a snapshot of its own, as the statement in
     autocommit did (the worker's passes are not inside a transaction).
     """
     scope = pick_scope_sql("j")
@@ -212,7 +212,8 @@ def fair_pass_function() -> str:
     """``CREATE OR REPLACE FUNCTION jobs_worker_fair_pass_v2``: the pass for names that are all
     fair with no limit (:data:`~jobs.queue.claim.TIERED_FORM`), with a kept plan as
     :func:`pass_function`'s. Planned inline every pass, it cost the fair drain about 26 µs of
-    PostgreSQL CPU a job more than the plain one (bench/fairness.py). A migration holds it too.
+    PostgreSQL CPU a job more than the plain one (bench/fairness.py). Rendered and installed
+    as :func:`pass_function` is.
     """
     # The claimed rows' columns are named c_<column> here (the function's own are r_<column>).
     after = flow.after_claim(TIERED_FORM, {c: f"c_{c}" for c in flow.CLAIMED_COLUMNS})
@@ -237,6 +238,20 @@ def _function(name: str, arguments: dict[str, str], body: str) -> str:
         f"{body}"
         "END\n"
         "$$;\n"
+    )
+
+
+def inline_pass(ctes: str, update: str, post: str, *, count: bool) -> str:
+    """The pass as one statement planned where it is sent: the outcome write's CTEs (with the
+    rollup's when it ``count``s), then the claim of :func:`~jobs.queue.claim.claim_parts`'
+    parts, for the passes the functions do not hold (flow controls other than fair order,
+    or counted)."""
+    counted = (f", {ROLLUP_CTE}", f" WHERE {rollup.reads()}") if count else ("", "")
+    return (
+        f"WITH {PASS_OUTCOME_CTES[count]}{counted[0]},{ctes}, claimed AS ({update}){post}\n"
+        "SELECT *, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[], NULL::boolean"
+        " FROM claimed\n"
+        f"UNION ALL\n{_REPORT_ROW}{counted[1]}"
     )
 
 
@@ -286,13 +301,7 @@ def record_and_claim(
     elif kept_plan:  # every name fair with no limit: the fair pass
         sql = _FAIR_PASS_CALL
     else:
-        counted = (f", {ROLLUP_CTE}", f" WHERE {rollup.reads()}") if count else ("", "")
-        sql = (
-            f"WITH {PASS_OUTCOME_CTES[count]}{counted[0]},{ctes}, claimed AS ({update}){post}\n"
-            "SELECT *, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[], NULL::boolean"
-            " FROM claimed\n"
-            f"UNION ALL\n{_REPORT_ROW}{counted[1]}"
-        )
+        sql = inline_pass(ctes, update, post, count=count)
     with _db.bound_cursor(using) as cur:
         cur.execute(sql, params)
         rows = cur.fetchall()

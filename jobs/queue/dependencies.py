@@ -288,8 +288,8 @@ ORDER BY s.upstream, s.id LIMIT 1
 FOR UPDATE SKIP LOCKED
 """
 # The next edges it has not applied (made before its job was replayed, if it was), applied
-# (jobs_dependents_release, migration 0025): how many were taken, and how many waiting jobs
-# that settled.
+# (jobs_dependents_release, in jobs/queue/sql/functions/): how many were taken, and how many
+# waiting jobs that settled.
 _APPLY = """
 WITH next AS (
     SELECT ARRAY(

@@ -634,8 +634,8 @@ def enqueue_function() -> str:
     ``ON CONFLICT`` look-up, which cost the server 10 µs a job. Returning one value, not a
     table, saves PostgreSQL the set-returning call's 30 µs.
 
-    A migration holds the text this returns (a test compares them): a change to the insert
-    needs a migration that replaces the function.
+    Rendered into jobs/queue/sql/functions/, whose file the migrations install: a change to
+    the insert needs a migration that installs it again.
     """
     return _ONE_FUNCTION.format(
         arguments=",\n".join(f"    p_{name} {kind}" for name, kind in _ONE_ARGUMENTS.items()),

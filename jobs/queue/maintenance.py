@@ -398,7 +398,7 @@ def backlog_sql(*, cap: int = BACKLOG_CAP) -> tuple[str, dict[str, Any]]:
 def _estimate(cur: CursorWrapper, name: str) -> int:
     """The planner's row estimate for the queued jobs of one name (no row is read).
 
-    As fresh as the table's last ANALYZE, scaled by its current size; migration 0004's
+    As fresh as the table's last ANALYZE, scaled by its current size; the migrations'
     ``(state, name)`` MCV statistics keep it close where states and names are correlated.
     """
     cur.execute(_ESTIMATE, [name])

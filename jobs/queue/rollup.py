@@ -134,7 +134,7 @@ class BacklogPoint:
 
 
 # Adding into an existing row: counts and totals summed, histograms bucket by bucket
-# (jobs_histogram_add, migration 0007).
+# (jobs_histogram_add, jobs/queue/sql/functions/).
 _MERGE = """
 ON CONFLICT (period, width, name, outcome, code, shard) DO UPDATE SET
     count = r.count + EXCLUDED.count,
@@ -155,8 +155,8 @@ def cte(ended: str, *, name: str = "rolled") -> str:
     ``ended`` is a SELECT of ``(name, outcome, code, ran, waited)``: job type, one of
     :class:`~jobs.models.RollupOutcome`'s values, error code ("" for none), run seconds and
     queue-latency seconds (NULL where the attempt never ran). The work is done by the
-    ``jobs_rollup_add`` function (migration 0007), whose plan each connection caches: the
-    statement around it plans only an aggregate and a call. The CTE is a SELECT, so the
+    ``jobs_rollup_add`` function (jobs/queue/sql/functions/), whose plan each connection
+    caches: the statement around it plans only an aggregate and a call. The CTE is a SELECT, so the
     statement must read it for it to run: put :func:`reads` in its final query.
     """
     return f"""

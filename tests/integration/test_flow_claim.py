@@ -513,23 +513,3 @@ def test_a_fair_claim_of_one_priority_class_does_not_cross_the_claimed_jobs_to_f
     # The 2,000 claimed entries span hundreds of pages: only the pull of the ten may cross them.
     crossings = [read for read in reads if read[1] > 200]
     assert len(crossings) == 1, crossings
-
-
-def test_the_latest_migration_holds_the_fair_pick_function_the_claim_builds():
-    """The function's SQL is built from the claim's pieces; a change to them needs a
-    migration that replaces the function, or databases would keep running the old one."""
-    import importlib
-    from pathlib import Path
-
-    import jobs.migrations
-    from jobs.queue.claim import fair_pick_function
-
-    folder = Path(jobs.migrations.__file__).parent
-    holders = sorted(
-        path.stem
-        for path in folder.glob("0*.py")
-        if "FUNCTION jobs_fair_pick_v2(" in path.read_text()
-    )
-    assert holders, "no migration creates jobs_fair_pick_v2"
-    latest = importlib.import_module(f"jobs.migrations.{holders[-1]}")
-    assert latest.SQL.strip() == fair_pick_function().strip()

@@ -13,7 +13,6 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from django.core.management import call_command
 from django.db import connection, transaction
 
 from jobs import queue
@@ -213,19 +212,5 @@ def _source(function: str) -> str | None:
     return None if row is None else row[0]
 
 
-def test_the_settle_migrations_go_both_ways():
-    """0024 made the settle function read waiting jobs by key; 0025 replaced it with the
-    release function, which reads them by key too."""
-    assert _source("jobs_dependents_settle") is None
-    assert _source("jobs_dependents_release").count("j.state || '' = 'queued'") == 2
-    try:
-        call_command("migrate", "jobs", "0024", verbosity=0)
-        assert _source("jobs_dependents_release") is None
-        assert _source("jobs_dependents_settle").count("j.state || '' = 'queued'") == 4
-        call_command("migrate", "jobs", "0023", verbosity=0)
-        assert "|| ''" not in _source("jobs_dependents_settle")
-        assert _source("jobs_dependents_settle").count("j.state = 'queued'") == 4
-    finally:
-        call_command("migrate", "jobs", verbosity=0)
-    assert _source("jobs_dependents_settle") is None
+def test_the_release_function_reads_the_waiting_jobs_by_key():
     assert _source("jobs_dependents_release").count("j.state || '' = 'queued'") == 2

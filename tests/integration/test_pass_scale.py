@@ -12,17 +12,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from django.core.management import call_command
 from django.db import connection, transaction
 
 from jobs import queue
 from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome
-from tests.integration.test_review_round22 import (
-    _body,
-    _migration_sql,
-    _sources,
-    explained_nested_statements,
-)
+from tests.integration.test_review_round22 import explained_nested_statements
 
 NAME = "test.pass.scale.v1"
 SIZE = 1_500  # the large pass
@@ -68,28 +62,6 @@ def test_one_large_pass_costs_no_more_than_small_passes_of_the_same_jobs():
             best[size] = min(best[size], passes(held_jobs(SIZE), size))
     # One statement for 1,500 jobs instead of 15: it should cost less, not several times more.
     assert best[SIZE] < 1.5 * best[SMALL], best
-
-
-def bodies(plain: str, fair: str) -> dict[str, str]:
-    """The bodies the migrations ``plain`` and ``fair`` create."""
-    return {
-        "jobs_worker_pass": _body(_migration_sql(plain)),
-        "jobs_worker_fair_pass": _body(_migration_sql(fair)),
-    }
-
-
-def test_the_migrations_put_the_passes_back_both_ways():
-    now = bodies("0022_worker_pass_linear", "0023_worker_fair_pass_linear")
-    before = bodies(
-        "0019_worker_pass_busy_when_unwritten", "0020_worker_fair_pass_busy_when_unwritten"
-    )
-    assert _sources() == now
-    try:
-        call_command("migrate", "jobs", "0021", verbosity=0)
-        assert _sources() == before
-    finally:
-        call_command("migrate", "jobs", verbosity=0)
-    assert _sources() == now
 
 
 OTHERS = 300  # jobs other workers hold while this one writes its outcomes

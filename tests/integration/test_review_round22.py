@@ -3,21 +3,19 @@
 The one-time filter ``(SELECT count(*) FROM written) < (SELECT count(*) FROM o)`` in the
 ``busy`` CTE must change nothing a batch reports or writes, on any of the paths that carry
 the CTEs: ``record()`` counted and not, the inline pass, and the worker's pass functions
-(``jobs_worker_pass``, ``jobs_worker_fair_pass``). It cannot: ``written`` has one row per
+(``jobs_worker_pass_v2``, ``jobs_worker_fair_pass_v2``). It cannot: ``written`` has one row per
 row updated, every such row was matched by outcomes of its id under its own token, and rows
 of different ids are different outcomes; so ``count(written) = count(o)`` only when every
 outcome's token is among the written ones, when the anti join finds nothing busy anyway.
 
-These tests check that on generated batches against the statement as it was before the
-change (the same SQL without the filter; for the functions, 0016/0017's text, put in place
-inside a transaction rolled back after), with rows another session really holds locked,
-and against what ``jobs.queue.outcomes`` promises (written, fenced, busy, stopped).
+These tests check that on generated batches, with rows another session really holds
+locked: every path reports and writes the same, what ``jobs.queue.outcomes`` promises
+(written, fenced, busy, stopped), and leaves the rows it did not write as they were.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import re
 import threading
@@ -26,10 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
-from unittest import mock
 
 import pytest
-from django.core.management import call_command
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from hypothesis import HealthCheck, example, given, settings
@@ -38,7 +34,6 @@ from hypothesis import strategies as st
 from jobs import queue
 from jobs.models import Job
 from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, OutcomeReport, flow
-from jobs.queue import outcomes as outcomes_module
 from jobs.queue.flow import FlowLimits
 from tests.integration.test_review_round13 import Background
 
@@ -58,41 +53,8 @@ CALLS = {
     "pass function": "SELECT * FROM jobs_worker_pass_v2(",
     "fair pass function": "SELECT * FROM jobs_worker_fair_pass_v2(",
 }
-# The functions the code calls, and the earlier ones a rolling deploy's old workers call.
+# The functions the code calls.
 FUNCTIONS = ("jobs_worker_pass_v2", "jobs_worker_fair_pass_v2")
-EARLIER = ("jobs_worker_pass", "jobs_worker_fair_pass")
-
-
-def _without_filter(sql: str, times: int = 1) -> str:
-    old, found = FILTER.subn("", sql)
-    assert found == times, "the busy CTE's one-time filter is not where the review expects it"
-    return old
-
-
-def _migration_sql(module: str) -> str:
-    return importlib.import_module(f"jobs.migrations.{module}").SQL
-
-
-@contextmanager
-def before_the_change(path: str) -> Iterator[None]:
-    """The path's statement as it was before dab5dd9 (call inside a transaction rolled back).
-
-    The functions' old texts (0016, 0017) are the statement's, under the earlier names: the
-    functions the code calls now return a column more, so their old text cannot stand in for
-    them, and a function path is compared as the inline statement it is built from.
-    """
-    record = {count: _without_filter(sql) for count, sql in outcomes_module._RECORD.items()}
-    ctes = {count: _without_filter(sql) for count, sql in outcomes_module.OUTCOME_CTES.items()}
-    passes = {
-        count: _without_filter(sql) for count, sql in outcomes_module.PASS_OUTCOME_CTES.items()
-    }
-    # jobs.queue.cycle imported the same dicts: patched in place, both modules see them.
-    with (
-        mock.patch.dict(outcomes_module._RECORD, record),
-        mock.patch.dict(outcomes_module.OUTCOME_CTES, ctes),
-        mock.patch.dict(outcomes_module.PASS_OUTCOME_CTES, passes),
-    ):
-        yield
 
 
 def run(path: str, batch: list[Outcome]) -> OutcomeReport:
@@ -254,29 +216,24 @@ def check_promise(world: World, batch: list[Outcome], report: OutcomeReport) -> 
     assert set(report.stopped) <= report.applied_tokens
 
 
-def compare_with_before(world: World, batch: list[Outcome]) -> None:
-    """Every path: the same report and the same rows as before the change, and as promised."""
+def compare_paths(world: World, batch: list[Outcome]) -> None:
+    """Every path: the same report and the same rows, as promised, the rows it did not write
+    as they were."""
     run_after = dict(Job.objects.filter(name=NAME).values_list("id", "run_after"))
     base = {row["id"]: row for row in _rows(run_after)}
+    first = None
     for path in PATHS:
-        if path in CALLS:
-            continue  # the function is the pass statement's text (test_worker_pass.py)
         with transaction.atomic():
-            with before_the_change(path):
-                before = run(path, batch)
-            before_rows = _rows(run_after)
+            report = run(path, batch)
+            rows = _rows(run_after)
             transaction.set_rollback(True)
-        with transaction.atomic():
-            after = run(path, batch)
-            after_rows = _rows(run_after)
-            transaction.set_rollback(True)
-        assert after == before, path
-        assert after_rows == before_rows, path
-        check_promise(world, batch, after)
-        # What was not written is as it was.
-        written = set(after.applied)
-        assert [row for row in after_rows if row["id"] not in written] == [
-            base[row["id"]] for row in after_rows if row["id"] not in written
+        if first is None:
+            first = (report, rows)
+        assert (report, rows) == first, path
+        check_promise(world, batch, report)
+        written = set(report.applied)
+        assert [row for row in rows if row["id"] not in written] == [
+            base[row["id"]] for row in rows if row["id"] not in written
         ], path
 
 
@@ -342,13 +299,13 @@ batch_strategy = st.lists(
 @settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-def test_any_batch_reports_and_writes_what_it_did_before_the_change(fair_gate, jobs, batch):
+def test_any_batch_reports_and_writes_the_same_on_every_path_as_promised(fair_gate, jobs, batch):
     _functions_have_the_filter()
     world = build(jobs)
     locker = Locker(sorted(world.locked)) if world.locked else None
     try:
         outcomes = [outcome(world, index, which, kind) for index, which, kind in batch]
-        compare_with_before(world, outcomes)
+        compare_paths(world, outcomes)
     finally:
         if locker is not None:
             locker.release()
@@ -421,17 +378,6 @@ def test_the_worker_functions_kept_plan_skips_the_anti_join_only_when_written_wh
         _clean()
 
 
-def _body(sql: str) -> str:
-    return sql.split("$$")[1]
-
-
-def _sources() -> dict[str, str]:
-    """The earlier functions' texts, as installed."""
-    with connection.cursor() as cur:
-        cur.execute("SELECT proname, prosrc FROM pg_proc WHERE proname = ANY(%s)", [list(EARLIER)])
-        return dict(cur.fetchall())
-
-
 def _busy_through_function(path: str) -> OutcomeReport:
     ids = [e.id for e in queue.enqueue_many([NewJob(NAME, {})] * 3)]
     held = queue.claim([ClaimRequest(NAME, 3)], scope=SCOPE)
@@ -446,38 +392,7 @@ def _busy_through_function(path: str) -> OutcomeReport:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_migrations_put_each_function_back_both_ways(fair_gate):
-    new = {
-        "jobs_worker_pass": _migration_sql("0019_worker_pass_busy_when_unwritten"),
-        "jobs_worker_fair_pass": _migration_sql("0020_worker_fair_pass_busy_when_unwritten"),
-    }
-    old = {
-        "jobs_worker_pass": _migration_sql("0016_worker_pass"),
-        "jobs_worker_fair_pass": _migration_sql("0017_worker_fair_pass"),
-    }
-    # Later migrations replaced both functions again (0022, 0023): the database runs theirs.
-    latest = {
-        "jobs_worker_pass": _migration_sql("0022_worker_pass_linear"),
-        "jobs_worker_fair_pass": _migration_sql("0023_worker_fair_pass_linear"),
-    }
-    assert _sources() == {name: _body(sql) for name, sql in latest.items()}
-    # The old text is the new one without the filter (and its comment): nothing else moved.
-    for name in new:
-        assert re.sub(
-            r"\s+",
-            " ",
-            _without_filter(_body(new[name]), times=2 if name == "jobs_worker_pass" else 1),
-        ).replace(
-            " Looked -- for only when some outcome was not written: comparing each outcome"
-            " with every written one -- costs the square of the batch.",
-            "",
-        ) == re.sub(r"\s+", " ", _body(old[name]))
-    try:
-        call_command("migrate", "jobs", "0018", verbosity=0)
-        assert _sources() == {name: _body(sql) for name, sql in old.items()}
-    finally:
-        call_command("migrate", "jobs", verbosity=0)
-    assert _sources() == {name: _body(sql) for name, sql in latest.items()}
-    for path in CALLS:
-        report = _busy_through_function(path)
-        assert len(report.busy) == 1 and len(report.applied) == 3
+@pytest.mark.parametrize("path", list(CALLS))
+def test_the_worker_functions_report_a_row_another_session_holds_as_busy(fair_gate, path):
+    report = _busy_through_function(path)
+    assert len(report.busy) == 1 and len(report.applied) == 3

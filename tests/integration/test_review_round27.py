@@ -28,10 +28,10 @@ commits or rolls back; the second alone or in a transaction) leave one row and r
 ``created`` once; six sessions meeting an expired key holder at once insert one row and
 all return it; the single insert announces only an inserted, due job, only with NOTIFY on,
 and only at commit; with ``USE_TZ = False`` a single job's due time is its delay after its
-creation, alone or in a transaction; ``migrate jobs 0020`` and forward again with
-``prepare_threshold = 0`` on the connection that prepared the call leaves enqueue and the
-pass working; on every outcome path any mix of stale and current outcomes, duplicates
-included, writes the last current outcome and nothing stale, and reports each outcome
+creation, alone or in a transaction; ``migrate jobs 0001`` (the functions dropped) and
+forward again with ``prepare_threshold = 0`` on the connection that prepared the call leaves
+enqueue and the pass working; on every outcome path any mix of stale and current outcomes,
+duplicates included, writes the last current outcome and nothing stale, and reports each outcome
 applied, fenced or busy (a row another session holds locked) as ``jobs.queue.outcomes``
 promises; a keyless single job waiting on another, in the caller's transaction, is gone
 with its edge when that transaction rolls back.
@@ -74,11 +74,8 @@ FAIR = {FAIR_IDLE: FlowLimits(fair=True)}
 SCOPE = AllTenants()
 BY = "operator@round27"
 FUNCTIONS = {
-    "pass function": ("SELECT * FROM jobs_worker_pass_v2(", "0019_worker_pass_busy_when_unwritten"),
-    "fair pass function": (
-        "SELECT * FROM jobs_worker_fair_pass_v2(",
-        "0020_worker_fair_pass_busy_when_unwritten",
-    ),
+    "pass function": "SELECT * FROM jobs_worker_pass_v2(",
+    "fair pass function": "SELECT * FROM jobs_worker_fair_pass_v2(",
 }
 PATHS = ("record", "record uncounted", "pass statement", *FUNCTIONS)
 
@@ -110,7 +107,7 @@ def write(path: str, batch: list[Outcome]) -> OutcomeReport:
             assert claimed == []
     if path in FUNCTIONS:
         [sent] = [s["sql"] for s in statements]
-        assert sent.startswith(FUNCTIONS[path][0]), sent
+        assert sent.startswith(FUNCTIONS[path]), sent
     return report
 
 
@@ -411,22 +408,22 @@ def test_a_single_waiting_job_in_a_rolled_back_transaction_leaves_nothing():
 
 
 @pytest.mark.django_db(transaction=True)
-def test_migrating_back_to_0020_and_forward_with_prepared_calls_leaves_the_queue_working():
+def test_migrating_back_to_0001_and_forward_with_prepared_calls_leaves_the_queue_working():
     """``prepare_threshold = 0``: the call of ``jobs_enqueue_job`` and the pass are prepared
-    on this connection; 0023-0021 are reversed and applied again on it (the function is
-    dropped and made anew). Every later call answers; 0018's function stays throughout."""
+    on this connection; the functions are dropped (``migrate jobs 0001``) and made anew on
+    it. Every later call answers."""
     with prepare_threshold(0):
         assert queue.enqueue(NewJob(NAME, {})).created
         assert queue.enqueue(NewJob(NAME, {}, job_id="prepared")).created
         pass_once([])
         try:
-            call_command("migrate", "jobs", "0020", verbosity=0)
+            call_command("migrate", "jobs", "0001", verbosity=0)
             with connection.cursor() as cur:
                 cur.execute(
                     "SELECT proname FROM pg_proc "
-                    "WHERE proname IN ('jobs_enqueue_job', 'jobs_enqueue_one')"
+                    "WHERE proname IN ('jobs_enqueue_job', 'jobs_worker_pass_v2')"
                 )
-                assert [name for (name,) in cur.fetchall()] == ["jobs_enqueue_one"]
+                assert cur.fetchall() == []
         finally:
             call_command("migrate", "jobs", verbosity=0)
         for n in range(3):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
 import math
+import re
 import threading
 from collections import Counter
 from datetime import timedelta
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from jobs import queue
 from jobs.db.clock import database_now
 from jobs.models import BacklogSample, Job, Rollup
-from jobs.queue import AllTenants, ClaimRequest, Outcome, rollup
+from jobs.queue import AllTenants, ClaimRequest, Outcome, rollup, statements
 from jobs.scheduler.retention import Retention
 from tests.factories import JobFactory
 
@@ -332,11 +332,15 @@ def test_bins_refuse_a_step_that_is_not_whole_minutes():
         rollup.bins(*_window(), timedelta(seconds=90))
 
 
-def test_the_migrations_bounds_are_the_readers():
-    migration = importlib.import_module("jobs.migrations.0007_console_rollup")
-    frozen = [float(b) for b in migration.BOUNDS.split("'")[1].strip("{}").split(",")]
-    assert frozen == list(rollup.BOUNDS)
-    assert migration.BUCKETS == rollup.BUCKETS
+def test_the_writers_bucket_bounds_are_the_readers():
+    """jobs_rollup_add buckets run and wait times by the bounds the console reads them by."""
+    functions = statements.FOLDER / "functions"
+    text = (functions / "jobs_rollup_add.sql").read_text()
+    ran, waited = re.findall(r"width_bucket\(e\.\w+, '\{([^}]*)\}'::float8\[\]\)", text)
+    assert ran == waited
+    assert [float(bound) for bound in ran.split(",")] == list(rollup.BOUNDS)
+    histogram = (functions / "jobs_histogram_of.sql").read_text()
+    assert f"array_fill(0, ARRAY[{rollup.BUCKETS}])" in histogram
 
 
 def test_a_pass_that_counts_its_own_attempts_writes_no_rollup_row():

@@ -1,4 +1,4 @@
-"""The jobs table's storage settings and statistics (migration 0004), and their reverse."""
+"""The jobs table's storage settings and statistics (migration 0001), and their reverse."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from jobs import queue
 
 pytestmark = pytest.mark.django_db
 
-storage = importlib.import_module("jobs.migrations.0004_job_storage_settings")
+storage = importlib.import_module("jobs.migrations.0001_initial")
 
 
 def reloptions() -> dict[str, str]:
@@ -35,12 +35,12 @@ def test_the_migration_sets_every_storage_parameter():
     assert statistics() == [("jobs_job_state_name", ["m"])]
 
 
-def test_the_reverse_restores_the_settings_of_the_first_migration():
+def test_the_reverse_resets_every_storage_parameter():
     with connection.cursor() as cur:
-        for statement in storage.REVERSE:
-            cur.execute(statement)
+        cur.execute(storage.STATISTICS_DROP)
+        cur.execute(storage.STORAGE_RESET)
 
-    assert reloptions() == {key: str(value) for key, value in storage.INITIAL.items()}
+    assert reloptions() == {}
     assert statistics() == []
 
 

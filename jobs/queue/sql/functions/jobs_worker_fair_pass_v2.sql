@@ -1,18 +1,6 @@
-"""The worker's pass for fair job types as a function (``jobs_worker_fair_pass``).
-
-Since 0016 the pass of job types without flow controls runs as a function with a kept plan;
-the pass of fair types (fair order with no fleet-wide or tenant limit) was still planned
-inline every pass, and cost the fair drain about 26 µs of PostgreSQL CPU a job more than the
-plain one. This is the same outcome write with the fair claim, in a function of its own.
-
-``SQL`` is what ``jobs.queue.cycle.fair_pass_function()`` returned when this migration was
-written; a test compares them, so a change to the pass's SQL comes with a migration.
-"""
-
-from django.db import migrations
-
-SQL = r"""
-CREATE OR REPLACE FUNCTION jobs_worker_fair_pass(
+-- Rendered from jobs/queue/cycle.py by scripts/render-sql:
+-- edit the code, not this file, then run it (a test fails while the two differ).
+CREATE OR REPLACE FUNCTION jobs_worker_fair_pass_v2(
     p_ids bigint[],
     p_tokens uuid[],
     p_states text[],
@@ -41,45 +29,55 @@ CREATE OR REPLACE FUNCTION jobs_worker_fair_pass(
     p_worker text,
     p_tenant text,
     p_component text
-) RETURNS TABLE (r_id bigint, r_job_id text, r_name text, r_payload jsonb, r_tenant text, r_queue text, r_priority integer, r_attempts integer, r_max_attempts integer, r_claim_token uuid, r_latency float8, r_ord bigint, r_due float8, r_written uuid[], r_busy uuid[], r_stopped uuid[], r_details text[])
+) RETURNS TABLE (r_id bigint, r_job_id text, r_name text, r_payload jsonb, r_tenant text, r_queue text, r_priority integer, r_attempts integer, r_max_attempts integer, r_claim_token uuid, r_latency float8, r_ord bigint, r_due float8, r_written uuid[], r_busy uuid[], r_stopped uuid[], r_details text[], r_settle boolean)
 LANGUAGE plpgsql VOLATILE
 SET plan_cache_mode = force_generic_plan AS $$
 BEGIN
     RETURN QUERY
         WITH
         o AS (
-            SELECT * FROM unnest(
+            -- Of two outcomes for one attempt, the later.
+            SELECT DISTINCT ON (o.id, o.token) * FROM unnest(
                 p_ids::bigint[], p_tokens::uuid[], p_states::text[], p_codes::text[],
                 p_details::text[], p_delays::float8[], p_ats::timestamptz[], p_deltas::int[],
                 p_results::jsonb[], p_reports::jsonb[]
-            ) AS o(id, token, state, code, detail, delay, at, attempts_delta, result, report)
+            ) WITH ORDINALITY AS o(id, token, state, code, detail, delay, at, attempts_delta, result,
+                                   report, ord)
+            ORDER BY o.id, o.token, o.ord DESC
         ),
         free AS (
             -- An attempt an operator asked to stop is not retried or handed back: it ends cancelled.
-            SELECT j.id, o.token,
+            SELECT j.id, o.token, o.code, o.detail, o.delay, o.at, o.attempts_delta, o.result,
+                   o.report, j.batch_id,
                    CASE WHEN j.cancel_requested_at IS NOT NULL AND o.state = 'queued'
                         THEN 'cancelled' ELSE o.state END AS state,
                    j.cancel_requested_at IS NOT NULL
                        AND (o.state IN ('queued', 'cancelled')) AS stopped
             FROM jobs_job j JOIN o ON j.id = o.id
-            WHERE j.claim_token = o.token AND j.state = 'running'
+            WHERE j.claim_token = o.token AND j.state || '' = 'running'
             FOR UPDATE OF j SKIP LOCKED
+        ),
+        settling AS MATERIALIZED (
+            -- Batches whose counts an ending member moves, locked without waiting.
+            SELECT b.id FROM jobs_batch b
+            WHERE b.id IN (SELECT f.batch_id FROM free f WHERE f.state <> 'queued')
+            FOR NO KEY UPDATE OF b SKIP LOCKED
         ),
         written AS (
             UPDATE jobs_job j
             SET state = f.state,
-                attempts = j.attempts + o.attempts_delta,
+                attempts = j.attempts + f.attempts_delta,
                 run_after = CASE WHEN f.state = 'queued'
-                                 THEN COALESCE(o.at, statement_timestamp() + make_interval(secs => o.delay))
+                                 THEN COALESCE(f.at, statement_timestamp() + make_interval(secs => f.delay))
                                  ELSE j.run_after END,
                 finished_at = CASE WHEN f.state = 'queued' THEN NULL ELSE statement_timestamp() END,
                 -- A hand-back ran nothing: its claim is no attempt's start (jobs.queue.attempts).
-                started_at = CASE WHEN o.attempts_delta < 0 THEN NULL ELSE j.started_at END,
-                last_error = CASE WHEN f.stopped THEN 'cancelled' ELSE COALESCE(o.code, j.last_error) END,
-                error_detail = CASE WHEN f.stopped THEN ('cancelled while running, asked by ' || j.cancel_requested_by) ELSE COALESCE(o.detail, j.error_detail) END,
-                result = o.result,
+                started_at = CASE WHEN f.attempts_delta < 0 THEN NULL ELSE j.started_at END,
+                last_error = CASE WHEN f.stopped THEN 'cancelled' ELSE COALESCE(f.code, j.last_error) END,
+                error_detail = CASE WHEN f.stopped THEN ('cancelled while running, asked by ' || j.cancel_requested_by) ELSE COALESCE(f.detail, j.error_detail) END,
+                result = f.result,
                 -- The handler's last progress report, if the lease renewals had not written it.
-                progress = COALESCE(o.report, j.progress),
+                progress = COALESCE(f.report, j.progress),
                 claim_token = NULL,
                 lease_expires_at = NULL,
                 -- A generated job_id is never submitted again: a finished keyless job lets it go.
@@ -90,26 +88,29 @@ BEGIN
                 fair = CASE WHEN f.state = 'queued' THEN (j.name = ANY((SELECT COALESCE(array_agg(f.name::text), '{}') FROM jobs_flow f WHERE f.tenant_ordered)::text[])) ELSE j.fair END,
                 -- An attempt that sends the job back to the queue goes to the log; one that ends
                 -- the job stays in the columns (jobs.queue.attempts). A hand-back ran nothing.
-                attempt_log = CASE WHEN f.state = 'queued' AND o.attempts_delta >= 0
+                attempt_log = CASE WHEN f.state = 'queued' AND f.attempts_delta >= 0
                     THEN j.attempt_log || jsonb_build_array(jsonb_strip_nulls(jsonb_build_object(
                 'attempt', j.attempts, 'started_at', j.started_at,
                 'ended_at', statement_timestamp(), 'worker', NULLIF(j.claimed_by, ''),
-                'outcome', 'retry', 'code', NULLIF(o.code, ''),
-                'error', NULLIF(right(o.detail, 2000), '')))) ELSE j.attempt_log END
-            -- By token too: a stale attempt's outcome in the same batch as the fresh one's must not
-            -- match the fresh one's row.
-            FROM o JOIN free f ON f.id = o.id AND f.token = o.token
-            WHERE j.id = o.id
-            RETURNING j.id, o.token, CASE WHEN f.stopped THEN j.error_detail END AS stopped,
+                'outcome', 'retry', 'code', NULLIF(f.code, ''),
+                'error', NULLIF(right(f.detail, 2000), '')))) ELSE j.attempt_log END
+            FROM free f
+            WHERE j.id = f.id
+              AND (f.batch_id IS NULL OR f.state = 'queued' OR f.batch_id IN (SELECT id FROM settling))
+            RETURNING j.id, f.token, CASE WHEN f.stopped THEN j.error_detail END AS stopped,
+                      j.depended_on AND f.state <> 'queued' AS settles,
                       j.name AS wname, j.tenant AS wtenant
         ),
-        -- Held under their token but not written: another session holds the row locked.
+        -- Held under their token but not written: another session holds the row locked. Looked
+        -- for only when some outcome was not written: comparing each outcome with every written one
+        -- costs the square of the batch.
         busy AS (
             SELECT o.id, o.token FROM o
-            WHERE NOT EXISTS (SELECT 1 FROM written w WHERE w.token = o.token)
+            WHERE (SELECT count(*) FROM written) < (SELECT count(*) FROM o)
+              AND NOT EXISTS (SELECT 1 FROM written w WHERE w.token = o.token)
               AND EXISTS (
                   SELECT 1 FROM jobs_job j
-                  WHERE j.id = o.id AND j.claim_token = o.token AND j.state = 'running'
+                  WHERE j.id = o.id AND j.claim_token = o.token AND j.state || '' = 'running'
               )
         )
         ,
@@ -136,15 +137,20 @@ BEGIN
                 w.asked AS lim
             FROM wanted w
         ),
+        fair_pick AS MATERIALIZED (
+            SELECT w.name, f.id, f.tenant, f.base, f.top
+            FROM room w
+            CROSS JOIN LATERAL jobs_fair_pick_v2(
+                w.name, w.lim, w.cap, w.after, w.lshare,
+                (SELECT queues FROM paused), (SELECT tenants FROM paused),
+                p_tenant::text, p_component::text) AS f(id, tenant, base, top)
+            WHERE w.lim > 0 AND w.ordered AND w.tcap IS NULL AND w.trate IS NULL
+        ),
         picked AS (
             SELECT c.id, w.cap, w.ord
             FROM room w
             CROSS JOIN LATERAL (
-                SELECT t.id FROM jobs_fair_pick(
-                    w.name, w.lim, w.cap, w.after, w.lshare,
-                    (SELECT queues FROM paused), (SELECT tenants FROM paused),
-                    p_tenant::text, p_component::text) AS t(id)
-                WHERE w.ordered AND w.tcap IS NULL AND w.trate IS NULL
+                SELECT fp.id FROM fair_pick fp WHERE fp.name = w.name AND fp.id IS NOT NULL
             ) c
             WHERE w.lim > 0
             LIMIT p_total
@@ -164,27 +170,33 @@ BEGIN
                   LEAST(j.max_attempts, COALESCE(picked.cap, j.max_attempts)), j.claim_token,
                   GREATEST(0, EXTRACT(EPOCH FROM j.started_at - j.run_after))::float8,
                   picked.ord, EXTRACT(EPOCH FROM j.run_after)::float8
+        ),
+        fair_accounts AS (
+            INSERT INTO jobs_fairaccount AS a (name, tenant, served, starts)
+            SELECT e.name, e.tenant, e.base + e.started::float8 / e.weight, e.started
+            FROM (
+                SELECT fp.name, fp.tenant, fp.base, COALESCE(n.started, 0) AS started,
+                    COALESCE((SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = fp.tenant), 1)
+                        AS weight
+                FROM fair_pick fp
+                LEFT JOIN (
+                    SELECT c.c_name AS name, c.c_tenant AS tenant, c.c_priority AS priority,
+                        count(*) AS started
+                    FROM claimed c GROUP BY 1, 2, 3
+                ) n ON n.name = fp.name AND n.tenant = fp.tenant AND n.priority = fp.top
+                WHERE fp.id IS NULL
+            ) e
+            WHERE e.base IS NULL OR e.started > 0
+            ORDER BY e.name, e.tenant
+            ON CONFLICT (name, tenant) DO UPDATE
+            SET served = CASE WHEN EXCLUDED.served IS NOT NULL THEN GREATEST(
+                    a.served + EXCLUDED.starts::float8 / COALESCE(
+                        (SELECT tw.weight FROM jobs_tenantweight tw WHERE tw.tenant = a.tenant), 1),
+                    EXCLUDED.served) END,
+                starts = a.starts + EXCLUDED.starts
         )
-        SELECT c_id::bigint, c_job_id::text, c_name::text, c_payload::jsonb, c_tenant::text, c_queue::text, c_priority::integer, c_attempts::integer, c_max_attempts::integer, c_claim_token::uuid, c_latency::float8, c_ord::bigint, c_due::float8, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[] FROM claimed
+        SELECT c_id::bigint, c_job_id::text, c_name::text, c_payload::jsonb, c_tenant::text, c_queue::text, c_priority::integer, c_attempts::integer, c_max_attempts::integer, c_claim_token::uuid, c_latency::float8, c_ord::bigint, c_due::float8, NULL::uuid[], NULL::uuid[], NULL::uuid[], NULL::text[], NULL::boolean FROM claimed
         UNION ALL
-        SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT array_agg(token) FROM written), (SELECT array_agg(token) FROM busy), (SELECT array_agg(token) FROM written WHERE stopped IS NOT NULL), (SELECT array_agg(stopped) FROM written WHERE stopped IS NOT NULL);
+        SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (SELECT array_agg(token) FROM written), (SELECT array_agg(token) FROM busy), (SELECT array_agg(token) FROM written WHERE stopped IS NOT NULL), (SELECT array_agg(stopped) FROM written WHERE stopped IS NOT NULL), (SELECT bool_or(settles) FROM written);
 END
 $$;
-"""
-
-
-class Migration(migrations.Migration):
-    dependencies = [
-        ("jobs", "0016_worker_pass"),
-    ]
-
-    operations = [
-        migrations.RunSQL(
-            SQL,
-            reverse_sql=(
-                "DROP FUNCTION IF EXISTS jobs_worker_fair_pass("
-                "bigint[], uuid[], text[], text[], text[], float8[], timestamptz[], integer[], jsonb[], jsonb[], text[], integer[], integer[], integer[], integer[], float8[], float8[], float8[], float8[], boolean[], boolean[], text[], float8[], integer, float8, text, text, text"
-                ")"
-            ),
-        )
-    ]

@@ -1,24 +1,5 @@
-"""Fair types keep each tenant's share over time: an account per (type, tenant).
-
-``jobs_fairaccount`` holds each tenant's starts in a fair type's order, counted as 1/weight
-each. ``jobs_fair_pick_v2`` serves the least served first and returns, after the rows to
-claim, the accounts the claim's statement is to write. Before, shares followed the weights
-within one claim only: claims of 1-4 jobs gave a weight-3 tenant 1.0-1.8 times the starts of
-a weight-1 tenant.
-
-``SQL`` is what ``jobs.queue.claim.fair_pick_function()`` returned when this migration was
-written; a test compares them, so a change to the claim's SQL comes with a migration. The
-function returns rows of another type than ``jobs_fair_pick``, so it is a new one; the
-earlier stays for workers of the previous release during a rolling deploy. Reversed, the
-new function and the accounts go.
-"""
-
-from django.db import migrations, models
-
-#: The function's arguments, for DROP FUNCTION.
-ARGUMENTS = "text, integer, integer, text, float8, text[], text[], text, text"
-
-SQL = r"""
+-- Rendered from jobs/queue/claim.py by scripts/render-sql:
+-- edit the code, not this file, then run it (a test fails while the two differ).
 CREATE OR REPLACE FUNCTION jobs_fair_pick_v2(
     p_name text, p_lim integer, p_cap integer, p_after text, p_lshare float8,
     p_queues text[], p_tenants text[], p_tenant text, p_component text
@@ -333,46 +314,3 @@ BEGIN
     SELECT NULL, o.tenant, NULL, NULL FROM owed o WHERE o.mine AND NOT o.due;
 END
 $$;
-
-"""
-
-
-class Migration(migrations.Migration):
-    dependencies = [
-        ("jobs", "0027_worker_fair_pass_v2"),
-    ]
-
-    operations = [
-        migrations.CreateModel(
-            name="FairAccount",
-            fields=[
-                (
-                    "pk",
-                    models.CompositePrimaryKey(
-                        "name",
-                        "tenant",
-                        blank=True,
-                        editable=False,
-                        primary_key=True,
-                        serialize=False,
-                    ),
-                ),
-                ("name", models.CharField(max_length=200, verbose_name="job type")),
-                ("tenant", models.CharField(max_length=64, verbose_name="tenant")),
-                ("served", models.FloatField(null=True)),
-                ("starts", models.BigIntegerField(db_default=0)),
-            ],
-            options={
-                "verbose_name": "fair account",
-                "verbose_name_plural": "fair accounts",
-                "indexes": [
-                    models.Index(
-                        condition=models.Q(("served__isnull", False)),
-                        fields=["name", "served", "tenant"],
-                        name="jobs_fairaccount_served",
-                    )
-                ],
-            },
-        ),
-        migrations.RunSQL(SQL, reverse_sql=f"DROP FUNCTION jobs_fair_pick_v2({ARGUMENTS});"),
-    ]

@@ -1,22 +1,5 @@
-"""Enqueue of one job calls ``jobs_enqueue_job``, which returns the new id alone.
-
-``jobs_enqueue_one`` (0018) returned a table and looked the key up before every insert. The
-server spent about 30 µs a job on the set-returning call and 10 µs on a look-up that a keyless
-job, whose key is new, never needs; and collecting the tenant-ordered names cost 8 µs more
-than looking up the job's own type. ``jobs_enqueue_job`` returns one value, inserts a keyless
-job without ``ON CONFLICT`` and looks up the type by key: about 200 → 147 µs of server CPU a
-job enqueued on its own.
-
-``jobs_enqueue_one`` stays, unused by this release: processes of the previous release still
-call it while a deploy rolls out. Reversed, this migration drops only the new function.
-
-``SQL`` is what ``jobs.queue.enqueue.enqueue_function()`` returned when this migration was
-written; a test compares them, so a change to the insert comes with a migration.
-"""
-
-from django.db import migrations
-
-SQL = r"""
+-- Rendered from jobs/queue/enqueue.py by scripts/render-sql:
+-- edit the code, not this file, then run it (a test fails while the two differ).
 CREATE OR REPLACE FUNCTION jobs_enqueue_job(
     p_job_id text,
     p_name text,
@@ -72,20 +55,3 @@ BEGIN
     RETURN v_id;
 END
 $$;
-"""
-
-
-class Migration(migrations.Migration):
-    dependencies = [
-        ("jobs", "0020_worker_fair_pass_busy_when_unwritten"),
-    ]
-
-    operations = [
-        migrations.RunSQL(
-            SQL,
-            reverse_sql=(
-                "DROP FUNCTION IF EXISTS jobs_enqueue_job(text, text, jsonb, text, text, integer, "
-                "integer, timestamptz, float8, boolean, bigint, integer, text)"
-            ),
-        )
-    ]

@@ -1,18 +1,5 @@
-"""The worker's pass: an ending batch member whose batch another session holds is busy.
-
-The outcome write locks the batch rows its ending members move (``settling``) without waiting,
-and reports whether a job it ended has jobs waiting for it (``settle``), so the worker
-releases them at once (``jobs.queue.dependencies.release``).
-
-``SQL`` is what ``jobs.queue.cycle.pass_function()`` returned when this migration was written; a test
-compares them, so a change to the pass's SQL comes with a migration. The function is new
-(``jobs_worker_pass_v2``): its result has a column more, and workers of the previous release keep
-calling ``jobs_worker_pass`` until they stop. Reversed, the new function is dropped.
-"""
-
-from django.db import migrations
-
-SQL = r"""
+-- Rendered from jobs/queue/cycle.py by scripts/render-sql:
+-- edit the code, not this file, then run it (a test fails while the two differ).
 CREATE OR REPLACE FUNCTION jobs_worker_pass_v2(
     p_walk boolean,
     p_ids bigint[],
@@ -320,18 +307,3 @@ BEGIN
     END IF;
 END
 $$;
-
-"""
-
-
-class Migration(migrations.Migration):
-    dependencies = [
-        ("jobs", "0025_dependents_release"),
-    ]
-
-    operations = [
-        migrations.RunSQL(
-            SQL,
-            reverse_sql="DROP FUNCTION jobs_worker_pass_v2(boolean, bigint[], uuid[], text[], text[], text[], float8[], timestamptz[], integer[], jsonb[], jsonb[], text[], integer[], integer[], integer, float8, text, text, text);",
-        )
-    ]
