@@ -20,15 +20,12 @@ from jobs.runs import RunState
 from jobs.scheduler import get_schedules, slots
 from jobs.scheduler.clock import database_now
 from jobs.scheduler.timing import Decision, SlotKind
-from tests.factories import JobFactory
-from tests.integration.test_admin_factories import (
-    VIEW_ALL,
+from tests.support.admin import VIEW_ALL, client_for, fast_web_clock, operator
+from tests.support.factories import (
     CurationRunFactory,
     DeadLetterFactory,
     DeliveryFactory,
-    client_for,
-    fast_web_clock,
-    operator,
+    JobFactory,
 )
 
 pytestmark = pytest.mark.django_db

@@ -7,7 +7,7 @@ from django.urls import reverse
 
 from jobs import queue
 from jobs.queue import AllTenants, ClaimRequest, NewJob, batches
-from tests.integration.test_admin_factories import client_for, operator
+from tests.support.admin import client_for, operator
 
 pytestmark = pytest.mark.django_db
 

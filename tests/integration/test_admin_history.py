@@ -11,8 +11,8 @@ from django.urls import reverse
 from jobs.models import Job, JobHistory
 from jobs.queue import history
 from jobs.scheduler.clock import database_now
-from tests.integration.test_admin_factories import client_for, operator
-from tests.integration.test_history import finish, job
+from tests.support.admin import client_for, operator
+from tests.support.history import finish, job
 
 pytestmark = pytest.mark.django_db
 

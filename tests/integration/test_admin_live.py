@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from jobs.runs import RunState
-from tests.factories import JobFactory
-from tests.integration.test_admin_factories import VIEW_ALL, client_for, operator
+from tests.support.admin import VIEW_ALL, client_for, operator
+from tests.support.factories import JobFactory
 
 pytestmark = pytest.mark.django_db
 

@@ -20,12 +20,8 @@ from jobs.models import Job, JobHistory, Pause
 from jobs.queue import ProcessBeat, history, processes
 from jobs.runs import RunState
 from jobs.scheduler.clock import database_now
-from tests.factories import JobFactory
-from tests.integration.test_admin_factories import (
-    client_for,
-    job_with_three_attempts,
-    operator,
-)
+from tests.support.admin import client_for, operator
+from tests.support.factories import JobFactory, job_with_three_attempts
 
 pytestmark = pytest.mark.django_db
 

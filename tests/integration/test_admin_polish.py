@@ -15,8 +15,8 @@ from jobs import queue
 from jobs.models import Pause
 from jobs.monitor.display import moment
 from jobs.scheduler.clock import database_now
-from tests.factories import JobFactory
-from tests.integration.test_admin_factories import VIEW_ALL, client_for, operator
+from tests.support.admin import VIEW_ALL, client_for, operator
+from tests.support.factories import JobFactory
 
 pytestmark = pytest.mark.django_db
 

@@ -29,8 +29,8 @@ from jobs.scheduler.cron import CronService
 from jobs.scheduler.reporting import status
 from jobs.scheduler.schedules import get_schedules
 from jobs.scheduler.timing import SlotKind
-from tests.integration.test_admin_factories import client_for, operator
-from tests.integration.test_history import finish, job
+from tests.support.admin import client_for, operator
+from tests.support.history import finish, job
 
 pytestmark = pytest.mark.django_db
 

@@ -28,7 +28,8 @@ from jobs.testing import run_worker
 from jobs.worker.config import WorkerConfig
 from jobs.worker.event_loop import HandlerLoop
 from jobs.worker.runner import Worker
-from tests.worker_support import FAST_BACKOFF, Unruly
+from tests.support.polling import wait_for
+from tests.support.worker import FAST_BACKOFF, Unruly
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -148,15 +149,6 @@ def config(**options) -> WorkerConfig:
     )
 
 
-def wait_for(predicate, timeout=10.0, interval=0.01) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError("condition not met before the deadline")
-
-
 def drained(*ids: int):
     """until= for Worker.run: every job finished and every outcome written."""
 
@@ -216,7 +208,7 @@ def test_fifty_async_handlers_are_in_flight_at_once_on_the_one_loop(seen):
     worker = Worker(registry(seen), config(concurrency=50))
     thread = in_thread(worker)
     try:
-        wait_for(lambda: seen.started == 50, timeout=20)
+        wait_for(lambda: seen.started == 50, timeout=20, interval=0.01)
         # All fifty wait on one asyncio.Event: only coroutines of one loop can.
         loop = seen.calls[0]["loop"]
         loop.call_soon_threadsafe(seen.gate.set)
@@ -225,6 +217,7 @@ def test_fifty_async_handlers_are_in_flight_at_once_on_the_one_loop(seen):
                 Job.objects.filter(pk__in=[j.id for j in jobs], state="succeeded").count() == 50
             ),
             timeout=20,
+            interval=0.01,
         )
     finally:
         worker.request_stop()
@@ -254,8 +247,8 @@ def test_overrunning_the_timeout_before_the_last_attempt_retries(seen):
     worker = Worker(registry(seen, timeout=timedelta(milliseconds=200), max_attempts=2), config())
     thread = in_thread(worker)
     try:
-        wait_for(lambda: seen.cancelled == 2, timeout=15)
-        wait_for(lambda: row(job).state == "failed", timeout=10)
+        wait_for(lambda: seen.cancelled == 2, timeout=15, interval=0.01)
+        wait_for(lambda: row(job).state == "failed", timeout=10, interval=0.01)
     finally:
         worker.request_stop()
         thread.join(15)
@@ -267,10 +260,10 @@ def test_a_lost_lease_cancels_the_coroutine_and_writes_nothing(seen):
     worker = Worker(registry(seen), config(lease=timedelta(seconds=0.3)))
     thread = in_thread(worker)
     try:
-        wait_for(lambda: seen.started == 1)
+        wait_for(lambda: seen.started == 1, interval=0.01)
         Job.objects.filter(pk=job.id).update(claim_token="00000000-0000-0000-0000-000000000001")
-        wait_for(lambda: seen.cancelled == 1, timeout=5)
-        wait_for(lambda: worker.idle, timeout=5)  # the slot came back
+        wait_for(lambda: seen.cancelled == 1, timeout=5, interval=0.01)
+        wait_for(lambda: worker.idle, timeout=5, interval=0.01)  # the slot came back
     finally:
         worker.request_stop()
         thread.join(15)
@@ -283,7 +276,7 @@ def test_a_drain_cancels_a_coroutine_past_the_shutdown_timeout_and_hands_the_job
     long = enqueue(Probe(action="sleep", seconds=30))
     worker = Worker(registry(seen), config(shutdown_timeout=0.5, cancel_timeout=5.0))
     thread = in_thread(worker)
-    wait_for(lambda: seen.started == 1)
+    wait_for(lambda: seen.started == 1, interval=0.01)
     stopping = time.monotonic()
     worker.request_stop()
     thread.join(15)
@@ -386,7 +379,7 @@ def test_a_task_left_behind_that_swallows_cancellation_holds_no_slot(seen, caplo
     assert "ignore their cancellation" in caplog.text
     assert loop_thread.is_alive() and not loop.is_closed()
     seen.release.set()
-    wait_for(lambda: not loop_thread.is_alive(), timeout=5)
+    wait_for(lambda: not loop_thread.is_alive(), timeout=5, interval=0.01)
     assert loop.is_closed()
 
 
@@ -414,7 +407,7 @@ def test_the_watcher_warns_with_the_stack_when_code_blocks_the_loop(caplog):
     handler_loop = HandlerLoop("test-loop", blocked_after=0.4)
     try:
         asyncio.run_coroutine_threadsafe(blocks(), handler_loop.loop).result(5)
-        wait_for(lambda: "has not run for" in caplog.text, timeout=5)
+        wait_for(lambda: "has not run for" in caplog.text, timeout=5, interval=0.01)
     finally:
         assert handler_loop.close(2)
     assert "blocking_handler_code" in caplog.text

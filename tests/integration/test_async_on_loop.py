@@ -20,10 +20,10 @@ from jobs import JobContext, Payload, RetryAfter, enqueue
 from jobs.models import Job
 from jobs.registry import JobType, Policy, Registry
 from jobs.worker import runner
-from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
 from tests.runapp.models import Delivery
-from tests.worker_support import FAST_BACKOFF
+from tests.support.polling import wait_for
+from tests.support.worker import FAST_BACKOFF, run_jobs, worker_config
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -92,39 +92,6 @@ def registry(seen: Seen, **policy) -> Registry:
     return Registry([JobType(Act, handler(seen), Policy(**{**options, **policy}))])
 
 
-def config(**options) -> WorkerConfig:
-    defaults = {
-        "concurrency": 4,
-        "poll_interval": 0.05,
-        "maintenance_interval": 0.5,
-        "shutdown_timeout": 1.0,
-        "install_signal_handlers": False,
-    }
-    return WorkerConfig(**{**defaults, **options})
-
-
-def wait_for(predicate, timeout=10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not met before the deadline")
-
-
-def run(registry: Registry, *ids: int, **options) -> Worker:
-    worker = Worker(registry, config(**options))
-    deadline = time.monotonic() + 15
-
-    def done(w: Worker) -> bool:
-        states = Job.objects.filter(pk__in=ids).values_list("state", flat=True)
-        finished = w.idle and all(s in ("succeeded", "failed") for s in states)
-        return finished or time.monotonic() > deadline
-
-    worker.run(until=done)
-    return worker
-
-
 def state(job) -> tuple[str, int, str]:
     row = Job.objects.get(pk=job.id)
     return row.state, row.attempts, row.last_error
@@ -137,16 +104,16 @@ def seen():
 
 def test_fifty_async_jobs_awaiting_hold_no_handler_thread(seen):
     jobs = [enqueue(Act(action="gate")) for _ in range(50)]
-    worker = Worker(registry(seen), config(concurrency=50))
+    worker = Worker(registry(seen), worker_config(concurrency=50))
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
-        wait_for(lambda: seen.started == 50, timeout=20)
+        wait_for(lambda: seen.started == 50, timeout=20, interval=0.01)
         time.sleep(0.1)
         assert worker._pool.busy == 0, "every async job awaits on the loop, no thread waits"
         assert worker._in_flight == 50, "each still holds its slot"
         seen.loop.call_soon_threadsafe(seen.gate.set)
-        wait_for(lambda: all(state(j)[0] == "succeeded" for j in jobs), timeout=20)
+        wait_for(lambda: all(state(j)[0] == "succeeded" for j in jobs), timeout=20, interval=0.01)
     finally:
         worker.request_stop()
         thread.join(15)
@@ -156,7 +123,7 @@ def test_a_bound_async_job_type_marks_its_run_rows(seen):
     row = Delivery.objects.create(job_id="async-d-1")
     job = enqueue(Act(action="bound", run_id=row.pk))
 
-    run(registry(seen, run_model=Delivery, run_field="run_id"), job.id)
+    run_jobs(registry(seen, run_model=Delivery, run_field="run_id"), job.id)
 
     row.refresh_from_db()
     assert seen.rows == [("running", 1), ("running", 2)]
@@ -167,7 +134,7 @@ def test_a_bound_async_job_type_marks_its_run_rows(seen):
 def test_a_short_retry_after_is_waited_out_on_the_loop_and_the_attempt_recorded(seen):
     job = enqueue(Act(action="retry-after-once"))
 
-    run(registry(seen), job.id)
+    run_jobs(registry(seen), job.id)
 
     first, second = seen.contexts
     assert first is second, "same claim, same context: the queue was not involved"
@@ -179,7 +146,7 @@ def test_a_transaction_left_open_is_caught_and_the_thread_gets_a_fresh_connectio
     left = enqueue(Act(action="leave-transaction-open"))
     after = enqueue(Act(action="orm"))
 
-    run(registry(seen, max_attempts=1), left.id, after.id, concurrency=1)
+    run_jobs(registry(seen, max_attempts=1), left.id, after.id, concurrency=1)
 
     assert state(left)[:1] + state(left)[2:] == ("failed", "handler_error")
     assert "left a transaction open" in Job.objects.get(pk=left.id).error_detail
@@ -189,7 +156,7 @@ def test_a_transaction_left_open_is_caught_and_the_thread_gets_a_fresh_connectio
 def test_orm_calls_of_two_concurrent_async_jobs_run_on_their_own_threads(seen):
     jobs = [enqueue(Act(action="orm-twice")) for _ in range(2)]
 
-    run(registry(seen), *(j.id for j in jobs), concurrency=2)
+    run_jobs(registry(seen), *(j.id for j in jobs), concurrency=2)
 
     assert {state(j)[0] for j in jobs} == {"succeeded"}
     one, two = seen.orm.values()
@@ -206,7 +173,7 @@ def test_a_bug_in_the_loop_dispatch_leaks_no_slot(seen, monkeypatch):
     monkeypatch.setattr(runner, "execute_on_loop", broken)
     jobs = [enqueue(Act()) for _ in range(3)]
 
-    worker = run(registry(seen, max_attempts=1), *(j.id for j in jobs), concurrency=2)
+    worker = run_jobs(registry(seen, max_attempts=1), *(j.id for j in jobs), concurrency=2)
 
     assert {state(j)[0] for j in jobs} == {"failed"}
     assert "the worker failed running the job" in Job.objects.get(pk=jobs[0].id).error_detail
@@ -226,7 +193,7 @@ def test_an_async_job_awaits_its_handler_without_asyncio_wait(seen, monkeypatch)
     monkeypatch.setattr(asyncio, "wait", counted)
     jobs = [enqueue(Act()) for _ in range(5)]
 
-    run(registry(seen), *(j.id for j in jobs))
+    run_jobs(registry(seen), *(j.id for j in jobs))
 
     assert {state(j)[0] for j in jobs} == {"succeeded"} and seen.started == 5
     assert waits == []
@@ -237,11 +204,11 @@ def test_the_job_task_cancelled_under_its_handler_is_the_workers_failure_not_a_r
     closing under it), ends in the worker's failure, as before: not in the handler's
     cancellation, which a direct await would otherwise report as the handler's error."""
     job = enqueue(Act(action="gate"))
-    worker = Worker(registry(seen, max_attempts=1), config())
+    worker = Worker(registry(seen, max_attempts=1), worker_config())
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
-        wait_for(lambda: seen.started == 1)
+        wait_for(lambda: seen.started == 1, interval=0.01)
         loop = seen.loop
         assert loop is not None
 
@@ -250,7 +217,7 @@ def test_the_job_task_cancelled_under_its_handler_is_the_workers_failure_not_a_r
             task.cancel()
 
         loop.call_soon_threadsafe(cancel_the_jobs_task)
-        wait_for(lambda: Job.objects.get(pk=job.id).state == "failed")
+        wait_for(lambda: Job.objects.get(pk=job.id).state == "failed", interval=0.01)
     finally:
         worker.request_stop()
         thread.join(15)
@@ -272,7 +239,7 @@ def test_a_job_task_cancelled_before_its_first_step_gives_its_slot_back(seen, mo
     monkeypatch.setattr(Worker, "_start_tasks", cancelled_at_once)
     job = enqueue(Act())
 
-    worker = run(registry(seen, max_attempts=1), job.id)
+    worker = run_jobs(registry(seen, max_attempts=1), job.id)
 
     assert worker.idle and worker._in_flight == 0 and worker.handlers_running == 0
     assert seen.started == 0

@@ -18,7 +18,7 @@ from jobs import queue
 from jobs.queue import BACKLOG_CAP, BacklogRow
 from jobs.queue._db import load_json
 from jobs.queue.maintenance import backlog_sql
-from tests.factories import JobFactory
+from tests.support.factories import JobFactory
 
 pytestmark = pytest.mark.django_db
 

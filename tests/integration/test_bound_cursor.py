@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from psycopg.types.json import Jsonb
 
 from jobs.queue import _db
-from tests.prepared import other_session, prepare_threshold
+from tests.support.prepared import other_session, prepare_threshold
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

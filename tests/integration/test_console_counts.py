@@ -26,7 +26,7 @@ from jobs.queue import AllTenants, ClaimRequest, NewJob, batches, history, proce
 from jobs.queue._db import load_json
 from jobs.queue.history import Counted
 from jobs.scheduler.clock import database_now
-from tests.factories import JobFactory
+from tests.support.factories import JobFactory
 
 pytestmark = pytest.mark.django_db
 

@@ -18,8 +18,8 @@ from jobs import queue
 from jobs.models import Job
 from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, _db
 from jobs.queue import outcomes as outcomes_module
-from tests.integration.test_enqueue_round_trips import TransactionControl
-from tests.integration.test_review_round13 import Background
+from tests.support.concurrency import Background
+from tests.support.enqueue import TransactionControl
 
 NAME = "test.noop.v1"
 SCOPE = AllTenants()

@@ -1,7 +1,7 @@
 """Several databases: a job type that lives in another alias, end to end in one process.
 
-The ``other`` alias is a second PostgreSQL server (tests/otherdb.py; a second database on the
-default server where no second server can start). Its job types (tests/dbapp) are put in the
+The ``other`` alias is a second PostgreSQL server (tests/support/otherdb.py; a second database on
+the default server where no second server can start). Its job types (tests/dbapp) are put in the
 process registry by the ``two_databases`` fixture only, so no other test meets them.
 """
 
@@ -30,8 +30,8 @@ from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.runner import Scheduler
 from jobs.scheduler.schedules import load_schedules
 from jobs.testing import run_worker
-from tests import otherdb
 from tests.dbapp.types import OTHER, NoteV1, ReportV1, job_types
+from tests.support import otherdb
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", OTHER])
 
@@ -457,7 +457,7 @@ def test_the_watchdog_scans_a_run_table_only_where_the_routers_let_it_live(two_d
 def test_the_operator_command_pauses_lists_and_cancels_in_the_alias_it_names(two_databases):
     """Pauses are read by the claim of the database they are in: one per alias."""
     from jobs.models import Pause
-    from tests.integration.test_admin_factories import operator
+    from tests.support.admin import operator
 
     operator("olga", "jobs.pause_work", "jobs.cancel_job")
 

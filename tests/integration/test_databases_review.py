@@ -36,7 +36,7 @@ from jobs.scheduler.schedules import load_schedules
 from jobs.testing import run_worker
 from tests.dbapp.types import OTHER, NoteV1, ReportV1, job_types
 from tests.runapp.models import QuickRun
-from tests.tcp_proxy import TcpProxy
+from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", OTHER])
 
@@ -349,7 +349,7 @@ def test_pausing_a_type_or_schedule_of_another_database_here_is_refused_not_igno
     """The workers of the other database read its pauses there: a pause of one of its types,
     or of a schedule firing there, recorded in default held nothing back, yet said "Paused"
     (the pauses page and manage.py jobs without --database let both through)."""
-    from tests.integration.test_admin_factories import client_for, operator
+    from tests.support.admin import client_for, operator
 
     spec = {"cron": "0 3 * * *", "job": ReportV1.job_name, "payload": {"number": 5}}
     settings.JOBS = {**settings.JOBS, "SCHEDULES": {"nightly-report": spec}}
@@ -379,7 +379,7 @@ def test_pausing_a_type_or_schedule_of_another_database_here_is_refused_not_igno
 def test_the_pauses_page_refuses_a_database_that_holds_no_jobs(registry, settings):
     """With every job in another database (JOBS["DATABASE"]), the pauses page still writes to
     default, where no worker reads: refused, saying why."""
-    from tests.integration.test_admin_factories import client_for, operator
+    from tests.support.admin import client_for, operator
 
     settings.JOBS = {**settings.JOBS, "DATABASE": OTHER, "DATABASES": [OTHER]}
     admin = client_for(operator("olga", "jobs.pause_work"))

@@ -13,8 +13,9 @@ from django.test import override_settings
 
 from jobs import dbbounds
 from jobs.dbbounds import Bounds, CallTimedOut, StallGuard
-from tests.conftest import run_in_threads
-from tests.tcp_proxy import TcpProxy
+from tests.support.concurrency import run_in_threads
+from tests.support.polling import wait_for
+from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -25,15 +26,6 @@ def show(name: str, using=None) -> str:
     with (using or connection).cursor() as cur:
         cur.execute(f"SHOW {name}")
         return cur.fetchone()[0]
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not met within {timeout}s")
 
 
 class TestBoundConnections:

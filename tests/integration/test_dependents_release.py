@@ -18,7 +18,8 @@ from jobs import queue
 from jobs.models import Dependency, Job, Settlement
 from jobs.queue import AllTenants, ClaimRequest, NewJob, dependencies
 from jobs.queue import batches as queue_batches
-from tests.worker_support import Echo, Recorder, registry, running_worker, wait_for
+from tests.support.polling import wait_for
+from tests.support.worker import Echo, Recorder, registry, running_worker
 
 UP, DOWN = "test.noop.v1", "test.after.v1"
 
@@ -122,6 +123,7 @@ def test_the_worker_releases_what_waits_for_a_job_it_ended_and_one_an_operator_c
             lambda: Job.objects.filter(pk__in=waiting, state="succeeded").count() == 3 or None,
             timeout=10,
             what="the waiting jobs ran after the one they waited for",
+            interval=0.005,
         )
         # Ended by an operator, not by a pass: the release thread's own look finds it.
         held = queue.enqueue(
@@ -135,6 +137,7 @@ def test_the_worker_releases_what_waits_for_a_job_it_ended_and_one_an_operator_c
             lambda: Job.objects.get(pk=doomed).state == "cancelled",
             timeout=10,
             what="the job waiting for a cancelled one was cancelled",
+            interval=0.005,
         )
 
 

@@ -29,7 +29,9 @@ from jobs.scheduler.clock import database_now
 from jobs.scheduler.retention import Retention
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
-from tests.factories import JobFactory
+from tests.support.concurrency import waiting_on_a_lock
+from tests.support.factories import JobFactory
+from tests.support.polling import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -426,7 +428,7 @@ def test_a_stale_handler_in_a_real_worker_cannot_commit_its_business_write():
         taken = uuid.uuid4()  # another worker claimed the job after this one's lease lapsed
         Job.objects.filter(pk=job.id).update(claim_token=taken)
         seen.go.set()
-        wait_until(lambda: seen.errors and worker.idle, what="the handler finished")
+        wait_for(lambda: seen.errors and worker.idle, what="the handler finished", interval=0.01)
     finally:
         worker.request_stop()
         thread.join(10)
@@ -449,7 +451,7 @@ def test_a_completion_waiting_on_the_row_while_it_is_reclaimed_gets_lease_lost()
             with transaction.atomic():
                 Job.objects.select_for_update().get(pk=job.id)
                 locked.set()
-                wait_until(waiting_on_a_lock, what="the completion waits for the row")
+                wait_for(waiting_on_a_lock, what="the completion waits for the row", interval=0.01)
                 blocked.set()
                 Job.objects.filter(pk=job.id).update(claim_token=uuid.uuid4())
         finally:
@@ -470,21 +472,3 @@ def test_a_completion_waiting_on_the_row_while_it_is_reclaimed_gets_lease_lost()
     assert blocked.is_set() and isinstance(outcome.get("raised"), LeaseLost)
     assert not TenantOverride.objects.filter(tenant=business(stale)).exists()
     assert Job.objects.get(pk=job.id).state == "running"
-
-
-def waiting_on_a_lock() -> bool:
-    with connection.cursor() as cur:
-        cur.execute(
-            "SELECT count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        )
-        return bool(cur.fetchone()[0])
-
-
-def wait_until(predicate, *, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"{what}: not within {timeout}s")

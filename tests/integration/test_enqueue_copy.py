@@ -23,36 +23,13 @@ from hypothesis import strategies as st
 from jobs import queue
 from jobs.models import FlowGate, Job
 from jobs.queue import NewJob
+from tests.support.enqueue import COLUMNS
 
 enqueue_module = importlib.import_module("jobs.queue.enqueue")
 COPY_AT_LEAST = enqueue_module.COPY_AT_LEAST
 NAMES = ("copy.a.v1", "copy.b.v1")
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-# What must match between the paths; times are compared as offsets from created_at.
-COLUMNS = (
-    "name",
-    "payload",
-    "tenant",
-    "queue",
-    "priority",
-    "max_attempts",
-    "state",
-    "attempts",
-    "last_error",
-    "error_detail",
-    "claimed_by",
-    "key_held",
-    "keyed",
-    "replayed_by",
-    "fair",
-    "batch_id",
-    "waiting_on",
-    "attempt_log",
-    "cancel_requested_by",
-    "depended_on",
-)
 
 
 def stored(results) -> list[tuple]:

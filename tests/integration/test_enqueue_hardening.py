@@ -12,7 +12,7 @@ from django.utils import timezone
 from jobs import Payload, queue
 from jobs.models import Job
 from jobs.queue import InvalidJob, NewJob
-from tests.factories import JobFactory
+from tests.support.factories import JobFactory
 
 
 @pytest.mark.django_db

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from jobs import queue
 from jobs.models import FlowGate, Job
 from jobs.queue import NewJob
-from tests.integration.test_enqueue_copy import COLUMNS
+from tests.support.enqueue import COLUMNS
 
 NAMES = ("one.a.v1", "one.b.v1")
 

@@ -15,23 +15,9 @@ from django.test.utils import CaptureQueriesContext
 from jobs import queue
 from jobs.models import Job
 from jobs.queue import NewJob
+from tests.support.enqueue import TransactionControl
 
 NAME = "test.noop.v1"
-
-
-class TransactionControl:
-    """Counts the transactions Django opens on the connection (atomic() turns autocommit off)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.begun = 0
-        real = connection.set_autocommit
-
-        def counting(autocommit: bool, *args, **kwargs):
-            if not autocommit:
-                self.begun += 1
-            return real(autocommit, *args, **kwargs)
-
-        monkeypatch.setattr(connection, "set_autocommit", counting)
 
 
 @pytest.mark.django_db(transaction=True)

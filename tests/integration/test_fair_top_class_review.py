@@ -156,7 +156,8 @@ def test_a_claim_serves_the_highest_class_the_worker_may_start_first(
 def test_a_claim_of_one_class_crosses_the_claimed_jobs_once(claim_form, mode, left, monkeypatch):
     from django.db import connection
 
-    from tests.integration.test_flow_claim import _explained, inserted_row_by_row
+    from tests.support.enqueue import inserted_row_by_row
+    from tests.support.explain import explained_claim
 
     limits = MODES[mode]
     # A name of its own: rows the tests before left dead in the table (rolled back) must not
@@ -173,7 +174,7 @@ def test_a_claim_of_one_class_crosses_the_claimed_jobs_once(claim_form, mode, le
 
     with transaction.atomic():
         assert len(take(1000) + take(1000)) == 2000
-        claimed, nodes = _explained(lambda: take(50))
+        claimed, nodes = explained_claim(lambda: take(50))
     assert len(claimed) == min(50, left)
     reads = [
         (n.get("Index Cond"), n["Shared Hit Blocks"] + n["Shared Read Blocks"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import threading
 import time
 from collections import Counter
@@ -21,7 +20,9 @@ from jobs.models import FlowGate, Job, TenantBucket, TenantWeight
 from jobs.queue import AllTenants, ClaimRequest, NewJob, OnlyTenant, flow
 from jobs.queue.flow import FlowLimits
 from jobs.scheduler.clock import database_now
-from tests.acceptance.conftest import wait_for
+from tests.support.enqueue import inserted_row_by_row
+from tests.support.explain import explained_claim
+from tests.support.polling import wait_for
 
 enqueue_module = importlib.import_module("jobs.queue.enqueue")
 
@@ -409,44 +410,6 @@ def test_any_mix_of_classes_is_claimed_highest_due_class_first(claim_form, backl
         transaction.set_rollback(True)
 
 
-def _plan_nodes(plan: dict):
-    yield plan
-    for child in plan.get("Plans", ()):
-        yield from _plan_nodes(child)
-
-
-def _explained(claim) -> tuple[list, list[dict]]:
-    """What ``claim()`` returns and the plans auto_explain reports for it, nested ones (the
-    pick function's) included, with actual rows and buffers; the transaction is rolled back."""
-    plans: list[dict] = []
-
-    def noticed(diagnostic) -> None:
-        text = diagnostic.message_primary or ""
-        if "plan:" in text:
-            plans.append(json.loads(text.split("plan:", 1)[1])["Plan"])
-
-    connection.ensure_connection()
-    raw = connection.connection
-    raw.add_notice_handler(noticed)
-    try:
-        with transaction.atomic(), connection.cursor() as cur:
-            for setting in (
-                "LOAD 'auto_explain'",
-                "SET LOCAL auto_explain.log_min_duration = 0",
-                "SET LOCAL auto_explain.log_analyze = on",
-                "SET LOCAL auto_explain.log_buffers = on",
-                "SET LOCAL auto_explain.log_nested_statements = on",
-                "SET LOCAL auto_explain.log_format = 'json'",
-                "SET LOCAL client_min_messages = 'log'",
-            ):
-                cur.execute(setting)
-            claimed = claim()
-            transaction.set_rollback(True)
-    finally:
-        raw.remove_notice_handler(noticed)
-    return claimed, [node for plan in plans for node in _plan_nodes(plan)]
-
-
 def test_a_fair_claim_reads_each_tenants_due_rows_by_index_and_counts_them_once():
     """Measured in a drain: the count of a tenant's due rows was planned as a scan of the
     whole table (its LIMIT made the planner expect to stop early, but the claimed rows at the
@@ -458,7 +421,7 @@ def test_a_fair_claim_reads_each_tenants_due_rows_by_index_and_counts_them_once(
         queue.enqueue_many([NewJob(NAME, {}, tenant=t) for t in ("a", "b") for _ in range(2500)])
     with connection.cursor() as cur:
         cur.execute("ANALYZE jobs_job")
-    claimed, nodes = _explained(lambda: take(limits, asked=100))
+    claimed, nodes = explained_claim(lambda: take(limits, asked=100))
     assert len(claimed) == 100
     scans = [n for n in nodes if n.get("Relation Name") == "jobs_job"]
     assert scans, "auto_explain reported no plan"
@@ -474,13 +437,6 @@ def test_a_fair_claim_reads_each_tenants_due_rows_by_index_and_counts_them_once(
     # its due rows (up to the claim's size) and one pull of its share.
     assert len(per_tenant) == 3, [n.get("Index Cond") for n in per_tenant]
     assert [n["Actual Loops"] for n in per_tenant] == [2, 2, 2]
-
-
-def inserted_row_by_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches go in by the INSERT statement, not COPY: it writes rows in key order (random
-    for keyless jobs), so the first jobs claimed lie on a page each, and a read that steps over
-    them stands out by hundreds of pages (COPY packs them on a few dozen)."""
-    monkeypatch.setattr(enqueue_module, "COPY_AT_LEAST", 10**9)
 
 
 def test_a_fair_claim_of_one_priority_class_does_not_cross_the_claimed_jobs_to_find_it(
@@ -502,7 +458,7 @@ def test_a_fair_claim_of_one_priority_class_does_not_cross_the_claimed_jobs_to_f
         cur.execute("ANALYZE jobs_job")
     with transaction.atomic():
         assert len(take(limits, 1000, name=name) + take(limits, 1000, name=name)) == 2000
-        claimed, nodes = _explained(lambda: take(limits, asked=10, name=name))
+        claimed, nodes = explained_claim(lambda: take(limits, asked=10, name=name))
     assert len(claimed) == 10
     reads = [
         (n.get("Index Cond"), n["Shared Hit Blocks"] + n["Shared Read Blocks"])

@@ -13,7 +13,7 @@ from jobs.runs import RunState
 from jobs.scheduler import gauges as gauges_module
 from jobs.scheduler.clock import database_now
 from jobs.scheduler.gauges import Gauges, held_back
-from tests.integration.test_admin_flow import (
+from tests.support.flow import (
     FAIR,
     GATED,
     PER_TENANT,

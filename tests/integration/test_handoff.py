@@ -10,11 +10,9 @@ slot is claimed in the pass that writes them.
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import threading
 import time
-from collections.abc import Sequence
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -28,48 +26,9 @@ from jobs.worker import runner as runner_module
 from jobs.worker.config import WorkerConfig
 from jobs.worker.pool import HandlerPool
 from jobs.worker.runner import BLOCKED, Worker, thread_held
-from tests.acceptance.conftest import wait_for
-from tests.worker_support import Recorder, Step, registry
-
-
-def run_batches(
-    pool: HandlerPool,
-    batches: list[tuple[list[bool], int]],
-    pauses: Sequence[float] = (),
-) -> None:
-    """Submit each batch (True: a task that blocks until released) waking ``wake`` threads,
-    after its pause if given (the gap between passes); every quick task must finish while
-    the blocking ones still hold their threads."""
-    release = threading.Event()
-    done: list[int] = []
-    lock = threading.Lock()
-
-    def task(number: int, blocks: bool):
-        def run() -> None:
-            if blocks:
-                release.wait(30)
-            with lock:
-                done.append(number)
-
-        return run
-
-    quick = 0
-    number = 0
-    for (kinds, wake), pause in itertools.zip_longest(batches, pauses[: len(batches)]):
-        if pause:
-            time.sleep(pause)  # the gap between passes: not a wait for anything
-        tasks = []
-        for blocks in kinds:
-            tasks.append(task(number, blocks))
-            quick += not blocks
-            number += 1
-        pool.submit_many(tasks, wake=wake)
-    try:
-        wait_for(lambda: len(done) == quick, what=f"{quick} quick tasks done")
-        assert not release.is_set()
-    finally:
-        release.set()
-    wait_for(lambda: len(done) == number, what="every task done")
+from tests.support.handler_pool import draw_batches, run_batches
+from tests.support.polling import wait_for
+from tests.support.worker import Recorder, Step, registry
 
 
 def test_tasks_behind_a_blocked_thread_start_on_the_idle_ones():
@@ -78,24 +37,6 @@ def test_tasks_behind_a_blocked_thread_start_on_the_idle_ones():
         run_batches(pool, [([True, False, False, False], 1)])
     finally:
         assert pool.shutdown(timeout=5)
-
-
-def draw_batches(
-    data: st.DataObject, size: int, count: st.SearchStrategy[int], *, max_tasks: int
-) -> list[tuple[list[bool], int]]:
-    """Batches for a pool of ``size`` threads: each a mix of blocking (True) and quick tasks,
-    fewer blocking in all than threads, and a number of threads to wake for it."""
-    blocking_left = size - 1
-    batches = []
-    for _ in range(data.draw(count, label="batches")):
-        kinds = data.draw(st.lists(st.booleans(), min_size=1, max_size=max_tasks), label="tasks")
-        kept = []
-        for blocks in kinds:
-            blocks = blocks and blocking_left > 0
-            blocking_left -= blocks
-            kept.append(blocks)
-        batches.append((kept, data.draw(st.integers(1, len(kept)), label="wake")))
-    return batches
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -249,7 +190,7 @@ def test_a_batch_of_blocking_tasks_gets_a_thread_each_within_a_few_stall_interva
     try:
         submitted = time.monotonic()
         pool.submit_many([block] * 8, wake=1)
-        wait_for(lambda: len(started) == 8, what="every blocking task started")
+        wait_for(lambda: len(started) == 8, what="every blocking task started", timeout=20)
         assert max(started) - submitted < 1.0
     finally:
         release.set()
@@ -276,14 +217,14 @@ def test_the_stall_watch_keeps_looking_for_a_while_before_it_sleeps_until_woken(
     done: list[int] = []
     try:
         # A new pool's watch lingers too, then sleeps until a batch wakes it.
-        wait_for(lambda: pool._watch_idle, what="the new pool's watch asleep")
+        wait_for(lambda: pool._watch_idle, what="the new pool's watch asleep", timeout=20)
         for batch in range(1, 21):
             pool.submit_many([lambda: done.append(1)] * 3, wake=1)
-            wait_for(lambda batch=batch: len(done) == 3 * batch, what="the batch done")
+            wait_for(lambda batch=batch: len(done) == 3 * batch, what="the batch done", timeout=20)
         assert wakes, "the first batch woke the sleeping watch"
         lingers = (time.monotonic() - wakes[0]) / 1.0
         assert len(wakes) <= 1 + int(lingers), (len(wakes), lingers)
-        wait_for(lambda: pool._watch_idle, what="the watch asleep until woken")
+        wait_for(lambda: pool._watch_idle, what="the watch asleep until woken", timeout=20)
         assert time.monotonic() - wakes[-1] >= 1.0 - 0.05
     finally:
         assert pool.shutdown(timeout=5)
@@ -343,7 +284,7 @@ def test_tasks_waiting_behind_python_that_runs_get_threads_slowly():
     try:
         submitted = time.monotonic()
         pool.submit_many([compute] * 6, wake=1)
-        wait_for(lambda: len(started) == 6, what="every task started")
+        wait_for(lambda: len(started) == 6, what="every task started", timeout=20)
         early = [at - submitted for at in started if at - submitted < 0.15]
     finally:
         assert pool.shutdown(timeout=10)

@@ -20,40 +20,15 @@ from jobs import queue
 from jobs.control.failures import fetch_page
 from jobs.control.tables import Filters, RunTable, run_tables
 from jobs.models import Job, JobHistory
-from jobs.queue import AllTenants, ClaimRequest, NewJob, history
+from jobs.queue import history
 from jobs.queue.history import DAY, HOUR, Partition, plan
 from jobs.scheduler.clock import database_now
 from jobs.scheduler.retention import Archive, Retention
+from tests.support.history import finish, job, where
 
 pytestmark = pytest.mark.django_db
 
-NAME = "test.history.v1"
 SECOND = timedelta(seconds=1)
-
-
-def finish(*jobs: NewJob, state: str = "succeeded", result=None) -> list[int]:
-    """Enqueue and run these jobs to ``state``; their ids."""
-    ids = [e.id for e in queue.enqueue_many(list(jobs))]
-    claimed = queue.claim([ClaimRequest(NAME, len(ids))], scope=AllTenants(), worker="test-worker")
-    assert sorted(c.id for c in claimed) == sorted(ids)
-    for job in claimed:
-        if state == "succeeded":
-            assert queue.complete(job, result)
-        else:
-            assert queue.fail(job, code="handler_error", detail="boom")
-    return ids
-
-
-def job(job_id: str | None = None, **fields) -> NewJob:
-    return NewJob(name=NAME, payload={"n": 1}, job_id=job_id, **fields)
-
-
-def where(pk: int) -> str:
-    if Job.objects.filter(pk=pk).exists():
-        return "jobs"
-    if JobHistory.objects.filter(pk=pk).exists():
-        return "history"
-    return "gone"
 
 
 def test_a_keyless_job_moves_whole_to_history_once_finished():

@@ -23,10 +23,10 @@ from jobs.registry import Registry, get_registry
 from jobs.runs import ErrorCode, RunState
 from jobs.scheduler.clock import database_now
 from jobs.testing import JobFailed, run_worker
-from tests.factories import JobFactory
-from tests.integration.test_admin_factories import ago, client_for, operator
 from tests.runapp.jobs import DeliverV1
 from tests.runapp.models import Delivery
+from tests.support.admin import client_for, operator
+from tests.support.factories import JobFactory, ago
 
 pytestmark = pytest.mark.django_db
 

@@ -20,9 +20,9 @@ from jobs.queue import ClaimRequest, NewJob
 from jobs.queue.types import AllTenants
 from jobs.worker.execution import Running, make_context
 from jobs.worker.leases import LeaseKeeper
-from tests.acceptance.conftest import wait_for
-from tests.tcp_proxy import TcpProxy
-from tests.worker_support import Echo, Recorder, registry
+from tests.support.polling import wait_for
+from tests.support.tcp_proxy import TcpProxy
+from tests.support.worker import Echo, Recorder, registry
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

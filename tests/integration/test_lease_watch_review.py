@@ -28,9 +28,9 @@ from jobs.worker.config import WorkerConfig
 from jobs.worker.execution import Running, make_context
 from jobs.worker.leases import LeaseKeeper
 from jobs.worker.runner import Worker
-from tests.acceptance.conftest import wait_for
-from tests.tcp_proxy import TcpProxy
-from tests.worker_support import Echo, Recorder, Step, registry
+from tests.support.polling import wait_for
+from tests.support.tcp_proxy import TcpProxy
+from tests.support.worker import Echo, Recorder, Step, registry
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

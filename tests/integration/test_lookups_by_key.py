@@ -20,8 +20,8 @@ from jobs import queue
 from jobs.models import Job
 from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, effects, history, keys
 from jobs.queue.claim import next_attempt
-from tests.integration.test_pass_scale import BACKLOG, NAME, _scans, mine_among_others
-from tests.integration.test_review_round22 import explained_nested_statements
+from tests.support.backlog import BACKLOG, NAME, mine_among_others
+from tests.support.explain import explained_nested_statements, jobs_table_scans
 from tests.support.workflows import settle
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -37,7 +37,7 @@ def rows_examined(plan: dict) -> list:
             scan.get("Index Name", scan["Node Type"]),
             (scan["Actual Rows"] + scan.get("Rows Removed by Filter", 0)) * scan["Actual Loops"],
         )
-        for scan in _scans(plan["Plan"])
+        for scan in jobs_table_scans(plan["Plan"])
     ]
 
 
@@ -202,7 +202,7 @@ def test_a_restored_failure_goes_back_to_history_by_key():
         ids = [id_ for (id_,) in cur.fetchall()]
         cur.execute("EXPLAIN (FORMAT JSON) " + history.UNRESTORE, {"ids": ids})
         [[[plan]]] = cur.fetchall()
-    reads = [scan.get("Index Name", scan["Node Type"]) for scan in _scans(plan["Plan"])]
+    reads = [scan.get("Index Name", scan["Node Type"]) for scan in jobs_table_scans(plan["Plan"])]
     assert "jobs_job_terminal" not in reads, reads
 
 

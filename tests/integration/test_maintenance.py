@@ -10,7 +10,7 @@ from django.utils import timezone
 from jobs import queue
 from jobs.models import Job
 from jobs.queue import AllTenants, AllTenantsExcept, ClaimRequest, OnlyTenant
-from tests.factories import JobFactory, TenantOverrideFactory
+from tests.support.factories import JobFactory, TenantOverrideFactory
 
 pytestmark = pytest.mark.django_db
 

@@ -17,7 +17,7 @@ from jobs import queue
 from jobs.models import Job
 from jobs.queue import AllTenants, AllTenantsExcept, OnlyTenant
 from jobs.queue.maintenance import fail_exhausted_sql
-from tests.factories import JobFactory
+from tests.support.factories import JobFactory
 
 pytestmark = pytest.mark.django_db
 

@@ -14,16 +14,13 @@ from jobs.control.failures import failure_groups, fetch_page
 from jobs.control.tables import Filters, run_tables, summarize
 from jobs.runs import ErrorCode, RunState, run_contract_models
 from jobs.scheduler.clock import database_now
-from tests.factories import JobFactory
-from tests.integration.test_admin_factories import (
-    VIEW_ALL,
+from tests.support.admin import VIEW_ALL, client_for, fast_web_clock, operator
+from tests.support.factories import (
     CurationRunFactory,
     DeadLetterFactory,
     DeliveryFactory,
+    JobFactory,
     ago,
-    client_for,
-    fast_web_clock,
-    operator,
 )
 
 pytestmark = pytest.mark.django_db

@@ -13,8 +13,8 @@ from jobs import queue
 from jobs.control import cancels, pauses
 from jobs.models import Job, Pause
 from jobs.queue import AllTenants, ClaimRequest, NewJob
-from tests.factories import JobFactory
-from tests.integration.test_admin_factories import operator
+from tests.support.admin import operator
+from tests.support.factories import JobFactory
 
 pytestmark = pytest.mark.django_db
 

@@ -21,9 +21,9 @@ from jobs.queue import ClaimRequest, NewJob, Outcome, attempts
 from jobs.queue.types import AllTenants
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
-from tests.acceptance.conftest import wait_for
-from tests.factories import JobFactory
-from tests.worker_support import Recorder, Step, registry
+from tests.support.factories import JobFactory
+from tests.support.polling import wait_for
+from tests.support.worker import Recorder, Step, registry
 
 
 def outcomes_counted(job_type: str, kind: str) -> float:
@@ -385,7 +385,7 @@ class TestWorker:
         thread = threading.Thread(target=worker.run)
         thread.start()
         try:
-            wait_for(lambda: recorder.calls, what="the handler started")
+            wait_for(lambda: recorder.calls, what="the handler started", timeout=20)
             asked = time.monotonic()
             assert queue.cancel_running([job.id], by="alice") == [job.id]
             wait_for(
@@ -415,7 +415,7 @@ class TestWorker:
         caplog.set_level("INFO", logger="jobs.worker")
         thread.start()
         try:
-            wait_for(lambda: recorder.calls, what="the handler started")
+            wait_for(lambda: recorder.calls, what="the handler started", timeout=20)
             queue.cancel_running([job.id], by="alice")
             wait_for(
                 lambda: outcomes_counted(Step.job_name, "cancelled") > counted["cancelled"],
@@ -451,7 +451,11 @@ class TestWorker:
         thread = threading.Thread(target=worker.run)
         thread.start()
         try:
-            wait_for(lambda: worker.listening and worker.idle, what="an idle, listening worker")
+            wait_for(
+                lambda: worker.listening and worker.idle,
+                what="an idle, listening worker",
+                timeout=20,
+            )
             assert Job.objects.get(pk=job.id).state == "queued"
             resumed = time.monotonic()
             queue.resume("job_type", Step.job_name)

@@ -35,8 +35,8 @@ from jobs.models import Job, Pause
 from jobs.monitor.databases import DatabaseRunTableAdmin
 from jobs.monitor.modeladmin import RunTableAdmin
 from jobs.queue import AllTenants, ClaimRequest, NewJob, processes
-from tests.factories import JobFactory
-from tests.integration.test_admin_factories import client_for, operator
+from tests.support.admin import client_for, operator
+from tests.support.factories import JobFactory
 
 pytestmark = pytest.mark.django_db
 

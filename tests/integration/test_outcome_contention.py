@@ -27,7 +27,8 @@ from jobs.models import Job, JobHistory
 from jobs.queue import NewJob
 from jobs.queue import batches as queue_batches
 from jobs.registry import JobType, Policy, Registry
-from tests.worker_support import Echo, Recorder, echo_handler, running_worker, wait_for
+from tests.support.polling import wait_for
+from tests.support.worker import Echo, Recorder, echo_handler, running_worker
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -115,7 +116,7 @@ def runs_of(recorder: Recorder, label: str) -> int:
 
 def assert_held_then_succeeded(pk: int, holder: Holder, recorder: Recorder, label: str) -> None:
     """While ``holder`` keeps its lock, ``pk`` ran once and is not failed; after, it succeeds."""
-    wait_for(lambda: runs_of(recorder, label) == 1, what="the handler ran")
+    wait_for(lambda: runs_of(recorder, label) == 1, what="the handler ran", interval=0.005)
     deadline = time.monotonic() + HOLD
     while time.monotonic() < deadline:
         assert state_of(pk) not in ("failed", "cancelled"), "contention became a verdict"
@@ -126,9 +127,12 @@ def assert_held_then_succeeded(pk: int, holder: Holder, recorder: Recorder, labe
         lambda: state_of(other.id) == "succeeded",
         timeout=LOCK_TIMEOUT * 3,
         what="another job finished while the outcome waited",
+        interval=0.005,
     )
     holder.release.set()
-    wait_for(lambda: state_of(pk) == "succeeded", what="the deferred outcome was written")
+    wait_for(
+        lambda: state_of(pk) == "succeeded", what="the deferred outcome was written", interval=0.005
+    )
     assert runs_of(recorder, label) == 1
     assert Job.objects.filter(pk=pk).values_list("attempts", flat=True).first() in (1, None)
 
@@ -178,7 +182,9 @@ def test_a_job_finishing_while_a_producer_waits_after_its_dependent_succeeds_onc
         with Holder(lambda: jobs.enqueue(Contended(label="third"), after=[waiting])) as holder:
             go.set()
             assert_held_then_succeeded(upstream.id, holder, recorder, "upstream")
-        wait_for(lambda: state_of(waiting.id) == "succeeded", what="the waiting job ran")
+        wait_for(
+            lambda: state_of(waiting.id) == "succeeded", what="the waiting job ran", interval=0.005
+        )
 
 
 @FAST_LOCKS
@@ -241,8 +247,16 @@ def test_a_producer_holding_its_transaction_past_a_lease_does_not_disturb_the_ru
                 time.sleep(0.05)
             holder.release.set()
         go.set()
-        wait_for(lambda: state_of(upstream.id) == "succeeded", what="the upstream finished")
-        wait_for(lambda: state_of(holder.result.id) == "succeeded", what="its dependent ran")
+        wait_for(
+            lambda: state_of(upstream.id) == "succeeded",
+            what="the upstream finished",
+            interval=0.005,
+        )
+        wait_for(
+            lambda: state_of(holder.result.id) == "succeeded",
+            what="its dependent ran",
+            interval=0.005,
+        )
     assert runs_of(recorder, "upstream") == 1
 
 
@@ -300,7 +314,9 @@ def test_any_lock_held_past_the_lock_timeout_defers_the_outcome_it_never_decides
             )
             # A type no worker serves: it stays waiting, its row and edge there to lock.
             waiting = jobs_queue.enqueue(NewJob(name="test.unserved.v1", after=(member.id,)))
-            wait_for(lambda: runs_of(recorder, label) == 1, what="the handler started")
+            wait_for(
+                lambda: runs_of(recorder, label) == 1, what="the handler started", interval=0.005
+            )
 
             def hold():
                 with connections["default"].cursor() as cur:
@@ -321,6 +337,7 @@ def test_any_lock_held_past_the_lock_timeout_defers_the_outcome_it_never_decides
                     or JobHistory.objects.filter(pk=member.id, state=expected[0]).exists()
                 ),
                 what=f"the job ended {expected[0]} after {lock}",
+                interval=0.005,
             )
             assert runs_of(recorder, label) == 1
 
@@ -342,12 +359,16 @@ def test_a_member_whose_batch_row_is_held_past_two_leases_keeps_its_lease_and_ru
         )
         more = [NewJob(name=Echo.job_name, payload={"text": "m"}, queue="later")]
         with Holder(lambda: queue_batches.add(batch_id, more)) as holder:
-            wait_for(lambda: runs_of(recorder, "member") == 1, what="the member ran")
+            wait_for(
+                lambda: runs_of(recorder, "member") == 1, what="the member ran", interval=0.005
+            )
             deadline = time.monotonic() + 3.5 * lease.total_seconds()
             while time.monotonic() < deadline:
                 assert runs_of(recorder, "member") == 1, "the member ran a second time"
                 assert state_of(member.id) not in ("failed", "cancelled")
                 time.sleep(0.05)
             holder.release.set()
-        wait_for(lambda: state_of(member.id) == "succeeded", what="the member succeeded")
+        wait_for(
+            lambda: state_of(member.id) == "succeeded", what="the member succeeded", interval=0.005
+        )
     assert runs_of(recorder, "member") == 1

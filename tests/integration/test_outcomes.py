@@ -10,7 +10,7 @@ from django.utils import timezone
 from jobs import queue
 from jobs.models import Job
 from jobs.queue import AllTenants, ClaimRequest, Outcome
-from tests.factories import JobFactory
+from tests.support.factories import JobFactory
 
 pytestmark = pytest.mark.django_db
 

@@ -17,17 +17,12 @@ from django.db import connection, transaction
 
 from jobs import queue
 from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome
-from tests.integration.test_review_round22 import (
-    _body,
-    _migration_sql,
-    _sources,
-    explained_nested_statements,
-)
+from tests.support.backlog import BACKLOG, NAME, mine_among_others
+from tests.support.explain import explained_nested_statements, jobs_table_scans
+from tests.support.functions import function_body, installed_sources, migration_sql
 
-NAME = "test.pass.scale.v1"
 SIZE = 1_500  # the large pass
 SMALL = 100  # the same jobs in passes of this size
-BACKLOG = 30_000  # queued: the table's size moves the plan's costs
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -73,8 +68,8 @@ def test_one_large_pass_costs_no_more_than_small_passes_of_the_same_jobs():
 def bodies(plain: str, fair: str) -> dict[str, str]:
     """The bodies the migrations ``plain`` and ``fair`` create."""
     return {
-        "jobs_worker_pass": _body(_migration_sql(plain)),
-        "jobs_worker_fair_pass": _body(_migration_sql(fair)),
+        "jobs_worker_pass": function_body(migration_sql(plain)),
+        "jobs_worker_fair_pass": function_body(migration_sql(fair)),
     }
 
 
@@ -83,41 +78,20 @@ def test_the_migrations_put_the_passes_back_both_ways():
     before = bodies(
         "0019_worker_pass_busy_when_unwritten", "0020_worker_fair_pass_busy_when_unwritten"
     )
-    assert _sources() == now
+    assert installed_sources() == now
     try:
         call_command("migrate", "jobs", "0021", verbosity=0)
-        assert _sources() == before
+        assert installed_sources() == before
     finally:
         call_command("migrate", "jobs", verbosity=0)
-    assert _sources() == now
-
-
-OTHERS = 300  # jobs other workers hold while this one writes its outcomes
-
-
-def _scans(node: dict) -> list[dict]:
-    """Every node of ``node``'s plan that reads the jobs table."""
-    own = [node] if node.get("Relation Name") == "jobs_job" else []
-    return own + [scan for child in node.get("Plans", []) for scan in _scans(child)]
-
-
-def mine_among_others() -> list:
-    """5 jobs this worker holds while another holds ``OTHERS``, with statistics taken when
-    nothing was running and plans made afresh from them (a new connection)."""
-    queue.enqueue_many([NewJob(NAME, {"n": n}) for n in range(BACKLOG)])
-    with connection.cursor() as cur:
-        cur.execute("VACUUM ANALYZE jobs_job")
-    connection.close()
-    scope = AllTenants()
-    queue.claim([ClaimRequest(NAME, OTHERS)], scope=scope, limit=OTHERS, worker="other")
-    return queue.claim([ClaimRequest(NAME, 5)], scope=scope, limit=5, worker="w")
+    assert installed_sources() == now
 
 
 def most_rows_read(plan: dict) -> tuple[float, list]:
     """The most rows any read of the jobs table in ``plan`` returned, and every read's."""
     read = [
         (scan.get("Index Name", scan["Node Type"]), scan["Actual Rows"] * scan["Actual Loops"])
-        for scan in _scans(plan["Plan"])
+        for scan in jobs_table_scans(plan["Plan"])
     ]
     return max(rows for _, rows in read), read
 

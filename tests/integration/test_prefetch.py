@@ -23,20 +23,12 @@ from jobs.registry import JobType, Policy, Registry
 from jobs.worker.config import WorkerConfig
 from jobs.worker.execution import Running, make_context
 from jobs.worker.runner import PREFETCH_HORIZON, Worker
-from tests.worker_support import Echo, Recorder, Step, registry, scripted
+from tests.support.polling import wait_for
+from tests.support.worker import Echo, Recorder, Step, registry, scripted
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 STEP = "test.step.v1"
-
-
-def wait_for(predicate, timeout=10.0, interval=0.005, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"{what} not met within {timeout}s")
 
 
 def held_by(worker: Worker) -> int:
@@ -81,7 +73,7 @@ def most_held(worker: Worker, load) -> int:
 def measured_short(worker: Worker) -> None:
     """Run one no-op job, so the worker knows its handlers are short."""
     first = enqueue(Step(plan=("ok",)))
-    wait_for(lambda: succeeded([first]), what="the first job ran")
+    wait_for(lambda: succeeded([first]), what="the first job ran", interval=0.005)
 
 
 def test_short_handlers_are_prefetched_but_never_run_beyond_the_threads():
@@ -92,9 +84,11 @@ def test_short_handlers_are_prefetched_but_never_run_beyond_the_threads():
         before = running_gauge()
         # Each takes 0.3 s: a claim takes 2 for the threads and 6 to wait for them.
         load = [enqueue(Step(plan=("sleep",), seconds=0.3)) for _ in range(10)]
-        wait_for(lambda: held_by(worker) == 8, what="8 jobs held by a 2-thread worker")
+        wait_for(
+            lambda: held_by(worker) == 8, what="8 jobs held by a 2-thread worker", interval=0.005
+        )
         assert running_gauge() - before <= 2  # jobs_worker_running counts handlers, not held
-        wait_for(lambda: succeeded(load), timeout=20, what="every job succeeded")
+        wait_for(lambda: succeeded(load), timeout=20, what="every job succeeded", interval=0.005)
     finally:
         stop(worker, thread)
     assert running_gauge() == before
@@ -163,10 +157,12 @@ def test_async_handlers_are_prefetched_but_never_run_beyond_the_concurrency():
     worker, thread = async_worker(recorder, concurrency=2, prefetch=6)
     try:
         first = enqueue(Echo(text="0"))
-        wait_for(lambda: succeeded([first]), what="a short async job ran")
+        wait_for(lambda: succeeded([first]), what="a short async job ran", interval=0.005)
         load = [enqueue(Echo(text="0.3")) for _ in range(10)]
-        wait_for(lambda: held_by(worker) == 8, what="8 jobs held by a worker of 2 slots")
-        wait_for(lambda: succeeded(load), timeout=20, what="every job succeeded")
+        wait_for(
+            lambda: held_by(worker) == 8, what="8 jobs held by a worker of 2 slots", interval=0.005
+        )
+        wait_for(lambda: succeeded(load), timeout=20, what="every job succeeded", interval=0.005)
     finally:
         stop(worker, thread)
     assert recorder.peak["test.echo.v1"] == 2  # handlers at once: never more than the slots
@@ -181,7 +177,7 @@ def test_prefetched_handlers_of_both_kinds_never_run_beyond_the_concurrency():
     worker, thread = async_worker(recorder, concurrency=3, prefetch=9)
     try:
         warm = [enqueue(Echo(text="0")), enqueue(Step(plan=("ok",)))]
-        wait_for(lambda: succeeded(warm), what="short jobs of both kinds ran")
+        wait_for(lambda: succeeded(warm), what="short jobs of both kinds ran", interval=0.005)
         load = [
             enqueue(Echo(text="0.2")) if n % 2 else enqueue(Step(plan=("sleep",), seconds=0.2))
             for n in range(16)
@@ -217,11 +213,13 @@ def test_a_drain_hands_prefetched_jobs_back_at_once(worker_of, job):
     worker, thread = worker_of(recorder, concurrency=1, prefetch=5)
     try:
         first = enqueue(job(0))
-        wait_for(lambda: succeeded([first]), what="a short job ran")
+        wait_for(lambda: succeeded([first]), what="a short job ran", interval=0.005)
         long = enqueue(job(1.5))  # claimed first: the older job
         waiting = [enqueue(job(0)) for _ in range(4)]
-        wait_for(lambda: held_by(worker) == 5, what="the long job and 4 prefetched held")
-        wait_for(lambda: len(recorder.calls) == 2, what="the long job started")
+        wait_for(
+            lambda: held_by(worker) == 5, what="the long job and 4 prefetched held", interval=0.005
+        )
+        wait_for(lambda: len(recorder.calls) == 2, what="the long job started", interval=0.005)
         worker.request_stop()
         # Back in the queue, unrun, while the long job still runs: not after the drain.
         wait_for(
@@ -232,6 +230,7 @@ def test_a_drain_hands_prefetched_jobs_back_at_once(worker_of, job):
                 == 4
             ),
             what="the prefetched jobs handed back",
+            interval=0.005,
         )
         assert Job.objects.get(pk=long.id).state == "running"
     finally:

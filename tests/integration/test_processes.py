@@ -20,7 +20,7 @@ from django.test.utils import CaptureQueriesContext
 from jobs import queue
 from jobs.models import Job, Process
 from jobs.process import Presence, process_identity
-from jobs.queue import AllTenants, ClaimRequest, NewJob, ProcessBeat, processes
+from jobs.queue import AllTenants, NewJob, ProcessBeat, processes
 from jobs.scheduler.clock import database_now
 from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.retention import Retention, RetentionConfig
@@ -29,31 +29,11 @@ from jobs.worker.config import DEFAULT_CONCURRENCY, WorkerConfig
 from jobs.worker.leases import LeaseKeeper
 from jobs.worker.presence import describe, worker_presence
 from jobs.worker.runner import Worker
-from tests.acceptance.conftest import wait_for
-from tests.worker_support import Echo, Recorder, Step, registry
+from tests.support.polling import wait_for
+from tests.support.process_rows import claim_for, register, shift
+from tests.support.worker import Echo, Recorder, Step, registry
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def register(identity: str = "h:1:aa", *, expires_in: float = 10.0, **kwargs) -> None:
-    kwargs = {"component": "worker", "host": "h", "pid": 1, "version": "0.1.0", **kwargs}
-    kwargs.setdefault("concurrency", 4 if kwargs["component"] == "worker" else None)
-    processes.register(identity, expires_in=expires_in, **kwargs)
-
-
-def shift(identity: str, **deltas: float) -> None:
-    """Move a row's timestamps back by seconds (PostgreSQL's clock), to age it without waiting."""
-    sets = ", ".join(f"{column} = {column} - make_interval(secs => %s)" for column in deltas)
-    with connection.cursor() as cur:
-        cur.execute(
-            f"UPDATE jobs_process SET {sets} WHERE identity = %s", [*deltas.values(), identity]
-        )
-
-
-def claim_for(identity: str, count: int = 1) -> list[queue.ClaimedJob]:
-    for i in range(count):
-        queue.enqueue(NewJob(Echo.job_name, {"text": str(i)}))
-    return queue.claim([ClaimRequest(Echo.job_name, count)], scope=AllTenants(), worker=identity)
 
 
 class TestRegister:

@@ -11,7 +11,7 @@ from django.urls import reverse
 from jobs.models import Job, Process
 from jobs.queue import ProcessBeat, processes
 from jobs.scheduler.clock import database_now
-from tests.integration.test_processes import claim_for, register, shift
+from tests.support.process_rows import claim_for, register, shift
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

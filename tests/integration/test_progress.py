@@ -27,9 +27,9 @@ from jobs.worker.config import WorkerConfig
 from jobs.worker.execution import Running, make_context
 from jobs.worker.leases import LeaseKeeper
 from jobs.worker.runner import Worker
-from tests.acceptance.conftest import wait_for
-from tests.factories import JobFactory
-from tests.integration.test_admin_factories import client_for, operator
+from tests.support.admin import client_for, operator
+from tests.support.factories import JobFactory
+from tests.support.polling import wait_for
 
 NAME = "test.progress.v1"
 
@@ -371,7 +371,7 @@ class TestAdmin:
 def test_a_process_page_shows_the_progress_of_the_jobs_it_holds(client):
     from django.contrib.auth.models import Permission, User
 
-    from tests.integration.test_processes import claim_for, register
+    from tests.support.process_rows import claim_for, register
 
     user = User.objects.create_user("ops", is_staff=True)
     for codename in ("view_process", "view_job"):  # held jobs are shown to job viewers

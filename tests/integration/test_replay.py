@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 
 import pytest
 from django.contrib.admin.models import CHANGE, LogEntry
@@ -19,17 +18,15 @@ from jobs.runs import RunState
 from project.curation.models import CurationRun
 from project.harvester.models import DeadLetter
 from project.mail.models import Delivery
-from tests.factories import JobFactory
-from tests.integration.test_admin_factories import (
-    REPLAY_ALL,
-    VIEW_ALL,
+from tests.support.admin import REPLAY_ALL, VIEW_ALL, client_for, operator
+from tests.support.factories import (
     CurationRunFactory,
     DeadLetterFactory,
     DeliveryFactory,
+    JobFactory,
     ago,
-    client_for,
-    operator,
 )
+from tests.support.polling import wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -235,7 +232,7 @@ def test_two_requests_that_truly_overlap_resend_once():
             started = [threading.Thread(target=post, args=(c,)) for c in clients]
             for thread in started:
                 thread.start()
-            wait_until(lambda: _waiting_on_locks(probe) == 2)
+            wait_for(lambda: _waiting_on_locks(probe) == 2)
     finally:
         probe.close()
     for thread in started:
@@ -245,13 +242,6 @@ def test_two_requests_that_truly_overlap_resend_once():
     assert Delivery.objects.get(pk=delivery.pk).resends == 1
     assert Job.objects.filter(name="mail.deliver.v1").count() == 1
     assert len(log_for(delivery)) == 1
-
-
-def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def _probe_connection():

@@ -9,7 +9,7 @@ import pytest
 from jobs.models import Job, ScheduleSlot
 from jobs.scheduler.clock import database_now
 from jobs.scheduler.retention import Retention, RetentionConfig
-from tests.factories import JobFactory
+from tests.support.factories import JobFactory
 
 pytestmark = pytest.mark.django_db
 

@@ -28,18 +28,10 @@ from jobs.scheduler.reporting import status
 from jobs.scheduler.schedules import load_schedules
 from jobs.scheduler.timing import Decision, SlotKind
 from jobs.testing import run_worker
-from tests.factories import JobFactory
+from tests.support.factories import JobFactory
+from tests.support.polling import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def wait_for(predicate, *, timeout: float = 10.0, what: str = "a condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def claim_all(name: str, count: int) -> list[str]:
@@ -178,7 +170,7 @@ def test_batches_sharing_keys_do_not_deadlock_when_a_key_is_freed_between_their_
     a.start()
     assert reached["A"].wait(10)  # A's first round inserted k2 (uncommitted), skipped k1
     proceed["B"].set()  # B releases k1's expired holder, inserts k1, then waits for A on k2
-    wait_for(lambda: _lock_waiters() >= 1, what="B to wait for A")
+    wait_for(lambda: _lock_waiters() >= 1, what="B to wait for A", interval=0.01)
     proceed["A"].set()  # A releases k1's holder: it waits for B, which waits for A
     a.join(30)
     b.join(30)
@@ -216,7 +208,7 @@ def test_types_without_a_limit_share_the_free_slots_of_one_claim():
 
     def watch() -> None:
         try:
-            wait_for(lambda: len(seen) >= 4, what="four jobs to start")
+            wait_for(lambda: len(seen) >= 4, what="four jobs to start", interval=0.01)
             with lock:
                 first_four.extend(seen[:4])
         finally:

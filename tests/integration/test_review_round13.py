@@ -8,8 +8,7 @@ concurrent ones use real threads (each with its own connection) and poll with de
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from io import StringIO
@@ -30,25 +29,15 @@ from jobs.queue import AllTenants, ClaimRequest, NewJob, OnlyTenant, history
 from jobs.queue.history import HOUR, _floor
 from jobs.scheduler.clock import database_now
 from jobs.scheduler.retention import Archive, Retention
-from tests.integration.test_admin_factories import client_for, operator
-from tests.integration.test_history import NAME, finish, job, where
+from tests.support.admin import client_for, operator
+from tests.support.concurrency import Background
+from tests.support.history import NAME, finish, job, where
+from tests.support.polling import wait_for
 
 MINUTE = timedelta(minutes=1)
 
 
 # -- helpers --------------------------------------------------------------------------------
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "") -> Any:
-    """Poll ``predicate`` until it is truthy or the deadline passes (then fail)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what or predicate}")
-        time.sleep(0.02)
 
 
 def lock_waiters(like: str = "%") -> int:
@@ -60,32 +49,6 @@ def lock_waiters(like: str = "%") -> int:
             [like],
         )
         return cur.fetchone()[0]
-
-
-class Background:
-    """Run ``target`` in a thread with its own connection; ``result()`` joins and re-raises."""
-
-    def __init__(self, target: Callable[[], Any]):
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-        def body() -> None:
-            try:
-                self._value = target()
-            except BaseException as exc:  # re-raised by result()
-                self._error = exc
-            finally:
-                connection.close()
-
-        self.thread = threading.Thread(target=body, daemon=True)
-        self.thread.start()
-
-    def result(self, timeout: float = 60.0) -> Any:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "background thread did not finish in time"
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 @contextmanager
@@ -230,7 +193,9 @@ def test_a_replay_racing_an_archive_of_the_same_row_replays_it():
     archiver = Background(archive_held_open)
     assert moved.wait(30)
     replayer = Background(lambda: queue.replay([pk], by="alice"))
-    wait_until(lambda: lock_waiters("%FOR UPDATE%") == 1, what="the replay to wait on the row")
+    wait_for(
+        lambda: lock_waiters("%FOR UPDATE%") == 1, what="the replay to wait on the row", timeout=30
+    )
     release.set()
     assert archiver.result() == {"failed": (1, 1)}
     report = replayer.result()

@@ -33,7 +33,7 @@ from jobs.queue import (
     Outcome,
     claim_sql,
 )
-from tests.prepared import prepare_threshold
+from tests.support.prepared import prepare_threshold
 
 NAME = "test.noop.v1"
 SCOPE = AllTenants()

@@ -37,11 +37,11 @@ from jobs.scheduler.watchdog import Watchdog
 from jobs.worker.config import WorkerConfig
 from jobs.worker.execution import Running, make_context, sync_run_rows
 from jobs.worker.runner import Worker
-from tests.acceptance.conftest import wait_for
-from tests.integration.test_admin_factories import operator
 from tests.runapp.jobs import DeliverV1
 from tests.runapp.models import Delivery
-from tests.worker_support import Recorder, Step, registry
+from tests.support.admin import operator
+from tests.support.polling import wait_for
+from tests.support.worker import Recorder, Step, registry
 
 NOOP = "test.noop.v1"
 OTHER = "test.other.v1"
@@ -524,8 +524,10 @@ def test_bug_a_lock_on_a_workers_process_row_stops_its_lease_renewals():
     thread = threading.Thread(target=worker.run)
     thread.start()
     try:
-        wait_for(lambda: recorder.calls, what="the handler started")
-        wait_for(lambda: processes.status(config.identity), what="the worker registered")
+        wait_for(lambda: recorder.calls, what="the handler started", timeout=20)
+        wait_for(
+            lambda: processes.status(config.identity), what="the worker registered", timeout=20
+        )
         token = row_of(done.id).claim_token
         sql = "SELECT 1 FROM jobs_process WHERE identity = %s FOR UPDATE"
         with RowLock(sql, [config.identity]):  # an operator's open transaction, say
@@ -657,7 +659,9 @@ def test_guard_no_claim_started_after_the_pause_committed_takes_a_paused_job(cla
     claimers = [Thread(claimer) for _ in range(4)]
     for t in claimers:
         t.start()
-    wait_for(lambda: Job.objects.filter(state="running").exists(), what="claims under way")
+    wait_for(
+        lambda: Job.objects.filter(state="running").exists(), what="claims under way", timeout=20
+    )
     queue.pause("job_type", NOOP, by="alice")
     committed.set()
     try:

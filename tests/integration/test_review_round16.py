@@ -32,11 +32,19 @@ from jobs.scheduler.clock import database_now
 from jobs.testing import run_worker
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
-from tests.factories import JobFactory
-from tests.integration.test_worker_hardening import refusing_trigger, run_until, settled
 from tests.runapp.jobs import DeliverV1
 from tests.runapp.models import Delivery
-from tests.worker_support import Echo, Hostile, Recorder, hostile_registry
+from tests.support.factories import JobFactory
+from tests.support.polling import wait_for
+from tests.support.worker import (
+    Echo,
+    Hostile,
+    Recorder,
+    hostile_registry,
+    refusing_trigger,
+    run_until,
+    settled,
+)
 
 NOOP = "test.noop.v1"
 OTHER = "test.other.v1"
@@ -63,16 +71,6 @@ def every_bin(step=timedelta(hours=1)) -> list[rollup.Bin]:
 
 def row_of(pk: int) -> Job:
     return Job.objects.get(pk=pk)
-
-
-def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not met within {timeout}s")
 
 
 class Thread(threading.Thread):
@@ -551,7 +549,9 @@ def test_a_refused_rollup_does_not_wedge_the_worker():
         thread.start()
         try:
             wait_for(
-                lambda: all(row_of(pk).state != "queued" for pk in ids), what="the jobs claimed"
+                lambda: all(row_of(pk).state != "queued" for pk in ids),
+                what="the jobs claimed",
+                timeout=15,
             )
             # Well past the lease: both the outcome and the recovery had their chance.
             deadline = time.monotonic() + 4

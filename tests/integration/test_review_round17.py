@@ -33,9 +33,9 @@ from jobs.queue.flow import FlowLimits, limits_of
 from jobs.registry import JobType, Registry
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
-from tests.acceptance.conftest import wait_for
-from tests.factories import TenantOverrideFactory
-from tests.worker_support import Echo, Recorder, Step, echo_handler, scripted
+from tests.support.factories import TenantOverrideFactory
+from tests.support.polling import wait_for
+from tests.support.worker import Echo, Recorder, Step, echo_handler, scripted
 
 pytestmark = pytest.mark.django_db
 

@@ -18,7 +18,8 @@ from jobs.models import Job, JobHistory
 from jobs.queue import AllTenants, ClaimRequest, NewJob
 from jobs.queue import batches as queue_batches
 from jobs.queue.types import InvalidJob
-from tests.integration.test_effects import wait_until, waiting_on_a_lock
+from tests.support.concurrency import waiting_on_a_lock
+from tests.support.polling import wait_for
 from tests.support.workflows import settle
 
 UP, DOWN, REPORT = "test.noop.v1", "test.after.v1", "test.report.v1"
@@ -63,7 +64,7 @@ def run_both(first, second, *, then_when=waiting_on_a_lock, release=None) -> lis
     for thread in threads:
         thread.start()
     if release is not None:
-        wait_until(then_when, what="the second session waits for a lock")
+        wait_for(then_when, what="the second session waits for a lock", interval=0.01)
         release.set()
     for thread in threads:
         thread.join(30)

@@ -18,7 +18,7 @@ import jobs
 from jobs import JobSpec, Payload
 from jobs.models import Job
 from jobs.queue import InvalidJob, NewJob
-from tests.worker_support import fake_held_job
+from tests.support.worker import fake_held_job
 
 enqueue_module = importlib.import_module("jobs.queue.enqueue")
 runner_module = importlib.import_module("jobs.worker.runner")

@@ -15,7 +15,7 @@ from jobs.queue import _db
 from jobs.worker import metrics
 from jobs.worker.execution import close_open_transactions
 from jobs.worker.pool import HandlerPool
-from tests.worker_support import run_on
+from tests.support.worker import run_on
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

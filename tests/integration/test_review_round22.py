@@ -17,7 +17,6 @@ and against what ``jobs.queue.outcomes`` promises (written, fenced, busy, stoppe
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import re
 import threading
@@ -40,7 +39,9 @@ from jobs.models import Job
 from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, OutcomeReport, flow
 from jobs.queue import outcomes as outcomes_module
 from jobs.queue.flow import FlowLimits
-from tests.integration.test_review_round13 import Background
+from tests.support.concurrency import Background
+from tests.support.explain import explained_nested_statements
+from tests.support.functions import function_body, installed_sources, migration_sql
 
 NAME = "test.round22.v1"
 # Nothing is ever queued under these: a pass that writes outcomes and claims nothing.
@@ -60,17 +61,12 @@ CALLS = {
 }
 # The functions the code calls, and the earlier ones a rolling deploy's old workers call.
 FUNCTIONS = ("jobs_worker_pass_v2", "jobs_worker_fair_pass_v2")
-EARLIER = ("jobs_worker_pass", "jobs_worker_fair_pass")
 
 
 def _without_filter(sql: str, times: int = 1) -> str:
     old, found = FILTER.subn("", sql)
     assert found == times, "the busy CTE's one-time filter is not where the review expects it"
     return old
-
-
-def _migration_sql(module: str) -> str:
-    return importlib.import_module(f"jobs.migrations.{module}").SQL
 
 
 @contextmanager
@@ -363,35 +359,6 @@ def _anti_joins(plan: dict) -> list[dict]:
     return [n for n in nodes(plan) if n.get("Join Type", "").endswith("Anti")]
 
 
-@contextmanager
-def explained_nested_statements() -> Iterator[list[dict]]:
-    """The plans, with actual counts, of the statements run inside functions meanwhile.
-
-    Inside a transaction the caller rolls back, which undoes the settings (not the LOAD,
-    harmless with them off)."""
-    assert connection.in_atomic_block
-    plans: list[dict] = []
-    raw = connection.connection
-
-    def notice(diagnostic) -> None:
-        text = diagnostic.message_primary or ""
-        if "Plan" in text and "{" in text:
-            plans.append(json.loads(text[text.index("{") :]))
-
-    with connection.cursor() as cur:
-        cur.execute(
-            "LOAD 'auto_explain'; SET auto_explain.log_min_duration = 0;"
-            " SET auto_explain.log_analyze = on; SET auto_explain.log_buffers = on;"
-            " SET auto_explain.log_nested_statements = on;"
-            " SET auto_explain.log_format = json; SET auto_explain.log_level = notice"
-        )
-    raw.add_notice_handler(notice)
-    try:
-        yield plans
-    finally:
-        raw.remove_notice_handler(notice)
-
-
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("fenced", [False, True], ids=["written whole", "one fenced"])
 @pytest.mark.parametrize("path", ["pass function", "fair pass function"])
@@ -421,17 +388,6 @@ def test_the_worker_functions_kept_plan_skips_the_anti_join_only_when_written_wh
         _clean()
 
 
-def _body(sql: str) -> str:
-    return sql.split("$$")[1]
-
-
-def _sources() -> dict[str, str]:
-    """The earlier functions' texts, as installed."""
-    with connection.cursor() as cur:
-        cur.execute("SELECT proname, prosrc FROM pg_proc WHERE proname = ANY(%s)", [list(EARLIER)])
-        return dict(cur.fetchall())
-
-
 def _busy_through_function(path: str) -> OutcomeReport:
     ids = [e.id for e in queue.enqueue_many([NewJob(NAME, {})] * 3)]
     held = queue.claim([ClaimRequest(NAME, 3)], scope=SCOPE)
@@ -448,36 +404,36 @@ def _busy_through_function(path: str) -> OutcomeReport:
 @pytest.mark.django_db(transaction=True)
 def test_the_migrations_put_each_function_back_both_ways(fair_gate):
     new = {
-        "jobs_worker_pass": _migration_sql("0019_worker_pass_busy_when_unwritten"),
-        "jobs_worker_fair_pass": _migration_sql("0020_worker_fair_pass_busy_when_unwritten"),
+        "jobs_worker_pass": migration_sql("0019_worker_pass_busy_when_unwritten"),
+        "jobs_worker_fair_pass": migration_sql("0020_worker_fair_pass_busy_when_unwritten"),
     }
     old = {
-        "jobs_worker_pass": _migration_sql("0016_worker_pass"),
-        "jobs_worker_fair_pass": _migration_sql("0017_worker_fair_pass"),
+        "jobs_worker_pass": migration_sql("0016_worker_pass"),
+        "jobs_worker_fair_pass": migration_sql("0017_worker_fair_pass"),
     }
     # Later migrations replaced both functions again (0022, 0023): the database runs theirs.
     latest = {
-        "jobs_worker_pass": _migration_sql("0022_worker_pass_linear"),
-        "jobs_worker_fair_pass": _migration_sql("0023_worker_fair_pass_linear"),
+        "jobs_worker_pass": migration_sql("0022_worker_pass_linear"),
+        "jobs_worker_fair_pass": migration_sql("0023_worker_fair_pass_linear"),
     }
-    assert _sources() == {name: _body(sql) for name, sql in latest.items()}
+    assert installed_sources() == {name: function_body(sql) for name, sql in latest.items()}
     # The old text is the new one without the filter (and its comment): nothing else moved.
     for name in new:
         assert re.sub(
             r"\s+",
             " ",
-            _without_filter(_body(new[name]), times=2 if name == "jobs_worker_pass" else 1),
+            _without_filter(function_body(new[name]), times=2 if name == "jobs_worker_pass" else 1),
         ).replace(
             " Looked -- for only when some outcome was not written: comparing each outcome"
             " with every written one -- costs the square of the batch.",
             "",
-        ) == re.sub(r"\s+", " ", _body(old[name]))
+        ) == re.sub(r"\s+", " ", function_body(old[name]))
     try:
         call_command("migrate", "jobs", "0018", verbosity=0)
-        assert _sources() == {name: _body(sql) for name, sql in old.items()}
+        assert installed_sources() == {name: function_body(sql) for name, sql in old.items()}
     finally:
         call_command("migrate", "jobs", verbosity=0)
-    assert _sources() == {name: _body(sql) for name, sql in latest.items()}
+    assert installed_sources() == {name: function_body(sql) for name, sql in latest.items()}
     for path in CALLS:
         report = _busy_through_function(path)
         assert len(report.busy) == 1 and len(report.applied) == 3

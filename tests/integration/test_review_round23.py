@@ -27,8 +27,8 @@ from jobs.models import Job
 from jobs.registry import JobType, Policy, Registry
 from jobs.worker import on_loop
 from jobs.worker.runner import Worker
-from tests.integration.test_async_on_loop import config, run
-from tests.worker_support import FAST_BACKOFF, wait_for
+from tests.support.polling import wait_for
+from tests.support.worker import FAST_BACKOFF, run_jobs, worker_config
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -199,11 +199,11 @@ def test_the_worker_task_cancelled_mid_await_is_the_workers_failure_whatever_the
     worker's failure, not as the handler's result or error; the handler's task (and a
     TaskGroup's children) end with it, and the slot comes back."""
     job = enqueue(Act(action=f"await-{reaction}"))
-    with Running(seen, Worker(registry(seen), config())) as running:
-        wait_for(lambda: seen.started == 1)
+    with Running(seen, Worker(registry(seen), worker_config())) as running:
+        wait_for(lambda: seen.started == 1, interval=0.005)
         running.cancel_worker_task(job)
-        wait_for(lambda: row(job).state == "failed")
-        wait_for(lambda: running.worker.idle and running.worker._in_flight == 0)
+        wait_for(lambda: row(job).state == "failed", interval=0.005)
+        wait_for(lambda: running.worker.idle and running.worker._in_flight == 0, interval=0.005)
     failed = row(job)
     assert (failed.attempts, failed.last_error) == (1, "handler_error")
     assert failed.error_detail.startswith(WORKER_FAILURE), failed.error_detail
@@ -220,7 +220,7 @@ def test_the_worker_task_cancelled_as_the_handler_returns_is_the_workers_failure
     result is not taken, the job ends as the worker's failure (as under asyncio.wait)."""
     job = enqueue(Act(action="cancel-worker-then-return"))
 
-    worker = run(registry(seen), job.id)
+    worker = run_jobs(registry(seen), job.id)
 
     failed = row(job)
     assert (failed.state, failed.last_error, failed.result) == ("failed", "handler_error", None)
@@ -241,7 +241,7 @@ def test_the_worker_task_cancelled_before_the_handlers_first_step(seen, monkeypa
     monkeypatch.setattr(on_loop._Current, "start", start_then_cancel_the_job_task)
     job = enqueue(Act())
 
-    worker = run(registry(seen), job.id)
+    worker = run_jobs(registry(seen), job.id)
 
     failed = row(job)
     assert (failed.state, failed.last_error) == ("failed", "handler_error")
@@ -255,15 +255,15 @@ def test_a_handler_ignoring_the_worker_tasks_cancellation_keeps_its_slot_until_i
     while the handler still runs, then the job ends as the worker's failure. Under
     asyncio.wait the failure was written at once, the handler left running with no slot."""
     job = enqueue(Act(action="await-ignore"))
-    with Running(seen, Worker(registry(seen), config())) as running:
-        wait_for(lambda: seen.started == 1)
+    with Running(seen, Worker(registry(seen), worker_config())) as running:
+        wait_for(lambda: seen.started == 1, interval=0.005)
         running.cancel_worker_task(job)
-        wait_for(lambda: seen.cancelled == 1)
+        wait_for(lambda: seen.cancelled == 1, interval=0.005)
         assert running.worker._in_flight == 1 and not running.worker.idle
         assert row(job).state == "running"
         seen.release.set()
-        wait_for(lambda: row(job).state == "failed")
-        wait_for(lambda: running.worker.idle and running.worker._in_flight == 0)
+        wait_for(lambda: row(job).state == "failed", interval=0.005)
+        wait_for(lambda: running.worker.idle and running.worker._in_flight == 0, interval=0.005)
     assert row(job).error_detail.startswith(WORKER_FAILURE), row(job).error_detail
 
 
@@ -272,8 +272,8 @@ def test_the_worker_task_cancelled_during_an_in_process_retry_wait(seen):
     job's task there ends the attempt as the worker's failure, a retry through the queue
     (a new claim), not a continuation in process."""
     job = enqueue(Act(action="retry-after-then-ok"))
-    with Running(seen, Worker(registry(seen, max_attempts=2), config())) as running:
-        wait_for(lambda: seen.started == 1)
+    with Running(seen, Worker(registry(seen, max_attempts=2), worker_config())) as running:
+        wait_for(lambda: seen.started == 1, interval=0.005)
         loop = seen.loop
         assert loop is not None
 
@@ -281,10 +281,10 @@ def test_the_worker_task_cancelled_during_an_in_process_retry_wait(seen):
             names = asyncio.run_coroutine_threadsafe(_task_names(), loop).result(5)
             return any(name.endswith("waits to retry") for name in names)
 
-        wait_for(waiting)
+        wait_for(waiting, interval=0.005)
         running.cancel_worker_task(job)
-        wait_for(lambda: row(job).state == "succeeded")
-        wait_for(lambda: running.worker.idle)
+        wait_for(lambda: row(job).state == "succeeded", interval=0.005)
+        wait_for(lambda: running.worker.idle, interval=0.005)
     first, second = seen.contexts[job.id]
     assert first is not second, "claimed again: the retry went through the queue"
     assert row(job).attempts == 2
@@ -307,7 +307,7 @@ def test_what_a_handler_does_to_its_own_task_ends_as_before(seen):
     }
     jobs = {action: enqueue(Act(action=action)) for action in actions}
 
-    worker = run(registry(seen), *(j.id for j in jobs.values()))
+    worker = run_jobs(registry(seen), *(j.id for j in jobs.values()))
 
     for action, (state, raised) in actions.items():
         done = row(jobs[action])
@@ -328,7 +328,7 @@ def test_a_deadline_ends_deadline_exceeded_whatever_the_handler_makes_of_it(seen
     reactions = ["return", "value-error", "keyboard-interrupt", "timeout-scope", "taskgroup"]
     jobs = [enqueue(Act(action=f"await-{r}")) for r in reactions]
 
-    worker = run(
+    worker = run_jobs(
         registry(seen, timeout=timedelta(milliseconds=300)), *(j.id for j in jobs), concurrency=5
     )
 
@@ -344,12 +344,12 @@ def test_a_deadline_ends_deadline_exceeded_whatever_the_handler_makes_of_it(seen
 
 def test_a_lost_lease_writes_nothing_whatever_the_handler_makes_of_it(seen):
     jobs = [enqueue(Act(action=f"await-{r}")) for r in ("return", "value-error")]
-    worker = Worker(registry(seen), config(lease=timedelta(seconds=0.3)))
+    worker = Worker(registry(seen), worker_config(lease=timedelta(seconds=0.3)))
     with Running(seen, worker):
-        wait_for(lambda: seen.started == 2)
+        wait_for(lambda: seen.started == 2, interval=0.005)
         Job.objects.filter(pk__in=[j.id for j in jobs]).update(claim_token=STOLEN)
-        wait_for(lambda: seen.cancelled == 2, timeout=5)
-        wait_for(lambda: worker.idle and worker._in_flight == 0, timeout=5)
+        wait_for(lambda: seen.cancelled == 2, timeout=5, interval=0.005)
+        wait_for(lambda: worker.idle and worker._in_flight == 0, timeout=5, interval=0.005)
     for job in jobs:
         stolen = row(job)
         assert (stolen.state, stolen.attempts, str(stolen.claim_token)) == ("running", 1, STOLEN)
@@ -357,24 +357,24 @@ def test_a_lost_lease_writes_nothing_whatever_the_handler_makes_of_it(seen):
 
 def test_an_operator_cancel_ends_cancelled_whatever_the_handler_makes_of_it(seen):
     jobs = [enqueue(Act(action=f"await-{r}")) for r in ("return", "value-error")]
-    worker = Worker(registry(seen, max_attempts=3), config(lease=timedelta(seconds=0.6)))
+    worker = Worker(registry(seen, max_attempts=3), worker_config(lease=timedelta(seconds=0.6)))
     with Running(seen, worker):
-        wait_for(lambda: seen.started == 2)
+        wait_for(lambda: seen.started == 2, interval=0.005)
         assert queue.cancel_running([j.id for j in jobs], by="round23") == sorted(
             j.id for j in jobs
         )
-        wait_for(lambda: {row(j).state for j in jobs} == {"cancelled"})
-        wait_for(lambda: worker.idle and worker._in_flight == 0)
+        wait_for(lambda: {row(j).state for j in jobs} == {"cancelled"}, interval=0.005)
+        wait_for(lambda: worker.idle and worker._in_flight == 0, interval=0.005)
     assert seen.cancelled == 2
     assert {row(j).last_error for j in jobs} == {"cancelled"}
 
 
 def test_a_drain_hands_back_whatever_the_handler_makes_of_its_cancellation(seen):
     jobs = [enqueue(Act(action=f"await-{r}")) for r in ("return", "value-error", "reraise")]
-    worker = Worker(registry(seen), config(shutdown_timeout=0.3, cancel_timeout=5.0))
+    worker = Worker(registry(seen), worker_config(shutdown_timeout=0.3, cancel_timeout=5.0))
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
-    wait_for(lambda: seen.started == 3)
+    wait_for(lambda: seen.started == 3, interval=0.005)
     stopping = time.monotonic()
     worker.request_stop()
     thread.join(15)
@@ -392,10 +392,10 @@ def test_a_drain_past_a_handler_ignoring_every_cancellation_keeps_its_lease_and_
     job's task, which now waits for its handler: run() still returns, the loop thread lives
     on until the handler ends, then closes."""
     job = enqueue(Act(action="await-ignore"))
-    worker = Worker(registry(seen), config(shutdown_timeout=0.2, cancel_timeout=0.3))
+    worker = Worker(registry(seen), worker_config(shutdown_timeout=0.2, cancel_timeout=0.3))
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
-    wait_for(lambda: seen.started == 1)
+    wait_for(lambda: seen.started == 1, interval=0.005)
     loop = seen.loop
     worker.request_stop()
     thread.join(15)
@@ -406,5 +406,5 @@ def test_a_drain_past_a_handler_ignoring_every_cancellation_keeps_its_lease_and_
     assert seen.cancelled >= 2  # the drain's cancel, then the loop's close
     assert loop is not None and not loop.is_closed()
     seen.release.set()
-    wait_for(loop.is_closed)
+    wait_for(loop.is_closed, interval=0.005)
     assert row(job).state == "running", "abandoned: nothing written after the loop closed"

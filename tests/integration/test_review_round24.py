@@ -48,8 +48,9 @@ from jobs.worker import runner as runner_module
 from jobs.worker.config import WorkerConfig
 from jobs.worker.pool import STALL_AFTER, HandlerPool
 from jobs.worker.runner import CPU_SAMPLE_INTERVAL, Worker
-from tests.integration.test_handoff import draw_batches, run_batches
-from tests.worker_support import Step, fake_held_job, running_worker, wait_for
+from tests.support.handler_pool import draw_batches, run_batches
+from tests.support.polling import wait_for
+from tests.support.worker import Step, fake_held_job, running_worker
 
 # -- the stall watch on a simulated clock ---------------------------------------------------------
 
@@ -221,13 +222,17 @@ def test_a_batch_as_the_lingering_watch_looks_gets_its_thread_at_the_first_look_
     try:
         for _ in range(3):
             del events[:]
-            wait_for(lambda: events and events[-1] == "poll", what="the watch polling")
+            wait_for(
+                lambda: events and events[-1] == "poll", what="the watch polling", interval=0.005
+            )
             release = threading.Event()
             quick: list[int] = []
             pool.submit_many([lambda r=release: r.wait(10), lambda q=quick: q.append(1)], wake=1)
-            wait_for(lambda q=quick: q, what="the quick task run")
+            wait_for(lambda q=quick: q, what="the quick task run", interval=0.005)
             release.set()
-            wait_for(lambda: pool.busy == 0 and not pool._tasks, what="the pool idle")
+            wait_for(
+                lambda: pool.busy == 0 and not pool._tasks, what="the pool idle", interval=0.005
+            )
             assert "late look" in events, events
             after = events[events.index("late look") + 1 :]
             if not after or after[0] != "wake":
@@ -291,8 +296,8 @@ def test_an_idle_pools_watch_sleeps_until_woken_not_polling():
         for _ in range(5):
             done: list[int] = []
             pool.submit_many([lambda d=done: d.append(1)] * 3, wake=1)
-            wait_for(lambda d=done: len(d) == 3, what="the batch done")
-        wait_for(lambda: pool._watch_idle, what="the watch asleep until woken")
+            wait_for(lambda d=done: len(d) == 3, what="the batch done", interval=0.005)
+        wait_for(lambda: pool._watch_idle, what="the watch asleep until woken", interval=0.005)
         waits = count_watch_waits(pool)
         cpu = thread_cpu(pool._watch)
         deadline = time.monotonic() + 1.0
@@ -314,8 +319,8 @@ def test_a_watch_with_every_thread_busy_and_tasks_waiting_goes_to_sleep_too():
     done: list[int] = []
     try:
         pool.submit_many([lambda: release.wait(10)] * 2 + [lambda: done.append(1)] * 3)
-        wait_for(lambda: pool.busy == 2, what="both threads held")
-        wait_for(lambda: pool._watch_idle, what="the watch asleep", timeout=2)
+        wait_for(lambda: pool.busy == 2, what="both threads held", interval=0.005)
+        wait_for(lambda: pool._watch_idle, what="the watch asleep", timeout=2, interval=0.005)
         waits = count_watch_waits(pool)
         cpu = thread_cpu(pool._watch)
         time.sleep(0.3)  # a stretch of a saturated pool, watched
@@ -323,7 +328,7 @@ def test_a_watch_with_every_thread_busy_and_tasks_waiting_goes_to_sleep_too():
         assert waits == []
         assert not done
         release.set()
-        wait_for(lambda: len(done) == 3, what="the queued tasks run")
+        wait_for(lambda: len(done) == 3, what="the queued tasks run", interval=0.005)
     finally:
         release.set()
         assert pool.shutdown(timeout=5)
@@ -341,13 +346,13 @@ def test_shutdown_ends_the_watch_and_threads_at_once_whatever_the_watch_does(sta
     done: list[int] = []
     try:
         if state == "asleep":
-            wait_for(lambda: pool._watch_idle, what="the watch asleep")
+            wait_for(lambda: pool._watch_idle, what="the watch asleep", interval=0.005)
         elif state == "saturated":
             pool.submit_many([lambda: release.wait(10)] * 3 + [lambda: done.append(1)] * 4)
-            wait_for(lambda: pool.busy == 3, what="every thread held")
+            wait_for(lambda: pool.busy == 3, what="every thread held", interval=0.005)
         else:
             pool.submit_many([lambda: done.append(1)])
-            wait_for(lambda: done, what="the task run")
+            wait_for(lambda: done, what="the task run", interval=0.005)
             assert not pool._watch_idle
     finally:
         release.set()
@@ -447,7 +452,7 @@ def test_a_handed_back_job_leaves_the_threads_measuring_state_alone(monkeypatch)
                 lambda: worker._execute(after),
             ]
         )
-        wait_for(lambda: len(seen) == 2, what="two jobs finished")
+        wait_for(lambda: len(seen) == 2, what="two jobs finished", interval=0.005)
     finally:
         assert pool.shutdown(timeout=5)
     (_, held), (ran2, held2) = seen
@@ -495,7 +500,11 @@ def test_a_measured_job_never_counts_another_tasks_cpu_and_long_ones_are_followe
     try:
         for kind, pause in tasks:
             if pause:
-                wait_for(lambda: pool.busy == 0 and not pool._tasks, what="the thread free")
+                wait_for(
+                    lambda: pool.busy == 0 and not pool._tasks,
+                    what="the thread free",
+                    interval=0.005,
+                )
                 time.sleep(pause)  # the thread asleep between tasks: not a wait for anything
             if kind == "step":
                 pool.submit(lambda: (burn(0.006), steps.append(1)))
@@ -503,7 +512,9 @@ def test_a_measured_job_never_counts_another_tasks_cpu_and_long_ones_are_followe
                 running = fake_running(work[kind])
                 pool.submit(lambda running=running: worker._execute(running))
                 jobs += 1
-        wait_for(lambda: len(seen) == jobs and pool.busy == 0, what="every task run")
+        wait_for(
+            lambda: len(seen) == jobs and pool.busy == 0, what="every task run", interval=0.005
+        )
     finally:
         assert pool.shutdown(timeout=5)
     for ran, held in seen:
@@ -630,7 +641,11 @@ def test_a_drain_of_a_prefetching_worker_leaks_no_slot():
     jobs = [enqueue(Step(plan=("sleep",), seconds=0.002)) for _ in range(300)]
     registry = Registry([JobType(Step, sync_step, Policy(concurrency=None))])
     with running_worker(registry, concurrency=4, prefetch=40) as worker:
-        wait_for(lambda: Job.objects.filter(state="succeeded").count() >= 30, what="a drain begun")
+        wait_for(
+            lambda: Job.objects.filter(state="succeeded").count() >= 30,
+            what="a drain begun",
+            interval=0.005,
+        )
         began = time.monotonic()  # leaving stops it (one request: a graceful drain)
     assert time.monotonic() - began < 5
     states = set(Job.objects.filter(pk__in=[j.id for j in jobs]).values_list("state", flat=True))
@@ -648,9 +663,9 @@ def test_an_idle_workers_watch_sleeps_through_an_idle_second():
     for _ in range(20):
         enqueue(Step(plan=("ok",)))
     with running_worker(registry, concurrency=4) as worker:
-        wait_for(lambda: all_done() and worker.idle, what="the jobs done")
-        pool = wait_for(lambda: getattr(worker, "_pool", None), what="the pool")
-        wait_for(lambda: pool._watch_idle, what="the watch asleep", timeout=5)
+        wait_for(lambda: all_done() and worker.idle, what="the jobs done", interval=0.005)
+        pool = wait_for(lambda: getattr(worker, "_pool", None), what="the pool", interval=0.005)
+        wait_for(lambda: pool._watch_idle, what="the watch asleep", timeout=5, interval=0.005)
         waits = count_watch_waits(pool)
         cpu = thread_cpu(pool._watch)
         deadline = time.monotonic() + 1.0

@@ -69,7 +69,8 @@ from jobs.registry import JobType, Policy, Registry
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
 from tests.runapp.models import Delivery
-from tests.worker_support import Unruly, wait_for
+from tests.support.polling import wait_for
+from tests.support.worker import Unruly
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -275,7 +276,7 @@ def ended(jobs) -> bool:
 def warm_up(slots: Slots) -> None:
     """A no-op job of each kind: the worker's handlers measure short, so it prefetches."""
     jobs = [enqueue(Work()), enqueue(AWork()), enqueue(Work()), enqueue(AWork())]
-    wait_for(lambda: ended(jobs), what="the warm-up jobs ran")
+    wait_for(lambda: ended(jobs), what="the warm-up jobs ran", interval=0.005)
 
 
 def held(worker: Worker, job) -> list:
@@ -298,7 +299,7 @@ def books_closed(worker: Worker) -> bool:
 def hold_the_slot(slots: Slots, payload: Payload) -> object:
     """Enqueue ``payload`` (a long job) and wait until its handler runs."""
     long = enqueue(payload)
-    wait_for(lambda: slots.entered[long.id] == 1, what="the long job started")
+    wait_for(lambda: slots.entered[long.id] == 1, what="the long job started", interval=0.005)
     return long
 
 
@@ -373,7 +374,7 @@ def test_any_mix_of_jobs_runs_each_once_within_the_slots_and_closes_the_books(co
                 assert time.monotonic() < deadline, "the batch did not end within 20 s"
                 gauge_peak = max(gauge_peak, worker.handlers_running)
                 time.sleep(0.002)
-            wait_for(lambda: books_closed(worker), what="the worker's books closed")
+            wait_for(lambda: books_closed(worker), what="the worker's books closed", interval=0.005)
             assert slots.peak <= concurrency, f"{slots.peak} handlers at once on {concurrency}"
             for job, (_, action, _) in zip(jobs, batch, strict=True):
                 row = state_of(job)
@@ -396,7 +397,7 @@ def test_a_thread_only_worker_never_parks_a_job():
     worker, thread = start(mixed(slots), concurrency=3, prefetch=12)
     try:
         first = [enqueue(Work()) for _ in range(3)]
-        wait_for(lambda: ended(first), what="the warm-up jobs ran")
+        wait_for(lambda: ended(first), what="the warm-up jobs ran", interval=0.005)
         load = enqueue_many(
             [Work(action="sleep", seconds=0.002) if n % 4 == 0 else Work() for n in range(160)]
         )
@@ -431,7 +432,7 @@ def test_a_parked_job_resumed_by_a_handler_s_end_takes_that_slot():
         load = enqueue_many(
             [(Work if n % 2 else AWork)(action="sleep", seconds=0.003) for n in range(300)]
         )
-        wait_for(lambda: ended(load), timeout=30, what="the load drained")
+        wait_for(lambda: ended(load), timeout=30, what="the load drained", interval=0.005)
     finally:
         stop(worker, thread)
     times = worker._waiting.times
@@ -468,10 +469,16 @@ def test_a_parked_job_s_timeout_runs_from_its_start_not_its_claim(case):
         warm_up(slots)
         long = hold_the_slot(slots, long_type(action="sleep", seconds=1.2))
         parked = enqueue(parked_type(), max_attempts=1)
-        wait_for(lambda: held_by(worker) == 2, what="the parked job held beside the long one")
+        wait_for(
+            lambda: held_by(worker) == 2,
+            what="the parked job held beside the long one",
+            interval=0.005,
+        )
         if case != "sync-behind-sync":
-            wait_for(lambda: len(worker._waiting) == 1, what="the job parked for a slot")
-        wait_for(lambda: ended([parked]), timeout=10, what="the parked job ended")
+            wait_for(
+                lambda: len(worker._waiting) == 1, what="the job parked for a slot", interval=0.005
+            )
+        wait_for(lambda: ended([parked]), timeout=10, what="the parked job ended", interval=0.005)
         row = state_of(parked)
         assert state_of(long).state in ("running", "succeeded")
     finally:
@@ -497,16 +504,19 @@ def test_an_operator_cancel_stops_a_parked_job_before_its_handler(kind):
         warm_up(slots)
         long = hold_the_slot(slots, AWork(action="sleep", seconds=2.0))
         parked = enqueue(Work() if kind == "sync" else AWork())
-        wait_for(lambda: len(worker._waiting) == 1, what="the job parked for a slot")
+        wait_for(
+            lambda: len(worker._waiting) == 1, what="the job parked for a slot", interval=0.005
+        )
         assert cancel_running([parked.id], by="ops") == [parked.id]
         wait_for(
             lambda: any(r.cancel_requested for r in held(worker, parked)),
             timeout=3,
             what="the worker learned of the cancel",
+            interval=0.005,
         )
         assert slots.entered[parked.id] == 0 and state_of(long).state == "running"
-        wait_for(lambda: ended([parked]), timeout=10, what="the parked job ended")
-        wait_for(lambda: books_closed(worker), what="the worker's books closed")
+        wait_for(lambda: ended([parked]), timeout=10, what="the parked job ended", interval=0.005)
+        wait_for(lambda: books_closed(worker), what="the worker's books closed", interval=0.005)
     finally:
         stop(worker, thread)
     assert state_of(parked).state == "cancelled"
@@ -524,13 +534,22 @@ def test_a_parked_job_whose_lease_is_lost_never_runs_and_its_fresh_claim_runs_on
         warm_up(slots)
         hold_the_slot(slots, AWork(action="sleep", seconds=1.5))
         parked = enqueue(Work() if kind == "sync" else AWork())
-        wait_for(lambda: len(worker._waiting) == 1, what="the job parked for a slot")
+        wait_for(
+            lambda: len(worker._waiting) == 1, what="the job parked for a slot", interval=0.005
+        )
         stale_token = state_of(parked).claim_token
         stale = held(worker, parked)
         expire_and_requeue(parked)
-        wait_for(lambda: stale[0].lost, timeout=3, what="the stale attempt given up")
-        wait_for(lambda: state_of(parked).state == "succeeded", timeout=10, what="it succeeded")
-        wait_for(lambda: books_closed(worker), what="the worker's books closed")
+        wait_for(
+            lambda: stale[0].lost, timeout=3, what="the stale attempt given up", interval=0.005
+        )
+        wait_for(
+            lambda: state_of(parked).state == "succeeded",
+            timeout=10,
+            what="it succeeded",
+            interval=0.005,
+        )
+        wait_for(lambda: books_closed(worker), what="the worker's books closed", interval=0.005)
     finally:
         stop(worker, thread)
     assert slots.entered[parked.id] == 1
@@ -552,12 +571,21 @@ def test_a_parked_job_whose_lease_is_lost_leaves_its_run_row_alone(kind):
         long = hold_the_slot(slots, AWork(action="sleep", seconds=1.2))
         row = Delivery.objects.create(job_id=f"r25-{kind}")
         parked = enqueue(Bound(run_id=row.pk) if kind == "sync" else ABound(run_id=row.pk))
-        wait_for(lambda: len(worker._waiting) == 1, what="the job parked for a slot")
+        wait_for(
+            lambda: len(worker._waiting) == 1, what="the job parked for a slot", interval=0.005
+        )
         stale = held(worker, parked)
         expire_and_requeue(parked, run_after=timezone.now() + timedelta(hours=1))
-        wait_for(lambda: stale[0].lost, timeout=3, what="the stale attempt given up")
-        wait_for(lambda: state_of(long).state == "succeeded", timeout=10, what="the long job")
-        wait_for(lambda: books_closed(worker), what="the worker's books closed")
+        wait_for(
+            lambda: stale[0].lost, timeout=3, what="the stale attempt given up", interval=0.005
+        )
+        wait_for(
+            lambda: state_of(long).state == "succeeded",
+            timeout=10,
+            what="the long job",
+            interval=0.005,
+        )
+        wait_for(lambda: books_closed(worker), what="the worker's books closed", interval=0.005)
     finally:
         stop(worker, thread)
     assert slots.entered[parked.id] == 0
@@ -577,9 +605,11 @@ def test_parked_jobs_keep_their_leases_while_they_wait():
         warm_up(slots)
         long = hold_the_slot(slots, AWork(action="sleep", seconds=2.4))
         parked = [enqueue(Work()), enqueue(AWork())]
-        wait_for(lambda: len(worker._waiting) == 2, what="both jobs parked for a slot")
-        wait_for(lambda: ended([long, *parked]), timeout=10, what="every job ended")
-        wait_for(lambda: books_closed(worker), what="the worker's books closed")
+        wait_for(
+            lambda: len(worker._waiting) == 2, what="both jobs parked for a slot", interval=0.005
+        )
+        wait_for(lambda: ended([long, *parked]), timeout=10, what="every job ended", interval=0.005)
+        wait_for(lambda: books_closed(worker), what="the worker's books closed", interval=0.005)
     finally:
         stop(worker, thread)
     for job in parked:
@@ -615,16 +645,25 @@ def test_a_drain_hands_parked_jobs_back_at_once_and_ends_with_the_last_handler(w
         warm_up(slots)
         long = hold_the_slot(slots, AWork(action="sleep", seconds=1.2))
         parked = [enqueue(Work()), enqueue(AWork()), enqueue(Work()), enqueue(AWork())]
-        wait_for(lambda: len(worker._waiting) == 4, what="the jobs parked for a slot")
+        wait_for(
+            lambda: len(worker._waiting) == 4, what="the jobs parked for a slot", interval=0.005
+        )
         lost = None
         if with_lost:
             lost, parked = parked[0], parked[1:]
             stale = held(worker, lost)
             expire_and_requeue(lost, run_after=timezone.now() + timedelta(hours=1))
-            wait_for(lambda: stale[0].lost, timeout=3, what="the parked job given up")
+            wait_for(
+                lambda: stale[0].lost, timeout=3, what="the parked job given up", interval=0.005
+            )
         began = time.monotonic()
         worker.request_stop()
-        wait_for(lambda: queued_untried(parked), timeout=1, what="the parked jobs handed back")
+        wait_for(
+            lambda: queued_untried(parked),
+            timeout=1,
+            what="the parked jobs handed back",
+            interval=0.005,
+        )
         assert state_of(long).state == "running"
         thread.join(8)
         took = time.monotonic() - began
@@ -669,7 +708,11 @@ def test_a_drain_at_any_moment_runs_each_job_once_or_hands_it_back_untried(
             max_attempts=1,
         )
         k = min(started_before_stop, len(jobs) - 1)
-        wait_for(lambda: sum(slots.entered[j.id] for j in jobs) >= k, what=f"{k} jobs started")
+        wait_for(
+            lambda: sum(slots.entered[j.id] for j in jobs) >= k,
+            what=f"{k} jobs started",
+            interval=0.005,
+        )
         began = time.monotonic()
         worker.request_stop()
         thread.join(10)
@@ -702,7 +745,9 @@ def test_a_forced_stop_with_a_stubborn_async_handler_hands_parked_jobs_back():
         warm_up(slots)
         stubborn = hold_the_slot(slots, AWork(action="ignore-cancel", seconds=2.5))
         parked = [enqueue(Work()), enqueue(AWork()), enqueue(Work())]
-        wait_for(lambda: len(worker._waiting) == 3, what="the jobs parked for a slot")
+        wait_for(
+            lambda: len(worker._waiting) == 3, what="the jobs parked for a slot", interval=0.005
+        )
         began = time.monotonic()
         worker.request_stop()
         worker.request_stop()  # forced
@@ -715,7 +760,9 @@ def test_a_forced_stop_with_a_stubborn_async_handler_hands_parked_jobs_back():
         assert state_of(stubborn).state == "running"  # abandoned with its lease
     finally:
         stop(worker, thread)
-        wait_for(lambda: slots.active == 0, timeout=5, what="the stubborn handler ended")
+        wait_for(
+            lambda: slots.active == 0, timeout=5, what="the stubborn handler ended", interval=0.005
+        )
 
 
 def test_a_drain_as_a_parked_job_is_resumed_does_not_wait_for_a_lost_one():
@@ -743,12 +790,12 @@ def test_a_drain_as_a_parked_job_is_resumed_does_not_wait_for_a_lost_one():
         warm_up(slots)
         long = hold_the_slot(slots, AWork(action="sleep", seconds=1.0))
         first = enqueue(Work())
-        wait_for(lambda: len(worker._waiting) == 1, what="the first job parked")
+        wait_for(lambda: len(worker._waiting) == 1, what="the first job parked", interval=0.005)
         lost = enqueue(AWork())
-        wait_for(lambda: len(worker._waiting) == 2, what="the second job parked")
+        wait_for(lambda: len(worker._waiting) == 2, what="the second job parked", interval=0.005)
         stale = held(worker, lost)
         expire_and_requeue(lost, run_after=timezone.now() + timedelta(hours=1))
-        wait_for(lambda: stale[0].lost, timeout=3, what="the second job given up")
+        wait_for(lambda: stale[0].lost, timeout=3, what="the second job given up", interval=0.005)
         resume = worker._resume
 
         def stop_as_resumed(running) -> None:
@@ -757,11 +804,18 @@ def test_a_drain_as_a_parked_job_is_resumed_does_not_wait_for_a_lost_one():
                 worker.request_stop()
                 # The drain begins before the job reaches its thread; it holds its slot
                 # already (counted in by _next_waiting), so the drain leaves it to run.
-                wait_for(lambda: worker._stopping.is_set(), timeout=3, what="the drain began")
+                wait_for(
+                    lambda: worker._stopping.is_set(),
+                    timeout=3,
+                    what="the drain began",
+                    interval=0.005,
+                )
             resume(running)
 
         worker._resume = stop_as_resumed
-        wait_for(lambda: stopped_at, timeout=5, what="the slot handed to the first job")
+        wait_for(
+            lambda: stopped_at, timeout=5, what="the slot handed to the first job", interval=0.005
+        )
         thread.join(10)
         took = time.monotonic() - stopped_at[0]
     finally:

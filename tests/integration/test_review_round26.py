@@ -81,9 +81,9 @@ from jobs.registry import Registry, catalogue, get_registry
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
 from tests.dbapp.types import OTHER, ReportV1, job_types
-from tests.prepared import other_session, prepare_threshold
-from tests.unit.test_storable import encoded_as_before
-from tests.worker_support import Echo, Recorder, registry
+from tests.support.prepared import other_session, prepare_threshold
+from tests.support.storable import encoded_as_before
+from tests.support.worker import Echo, Recorder, registry
 
 enqueue_module = importlib.import_module("jobs.queue.enqueue")
 COPY_AT_LEAST = enqueue_module.COPY_AT_LEAST

@@ -63,8 +63,8 @@ from jobs.models import Job
 from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, OutcomeReport, flow
 from jobs.queue import outcomes as outcomes_module
 from jobs.queue.flow import FlowLimits
-from tests.integration.test_review_round13 import Background
-from tests.prepared import prepare_threshold
+from tests.support.concurrency import Background
+from tests.support.prepared import prepare_threshold
 
 NAME = "test.round27.v1"
 # Nothing is ever queued under these: a pass that writes outcomes and claims nothing.

@@ -53,9 +53,9 @@ from jobs import dbbounds
 from jobs.conf import NOTIFY_CHANNEL
 from jobs.worker import wakeup
 from jobs.worker.wakeup import NotifyListener
-from tests import pgbouncer as pgbouncer_module
-from tests.integration.test_pgbouncer import wait_for
-from tests.pgbouncer import PgBouncer, pgbouncer_fixture, skip_reason  # noqa: F401
+from tests.support import pgbouncer as pgbouncer_module
+from tests.support.pgbouncer import PgBouncer, pgbouncer_fixture, skip_reason  # noqa: F401
+from tests.support.polling import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -162,14 +162,14 @@ def test_a_direct_connection_proves_at_once_and_wakes_on_its_names_only(caplog):
     started = time.monotonic()
     listener.start()
     try:
-        wait_for(listener.listening.is_set, what="the proof")
+        wait_for(listener.listening.is_set, what="the proof", interval=0.01)
         # The probe came back: the proof did not wait out PROBE_TIMEOUT.
         assert time.monotonic() - started < wakeup.PROBE_TIMEOUT
         assert listener.proofs == [True] and not listener.unproven.is_set()
         _notify("not-mine")
         _notify("x")
         sent = time.monotonic()
-        wait_for(lambda: listener.woken == ["x"], timeout=2, what="the wakeup")
+        wait_for(lambda: listener.woken == ["x"], timeout=2, what="the wakeup", interval=0.01)
         assert time.monotonic() - sent < 1.0
     finally:
         assert listener.stop_timed() < 1.0
@@ -184,15 +184,17 @@ def test_a_session_mode_pooler_proves_and_leaves_nothing_behind(caplog):
         listener = Recording(("x",))
         listener.start()
         try:
-            wait_for(listener.listening.is_set, what="the proof through a session pooler")
+            wait_for(
+                listener.listening.is_set, what="the proof through a session pooler", interval=0.01
+            )
             assert listener.proofs == [True]
             with session.connect() as client:  # enqueue's NOTIFY comes through the pooler
                 client.execute("SELECT pg_notify(%s, 'x')", [NOTIFY_CHANNEL])
-            wait_for(lambda: listener.woken == ["x"], timeout=2, what="the wakeup")
+            wait_for(lambda: listener.woken == ["x"], timeout=2, what="the wakeup", interval=0.01)
         finally:
             assert listener.stop_timed() < 1.0
         # The pooler resets the server (DISCARD ALL) once the listener's client is gone.
-        wait_for(lambda: session.leftovers() == {}, timeout=5, what="no LISTEN left")
+        wait_for(lambda: session.leftovers() == {}, timeout=5, what="no LISTEN left", interval=0.01)
     assert _warnings(caplog) == []
 
 
@@ -227,7 +229,7 @@ def test_a_transaction_mode_pooler_never_proves_even_with_a_busy_pool(
         for client in clients:
             client.start()
         try:
-            wait_for(lambda: statements[0] > 20, what="a busy pool")
+            wait_for(lambda: statements[0] > 20, what="a busy pool", interval=0.01)
             listener = Recording(("x",))
             with bouncer.routing():
                 outcomes = [listener._listen() for _ in range(3)]
@@ -261,7 +263,7 @@ def test_the_warning_is_logged_once_over_many_failed_proofs(monkeypatch, caplog)
         listener._fall_back = fall_back  # type: ignore[method-assign]
         listener.start()
         try:
-            wait_for(lambda: len(listener.undone) >= 4, what="four failed proofs")
+            wait_for(lambda: len(listener.undone) >= 4, what="four failed proofs", interval=0.01)
         finally:
             assert listener.stop_timed() < 1.0
         assert listener.undone == [True] * 4 and not listener.listening.is_set()
@@ -282,16 +284,18 @@ def test_after_reprove_after_the_listener_proves_once_the_path_allows_it(monkeyp
         with bouncer.routing():
             listener.start()
             try:
-                wait_for(listener.unproven.is_set, what="the failed proof")
+                wait_for(listener.unproven.is_set, what="the failed proof", interval=0.01)
             except BaseException:
                 listener.stop()
                 raise
         try:
-            wait_for(listener.listening.is_set, what="the reproof on a direct connection")
+            wait_for(
+                listener.listening.is_set, what="the reproof on a direct connection", interval=0.01
+            )
             assert not listener.unproven.is_set()
             assert listener.proofs[-1] is True and False in listener.proofs
             _notify("x")
-            wait_for(lambda: listener.woken == ["x"], timeout=2, what="the wakeup")
+            wait_for(lambda: listener.woken == ["x"], timeout=2, what="the wakeup", interval=0.01)
             assert bouncer.leftovers() == {}
         finally:
             assert listener.stop_timed() < 1.0
@@ -318,7 +322,7 @@ def test_names_notified_during_the_proof_wake_the_worker(monkeypatch):
     listener = Recording(("x", "y"))
     listener.start()
     try:
-        wait_for(listener.listening.is_set, what="the proof")
+        wait_for(listener.listening.is_set, what="the proof", interval=0.01)
         # Both came before the probe's notice, so both were handled within the proof.
         assert sorted(listener.woken) == ["x", "y"]
         assert listener.proofs == [True]
@@ -338,10 +342,10 @@ def _stop_during_the_wait(monkeypatch, bouncer: PgBouncer) -> Recording:
     with bouncer.routing():
         listener.start()
         try:
-            wait_for(probed.is_set, what="the probe")
+            wait_for(probed.is_set, what="the probe", interval=0.01)
             # The probe ran on the one server, which gave its notice to the probe itself:
             # the proof now waits for one that never comes.
-            wait_for(lambda: not _probe_connected(bouncer), what="the probe closed")
+            wait_for(lambda: not _probe_connected(bouncer), what="the probe closed", interval=0.01)
         finally:
             listener.elapsed = listener.stop_timed()  # type: ignore[attr-defined]
     return listener
@@ -388,7 +392,7 @@ def test_a_probe_that_cannot_connect_leaves_no_listen_on_a_pooled_backend(monkey
         with single.connect(), single.routing():
             listener.start()
             try:
-                wait_for(failed.is_set, what="the probe refused")
+                wait_for(failed.is_set, what="the probe refused", interval=0.01)
             finally:
                 listener.stop()
         assert not listener._thread.is_alive()
@@ -411,13 +415,15 @@ def test_a_stop_while_the_probe_waits_for_a_server_returns_promptly():
         with single.routing():
             listener.start()
             try:
-                wait_for(lambda: waiting() >= 1, what="the probe waiting for a server")
+                wait_for(
+                    lambda: waiting() >= 1, what="the probe waiting for a server", interval=0.01
+                )
             finally:
                 elapsed = listener.stop_timed(timeout=1.5)
         alive = listener._thread.is_alive()
         # Clean up: the listener's backend ends, its server goes to the probe, which ends.
         _terminate(LISTENER_APP)
-        wait_for(lambda: not listener._thread.is_alive(), what="the thread gone")
+        wait_for(lambda: not listener._thread.is_alive(), what="the thread gone", interval=0.01)
     assert not alive and elapsed < 1.0
 
 
@@ -430,11 +436,11 @@ def test_a_direct_listening_connection_lost_during_the_proof_proves_again(monkey
     started = time.monotonic()
     listener.start()
     try:
-        wait_for(listener.listening.is_set, what="the second proof")
+        wait_for(listener.listening.is_set, what="the second proof", interval=0.01)
         assert killed == [1]
         assert time.monotonic() - started < 5.0  # the loss ended the proof, not its timeout
         _notify("x")
-        wait_for(lambda: listener.woken == ["x"], timeout=2, what="the wakeup")
+        wait_for(lambda: listener.woken == ["x"], timeout=2, what="the wakeup", interval=0.01)
     finally:
         assert listener.stop_timed() < 1.0
     assert listener.proofs == [True]  # the first raised out of the wait
@@ -461,6 +467,7 @@ def test_the_listening_backend_lost_during_the_proof_behind_the_pooler(monkeypat
             wait_for(
                 lambda: not before & {row["remote_pid"] for row in single.show("SERVERS")},
                 what="the pooler rid of the dead server",
+                interval=0.01,
             )
 
         _on_probe(monkeypatch, kill)
@@ -483,4 +490,5 @@ def _no_stopped_listener_left() -> Iterator[None]:
         lambda: not {t for t in threading.enumerate() if t.name == "jobs-listener"} - before,
         timeout=10,
         what="every listener thread ended",
+        interval=0.01,
     )

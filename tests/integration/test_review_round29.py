@@ -84,8 +84,8 @@ from jobs.queue import (
 )
 from jobs.queue.claim import next_attempt
 from jobs.scheduler.clock import database_now
-from tests.integration.test_pgbouncer import wait_for
-from tests.integration.test_review_round22 import explained_nested_statements
+from tests.support.explain import explained_nested_statements
+from tests.support.polling import wait_for
 from tests.support.workflows import settle
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -410,7 +410,10 @@ def blocked_behind_me(*actions: Callable[[], Any]) -> list[Session]:
     for session in sessions:
         session.start()
     wait_for(
-        lambda: all(s.pid or not s.is_alive() for s in sessions), 15.0, what="the sessions' pids"
+        lambda: all(s.pid or not s.is_alive() for s in sessions),
+        15.0,
+        what="the sessions' pids",
+        interval=0.01,
     )
 
     def waiting() -> bool:
@@ -425,6 +428,7 @@ def blocked_behind_me(*actions: Callable[[], Any]) -> list[Session]:
         lambda: waiting() or any(not s.is_alive() for s in sessions),
         15.0,
         what="both sessions waiting",
+        interval=0.01,
     )
     assert all(s.is_alive() for s in sessions), [s.error for s in sessions]
     return sessions

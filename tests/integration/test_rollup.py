@@ -18,7 +18,7 @@ from jobs.models import BacklogSample, Job, Rollup
 from jobs.queue import AllTenants, ClaimRequest, Outcome, rollup
 from jobs.scheduler.clock import database_now
 from jobs.scheduler.retention import Retention
-from tests.factories import JobFactory
+from tests.support.factories import JobFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -355,8 +355,8 @@ def test_a_running_worker_adds_its_attempts_about_once_a_second_and_the_rest_at_
     from jobs import enqueue
     from jobs.worker.config import WorkerConfig
     from jobs.worker.runner import Worker
-    from tests.acceptance.conftest import wait_for
-    from tests.worker_support import Recorder, Step, registry
+    from tests.support.polling import wait_for
+    from tests.support.worker import Recorder, Step, registry
 
     recorder = Recorder()
     for _ in range(5):
@@ -370,7 +370,9 @@ def test_a_running_worker_adds_its_attempts_about_once_a_second_and_the_rest_at_
         wait_for(lambda: sum(totals().values()) == 6, timeout=10, what="the attempts in the rollup")
         counted = totals()
         enqueue(Step(plan=("ok",)))
-        wait_for(lambda: recorder.calls and len(recorder.calls) == 7, what="the last job ran")
+        wait_for(
+            lambda: recorder.calls and len(recorder.calls) == 7, what="the last job ran", timeout=20
+        )
     finally:
         worker.request_stop()
         thread.join(10)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -15,7 +14,8 @@ from jobs.testing import JobFailed, run_worker
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
 from tests.runapp.models import Delivery
-from tests.worker_support import FAST_BACKOFF
+from tests.support.polling import wait_for
+from tests.support.worker import FAST_BACKOFF
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -115,8 +115,8 @@ def test_lease_renewals_stamp_the_rows_heartbeat():
     thread = threading.Thread(target=worker.run)
     thread.start()
     try:
-        first = _wait(lambda: Delivery.objects.get(pk=row.pk).heartbeat_at)
-        later = _wait(lambda: _newer(row.pk, first))
+        first = wait_for(lambda: Delivery.objects.get(pk=row.pk).heartbeat_at)
+        later = wait_for(lambda: _newer(row.pk, first))
     finally:
         worker.request_stop(force=True)
         thread.join(10)
@@ -135,12 +135,3 @@ def test_the_registry_refuses_a_binding_it_cannot_follow():
 def _newer(pk: int, than):
     beat = Delivery.objects.get(pk=pk).heartbeat_at
     return beat if beat and beat > than else None
-
-
-def _wait(probe, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := probe():
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not met before the deadline")

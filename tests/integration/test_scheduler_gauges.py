@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from datetime import timedelta
 
 import pytest
@@ -18,7 +17,8 @@ from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.gauges import Gauges
 from jobs.scheduler.leader import LOCK_KEY, Leadership
 from jobs.scheduler.runner import Scheduler
-from tests.factories import JobFactory
+from tests.support.factories import JobFactory
+from tests.support.polling import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -27,15 +27,6 @@ KEY = LOCK_KEY + 11  # not the real scheduler's lock
 
 def sample(name: str, **labels: str) -> float | None:
     return REGISTRY.get_sample_value(name, labels)
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not met within {timeout}s")
 
 
 @pytest.fixture(autouse=True)
@@ -121,7 +112,9 @@ class TestTableHealth:
             gauges.run_once()
             return (sample("jobs_table_dead_tuples", table="jobs_job") or 0) >= 50
 
-        wait_for(dead, what="50 dead tuples counted")  # statistics are flushed ~1 s late
+        wait_for(
+            dead, what="50 dead tuples counted", interval=0.05
+        )  # statistics are flushed ~1 s late
         with connection.cursor() as cur:
             cur.execute("VACUUM jobs_job")
 
@@ -129,7 +122,7 @@ class TestTableHealth:
             gauges.run_once()
             return sample("jobs_table_dead_tuples", table="jobs_job") == 0
 
-        wait_for(vacuumed, what="vacuum cleared the dead tuples")
+        wait_for(vacuumed, what="vacuum cleared the dead tuples", interval=0.05)
         assert sample("jobs_table_live_tuples", table="jobs_job") == 0
         # a manual VACUUM is not an autovacuum: still never autovacuumed in this database
         assert sample("jobs_table_last_autovacuum_timestamp_seconds", table="jobs_job") >= 0

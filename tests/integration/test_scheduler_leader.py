@@ -20,19 +20,11 @@ from jobs.scheduler.runner import Scheduler
 from jobs.scheduler.schedules import load_schedules
 from jobs.scheduler.slots import TICK_LOCK_NAMESPACE
 from tests.runapp.models import QuickRun
+from tests.support.polling import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 KEY = LOCK_KEY + 7  # not the real scheduler's lock
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not met within {timeout}s")
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ from django.utils import timezone
 from jobs.backends import PostgresBackend
 from jobs.models import Job
 from jobs.testing import JobFailed, run_worker
-from tests.factories import JobFactory
 from tests.jobapp import tasks
+from tests.support.factories import JobFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -26,8 +26,9 @@ from jobs.models import Job
 from jobs.registry import get_registry
 from jobs.testing import JobFailed, run_worker
 from tests.jobapp import tasks
-from tests.tasks_support import backend_settings, make_due, one_attempt, received
-from tests.worker_support import running_worker, wait_for
+from tests.support.polling import wait_for
+from tests.support.tasks_backend import backend_settings, make_due, one_attempt, received
+from tests.support.worker import running_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -118,7 +119,9 @@ def test_a_successful_run_reports_its_times_worker_and_return_value():
 
     with running_worker(get_registry(), identity="contract-worker"):
         wait_for(
-            lambda: default_task_backend.get_result(result.id).is_finished, what="task finished"
+            lambda: default_task_backend.get_result(result.id).is_finished,
+            what="task finished",
+            interval=0.005,
         )
 
     assert result.status == TaskResultStatus.READY  # a result changes only when refreshed
@@ -140,6 +143,7 @@ def test_the_status_is_running_while_the_task_runs():
         running = wait_for(
             lambda: (r := default_task_backend.get_result(result.id)).status == "RUNNING" and r,
             what="task running",
+            interval=0.005,
         )
         assert not running.is_finished
         assert running.started_at is not None and running.finished_at is None
@@ -150,7 +154,11 @@ def test_the_status_is_running_while_the_task_runs():
         with pytest.raises(ValueError, match=r"^Task has not finished yet$"):
             _ = running.return_value
         gate.set()
-        wait_for(lambda: default_task_backend.get_result(result.id).is_finished, what="done")
+        wait_for(
+            lambda: default_task_backend.get_result(result.id).is_finished,
+            what="done",
+            interval=0.005,
+        )
 
     result.refresh()
     assert (result.status, result.return_value) == (TaskResultStatus.SUCCESSFUL, "running")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from jobs.worker import thread_connections
 from jobs.worker.execution import close_open_transactions
 from jobs.worker.pool import HandlerPool
-from tests.worker_support import run_on
+from tests.support.worker import run_on
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

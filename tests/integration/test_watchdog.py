@@ -14,8 +14,8 @@ from jobs.registry import get_registry
 from jobs.scheduler import watchdog as watchdog_module
 from jobs.scheduler.clock import database_now
 from jobs.scheduler.watchdog import Watchdog, WatchdogConfig
-from tests.factories import JobFactory
 from tests.runapp.models import Delivery, QuickRun
+from tests.support.factories import JobFactory
 
 pytestmark = pytest.mark.django_db
 

@@ -24,8 +24,9 @@ from jobs.worker.config import WorkerConfig
 from jobs.worker.leases import LeaseKeeper
 from jobs.worker.maintenance import WorkerMaintenance
 from jobs.worker.runner import Worker
-from tests.factories import JobFactory, TenantOverrideFactory
-from tests.worker_support import Echo, Recorder, Step, registry, scripted
+from tests.support.factories import JobFactory, TenantOverrideFactory
+from tests.support.polling import wait_for
+from tests.support.worker import Echo, Recorder, Step, registry, scripted
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -46,15 +47,6 @@ def hold_row_lock(pk: int, locked: threading.Event, release: threading.Event) ->
 
 def row(enqueued) -> Job:
     return Job.objects.get(pk=enqueued.id)
-
-
-def wait_for(predicate, timeout=10.0, interval=0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError("condition not met before the deadline")
 
 
 class TestOutcomeTable:
@@ -317,7 +309,7 @@ class TestLeasesAndDrain:
         keeper = Recording(list, lease_seconds=0.6, tick=0.01)
         keeper.start()
         try:
-            wait_for(lambda: len(renewals) >= 5, timeout=5)
+            wait_for(lambda: len(renewals) >= 5, timeout=5, interval=0.01)
         finally:
             keeper.stop()
         gaps = [b - a for a, b in itertools.pairwise(renewals)]
@@ -332,11 +324,11 @@ class TestLeasesAndDrain:
         thread = threading.Thread(target=worker.run)
         thread.start()
         try:
-            wait_for(lambda: recorder.calls)
+            wait_for(lambda: recorder.calls, interval=0.01)
             # Another party takes the job: its token changes under the worker.
             Job.objects.filter(pk=job.id).update(claim_token="00000000-0000-0000-0000-000000000001")
             ctx = recorder.calls[0][1]
-            wait_for(ctx.cancelled.is_set, timeout=5)
+            wait_for(ctx.cancelled.is_set, timeout=5, interval=0.01)
         finally:
             worker.request_stop()
             thread.join(10)
@@ -351,7 +343,7 @@ class TestLeasesAndDrain:
         worker = Worker(registry(recorder), config)
         thread = threading.Thread(target=worker.run)
         thread.start()
-        wait_for(lambda: len(recorder.calls) == 2)
+        wait_for(lambda: len(recorder.calls) == 2, interval=0.01)
         worker.request_stop()
         thread.join(10)
         assert not thread.is_alive()
@@ -372,7 +364,7 @@ class TestLeasesAndDrain:
         thread = threading.Thread(target=worker.run)
         thread.start()
         try:
-            wait_for(lambda: row(job).state == "succeeded", timeout=5)
+            wait_for(lambda: row(job).state == "succeeded", timeout=5, interval=0.01)
         finally:
             worker.request_stop()
             thread.join(10)
@@ -398,15 +390,15 @@ class TestLeasesAndDrain:
             ]
 
         try:
-            wait_for(lambda: len(recorder.calls) == 1)  # the handler is in its sleep
+            wait_for(lambda: len(recorder.calls) == 1, interval=0.01)  # the handler is in its sleep
             holder = threading.Thread(target=hold_row_lock, args=(job.id, locked, release))
             holder.start()
             assert locked.wait(10)
-            wait_for(lambda: waits(logging.WARNING))
+            wait_for(lambda: waits(logging.WARNING), interval=0.01)
             assert row(job).state == "running"
             release.set()
             holder.join(10)
-            wait_for(lambda: row(job).state == "succeeded")
+            wait_for(lambda: row(job).state == "succeeded", interval=0.01)
         finally:
             release.set()
             worker.request_stop()
@@ -438,14 +430,14 @@ class TestLeasesAndDrain:
         worker._defer_busy = noting
         holder = threading.Thread(target=hold_row_lock, args=(job.id, locked, release))
         try:
-            wait_for(lambda: len(recorder.calls) == 1)  # the handler is in its sleep
+            wait_for(lambda: len(recorder.calls) == 1, interval=0.01)  # the handler is in its sleep
             holder.start()
             assert locked.wait(10)
             assert tried.wait(10), "the outcome never met the lock"
             release.set()
             holder.join(10)
             released = time.monotonic()
-            wait_for(lambda: row(job).state == "succeeded", timeout=10)
+            wait_for(lambda: row(job).state == "succeeded", timeout=10, interval=0.01)
             took = time.monotonic() - released
         finally:
             release.set()
@@ -472,19 +464,21 @@ class TestLeasesAndDrain:
                 producer = threading.Thread(target=lambda: raced.append(enqueue(Echo(text="x"))))
                 producer.start()
                 producer.join(10)
-                wait_for(worker._wake.is_set, timeout=5)  # its NOTIFY reached the listener
+                wait_for(
+                    worker._wake.is_set, timeout=5, interval=0.01
+                )  # its NOTIFY reached the listener
             return report, claimed
 
         monkeypatch.setattr(queue, "record_and_claim", claim_then_commit)
         thread = threading.Thread(target=worker.run)
         thread.start()
         try:
-            wait_for(lambda: worker.listening)
-            wait_for(lambda: worker.idle)
+            wait_for(lambda: worker.listening, interval=0.01)
+            wait_for(lambda: worker.idle, interval=0.01)
             armed.set()
             worker._work_arrived("test.echo.v1")  # a pass whose claim finds nothing
-            wait_for(lambda: not armed.is_set(), timeout=5)
-            wait_for(lambda: len(recorder.calls) == 1, timeout=5)
+            wait_for(lambda: not armed.is_set(), timeout=5, interval=0.01)
+            wait_for(lambda: len(recorder.calls) == 1, timeout=5, interval=0.01)
         finally:
             worker.request_stop()
             thread.join(10)
@@ -496,13 +490,13 @@ class TestLeasesAndDrain:
         thread = threading.Thread(target=worker.run)
         thread.start()
         try:
-            wait_for(lambda: worker.listening)
+            wait_for(lambda: worker.listening, interval=0.01)
             enqueue(Echo(text="first"))
-            wait_for(lambda: len(recorder.calls) == 1 and worker.idle)
+            wait_for(lambda: len(recorder.calls) == 1 and worker.idle, interval=0.01)
             # The worker now waits for its 60 s poll: only a NOTIFY can wake it sooner.
             started = time.monotonic()
             enqueue(Echo(text="second"))
-            wait_for(lambda: len(recorder.calls) == 2, timeout=5)
+            wait_for(lambda: len(recorder.calls) == 2, timeout=5, interval=0.01)
             assert time.monotonic() - started < 2
         finally:
             worker.request_stop()

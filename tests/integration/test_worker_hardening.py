@@ -1,13 +1,12 @@
 """A worker nothing can wedge: whatever a handler returns, raises or leaves behind.
 
 Each test drives the real worker in-process against real PostgreSQL with a handler that
-misbehaves on purpose (tests/worker_support.py: ``hostile``), and checks that the bad job
+misbehaves on purpose (tests/support/worker.py: ``hostile``), and checks that the bad job
 ends in a valid state with a readable cause while every other job, and the worker, go on.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -26,75 +25,24 @@ from jobs.worker.config import WorkerConfig
 from jobs.worker.execution import Running, make_context
 from jobs.worker.leases import LeaseKeeper
 from jobs.worker.runner import Worker
-from tests.factories import JobFactory
-from tests.worker_support import Echo, Hostile, Recorder, hostile_registry
+from tests.support.factories import JobFactory
+from tests.support.polling import wait_for
+from tests.support.worker import (
+    Echo,
+    Hostile,
+    Recorder,
+    hostile_registry,
+    refusing_trigger,
+    run_until,
+    settled,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-ACTIVE = ("queued", "running")
 
 
 @pytest.fixture
 def recorder():
     return Recorder()
-
-
-def run_until(registry, done, *, timeout=15.0, **config) -> Worker:
-    """Run a real worker in this thread until ``done(worker)`` or the deadline."""
-    options = {
-        "concurrency": 4,
-        "poll_interval": 0.05,
-        "maintenance_interval": 0.5,
-        "shutdown_timeout": 1.0,
-        "install_signal_handlers": False,
-        **config,
-    }
-    worker = Worker(registry, WorkerConfig(**options))
-    deadline = time.monotonic() + timeout
-    timed_out = []
-
-    def until(w: Worker) -> bool:
-        if time.monotonic() > deadline:
-            timed_out.append(True)
-            return True
-        return done(w)
-
-    worker.run(until=until)
-    assert not timed_out, "the worker did not get there before the deadline"
-    return worker
-
-
-def settled(*ids: int) -> bool:
-    """Every one of these jobs has left the active states (or waits for a far retry)."""
-    rows = Job.objects.filter(pk__in=ids).values_list("state", "run_after")
-    return all(
-        state not in ACTIVE or (state == "queued" and run_after > timezone.now())
-        for state, run_after in rows
-    )
-
-
-@contextlib.contextmanager
-def refusing_trigger(message: str, errcode: str):
-    """A user's trigger on the jobs table that refuses results saying 'refuse-me'."""
-    with connection.cursor() as cur:
-        cur.execute(
-            f"""
-            CREATE FUNCTION refuse_me() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                IF NEW.result::text LIKE '%%refuse-me%%' THEN
-                    RAISE EXCEPTION '{message}' USING ERRCODE = '{errcode}';
-                END IF;
-                RETURN NEW;
-            END $$;
-            CREATE TRIGGER refuse_me BEFORE UPDATE ON jobs_job
-                FOR EACH ROW EXECUTE FUNCTION refuse_me();
-            """
-        )
-    try:
-        yield
-    finally:
-        with connection.cursor() as cur:
-            cur.execute("DROP TRIGGER refuse_me ON jobs_job; DROP FUNCTION refuse_me()")
 
 
 def echoes(count: int) -> list[int]:
@@ -346,10 +294,7 @@ def test_pool_threads_survive_a_task_that_raises_base_exception():
     for _ in range(4):
         pool.submit(bad)
     pool.submit(lambda: ran.append(True))
-    deadline = time.monotonic() + 5
-    while not ran and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert ran
+    wait_for(lambda: ran, timeout=5, what="a task run after the ones that raised", interval=0.01)
     assert pool.alive == 2
     assert pool.shutdown(timeout=5)
 

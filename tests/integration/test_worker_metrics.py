@@ -13,7 +13,8 @@ from prometheus_client import REGISTRY
 from jobs import enqueue
 from jobs.models import Job
 from jobs.worker import metrics
-from tests.worker_support import Recorder, Step, registry, running_worker, wait_for
+from tests.support.polling import wait_for
+from tests.support.worker import Recorder, Step, registry, running_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -40,9 +41,15 @@ def test_the_running_gauge_counts_handlers_while_they_run(monkeypatch):
     before = running_gauge()
     with running_worker(registry(Recorder(), concurrency=None), concurrency=3):
         load = [enqueue(Step(plan=("sleep",), seconds=0.5)) for _ in range(3)]
-        wait_for(lambda: running_gauge() - before == 3, what="3 handlers counted as running")
-        wait_for(lambda: settled(load, "succeeded"), what="every job succeeded")
-        wait_for(lambda: running_gauge() == before, what="the gauge back where it was")
+        wait_for(
+            lambda: running_gauge() - before == 3,
+            what="3 handlers counted as running",
+            interval=0.005,
+        )
+        wait_for(lambda: settled(load, "succeeded"), what="every job succeeded", interval=0.005)
+        wait_for(
+            lambda: running_gauge() == before, what="the gauge back where it was", interval=0.005
+        )
     assert updates == []  # no per-job update of the gauge
 
 
@@ -59,8 +66,12 @@ def test_outcomes_are_counted_by_kind():
         ok = [enqueue(Step(plan=("ok",))) for _ in range(7)]
         rejected = [enqueue(Step(plan=("reject",))) for _ in range(3)]
         flaky = [enqueue(Step(plan=("error", "ok"))) for _ in range(2)]
-        wait_for(lambda: settled(ok + flaky, "succeeded"), what="the good jobs succeeded")
-        wait_for(lambda: settled(rejected, "failed"), what="the rejected jobs failed")
+        wait_for(
+            lambda: settled(ok + flaky, "succeeded"), what="the good jobs succeeded", interval=0.005
+        )
+        wait_for(
+            lambda: settled(rejected, "failed"), what="the rejected jobs failed", interval=0.005
+        )
     assert outcomes("succeeded") - succeeded == 9
     assert outcomes("retried") - retried == 2
     assert outcomes("failed") - failed == 3

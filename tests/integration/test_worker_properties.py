@@ -26,7 +26,7 @@ from jobs.registry import JobType, Policy, Registry
 from jobs.runs import ErrorCode, RunState
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
-from tests.worker_support import FAST_BACKOFF, Echo, Recorder, Unruly, echo_handler
+from tests.support.worker import FAST_BACKOFF, Echo, Recorder, Unruly, echo_handler
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

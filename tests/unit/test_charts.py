@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jobs.monitor import charts, windows
-from tests.dom import Elements, marks
+from tests.support.dom import Elements, marks
 
 START = datetime(2026, 12, 2, 10, 0, tzinfo=UTC)
 MINUTE = timedelta(minutes=1)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from jobs.frozen import direct_init
 from jobs.producer import JobSpec
 from jobs.queue import ClaimedJob, Enqueued, NewJob, Outcome
-from tests.timing import cost_ratio
+from tests.support.timing import cost_ratio
 
 HOT = (NewJob, Enqueued, ClaimedJob, Outcome, JobSpec)
 

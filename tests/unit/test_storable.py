@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jobs.queue import RETRY_DELAY_MAX, ClaimedJob, InvalidResult, Outcome, text
-from tests.timing import cost_ratio
+from tests.support.storable import encoded_as_before
+from tests.support.timing import cost_ratio
 
 
 def claimed() -> ClaimedJob:
@@ -138,21 +139,6 @@ JSON_LIKE = st.recursive(
     ),
     max_leaves=6,
 )
-
-
-def encoded_as_before(value: object) -> str:
-    """``text.dumps`` as it was, encoding by ``JSONEncoder.encode`` on every call."""
-    kind = type(value)
-    try:
-        if kind is int or (kind is float and math.isfinite(value)):
-            return repr(value)
-        encoded = text._ENCODER.encode(value)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise ValueError(str(exc) or type(exc).__name__) from None
-    bad = text.check_json_text(encoded)
-    if bad:
-        raise ValueError(f"{bad}: {text._locate(value)}")
-    return encoded
 
 
 @given(JSON_LIKE)

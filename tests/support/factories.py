@@ -1,39 +1,67 @@
-"""Factories and helpers the admin, monitor, replay and browser tests share (no tests here).
+"""factory-boy factories that create rows directly in any state (for arranging tests).
 
-Rows of the example apps' run tables in any state, and staff users holding exactly the
-permissions a test names.
+Jobs and tenant overrides, the example apps' run tables, and attempt logs to seed a job's
+history of attempts with.
 """
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime, timedelta
 
 import factory
-import pytest
-from django.contrib.auth.models import Permission, User
-from django.test import Client
 from django.utils import timezone
 
-from jobs.models import Job
+from jobs.models import Job, TenantOverride
 from jobs.runs import ErrorCode, RunState
 from project.curation.models import CurationRun, Document
 from project.harvester.models import DeadLetter, Item
 from project.mail.models import Delivery
-from tests.factories import JobFactory
 
-# Every table the monitor may show, by the permissions that let a user view them.
-VIEW_ALL = (
-    "jobs.view_job",
-    "mail.view_delivery",
-    "harvester.view_deadletter",
-    "curation.view_curationrun",
-)
-REPLAY_ALL = (
-    "jobs.replay_job",
-    "mail.replay_delivery",
-    "harvester.replay_deadletter",
-    "curation.replay_curationrun",
-)
+
+class JobFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Job
+
+    job_id = factory.Sequence(lambda n: f"job-{n}")
+    name = "test.noop.v1"
+    payload = factory.Dict({})
+    tenant = "default"
+    queue = "default"
+    priority = 0
+    max_attempts = 5
+    state = RunState.QUEUED
+
+    class Params:
+        running = factory.Trait(
+            state=RunState.RUNNING,
+            attempts=1,
+            claim_token=factory.LazyFunction(uuid.uuid4),
+            lease_expires_at=factory.LazyFunction(lambda: timezone.now() + timedelta(seconds=10)),
+            heartbeat_at=factory.LazyFunction(timezone.now),
+            started_at=factory.LazyFunction(timezone.now),
+            claimed_by="factory",
+        )
+        succeeded = factory.Trait(
+            state=RunState.SUCCEEDED,
+            attempts=1,
+            finished_at=factory.LazyFunction(timezone.now),
+        )
+        failed = factory.Trait(
+            state=RunState.FAILED,
+            attempts=5,
+            last_error=ErrorCode.HANDLER_ERROR,
+            error_detail="boom",
+            finished_at=factory.LazyFunction(timezone.now),
+        )
+
+
+class TenantOverrideFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = TenantOverride
+
+    tenant = factory.Sequence(lambda n: f"tenant-{n}")
+    component = "worker"
 
 
 class _Failed(factory.django.DjangoModelFactory):
@@ -91,35 +119,6 @@ class CurationRunFactory(_Failed):
 
 def ago(**delta: float) -> datetime:
     return timezone.now() - timedelta(**delta)
-
-
-def fast_web_clock(
-    monkeypatch: pytest.MonkeyPatch, ahead: timedelta = timedelta(minutes=5)
-) -> None:
-    """From now on the web process's clock runs ``ahead`` of PostgreSQL's (a fast web host).
-
-    Seed rows before calling this, relative to PostgreSQL's ``now()``: pages must not read
-    the web host's clock at all, so none of their output may move with it.
-    """
-    real = timezone.now
-    monkeypatch.setattr(timezone, "now", lambda: real() + ahead)
-
-
-def operator(username: str, *perms: str, staff: bool = True, password: str = "") -> User:
-    """A user with exactly these permissions (``app_label.codename``)."""
-    user = User.objects.create_user(username, password=password or None, is_staff=staff)
-    for perm in perms:
-        app_label, codename = perm.split(".")
-        user.user_permissions.add(
-            Permission.objects.get(content_type__app_label=app_label, codename=codename)
-        )
-    return user
-
-
-def client_for(user: User) -> Client:
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 # A fixed start, so pages can be checked to the second.

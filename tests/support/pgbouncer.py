@@ -7,7 +7,7 @@ starts a private pooler on a free loopback port with its own config, auth, pid a
 and a small pool (:data:`POOL_SIZE` server connections) so that consecutive transactions of one
 client really do land on different backends.
 
-Use the ``pgbouncer`` fixture (``from tests.pgbouncer import pgbouncer_fixture`` in a test
+Use the ``pgbouncer`` fixture (``from tests.support.pgbouncer import pgbouncer_fixture`` in a test
 module makes it available; it skips the test, saying why, where pgbouncer is not installed:
 ``scripts/test`` installs it with apt-get when it runs as root). What goes through the pooler
 must be committed to be seen by the other side, so tests that use it take ``transactional_db``

@@ -22,7 +22,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 import psycopg
 
-from tests.conftest import alive
+from tests.support.processes import alive
 
 ALIAS = "other"
 ROOT = Path(__file__).resolve().parents[1]

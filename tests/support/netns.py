@@ -24,7 +24,7 @@ import re
 import shutil
 import subprocess
 
-from tests.conftest import alive
+from tests.support.processes import alive
 
 PREFIX = "jobs-test-"  # namespaces are named PREFIX<pid of the test run>-<host>
 

@@ -1,6 +1,6 @@
 """A process that runs the worker's handler loop and its watcher, for tests that stop it.
 
-``python -m tests.loop_watch BLOCKED_AFTER`` logs what the watcher says to stderr, prints
+``python -m tests.support.loop_watch BLOCKED_AFTER`` logs what the watcher says to stderr, prints
 ``ready`` once the loop runs, then reads commands on stdin: ``gil SECONDS`` holds the GIL for
 that long (in C code that never lets it go, burning CPU), as a CPU-bound handler thread
 stuck in one long call does. The tests stop it with SIGSTOP, which no command can do.

@@ -1,4 +1,5 @@
-"""Payloads, handlers and registries the worker tests run (module level, as real ones are)."""
+"""Payloads, handlers and registries the worker tests run (module level, as real ones are),
+and real workers run by a test: in its thread until a condition, or beside it in another."""
 
 from __future__ import annotations
 
@@ -12,8 +13,14 @@ from contextlib import contextmanager
 from datetime import timedelta
 from types import SimpleNamespace
 
+from django.db import connection
+from django.utils import timezone
+
 from jobs import JobContext, Payload, Reject, RetryAfter
+from jobs.models import Job
 from jobs.registry import Backoff, JobType, Policy, Registry
+from jobs.worker.config import WorkerConfig
+from jobs.worker.runner import Worker
 
 FAST_BACKOFF = Backoff(base=timedelta(milliseconds=10), cap=timedelta(milliseconds=50))
 
@@ -225,24 +232,10 @@ def hostile_registry(recorder: Recorder, **policy) -> Registry:
     )
 
 
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    """Poll ``predicate`` until it returns something true (returned), failing after
-    ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.005)
-    raise AssertionError(f"{what} not met within {timeout}s")
-
-
 @contextmanager
 def running_worker(registry: Registry, **config) -> Iterator:
     """A Worker (no signal handlers, 50 ms polls unless ``config`` says otherwise) running in
     a thread of this process; stopped, and its thread joined, on leaving."""
-    from jobs.worker.config import WorkerConfig
-    from jobs.worker.runner import Worker
-
     worker = Worker(
         registry,
         WorkerConfig(**{"install_signal_handlers": False, "poll_interval": 0.05, **config}),
@@ -288,3 +281,92 @@ def fake_held_job(name: str, id: int = 1, **fields: object) -> SimpleNamespace:
         "completed": False,
     }
     return SimpleNamespace(job=job, **{**held, **fields})
+
+
+def run_until(registry, done, *, timeout=15.0, **config) -> Worker:
+    """Run a real worker in this thread until ``done(worker)`` or the deadline."""
+    options = {
+        "concurrency": 4,
+        "poll_interval": 0.05,
+        "maintenance_interval": 0.5,
+        "shutdown_timeout": 1.0,
+        "install_signal_handlers": False,
+        **config,
+    }
+    worker = Worker(registry, WorkerConfig(**options))
+    deadline = time.monotonic() + timeout
+    timed_out = []
+
+    def until(w: Worker) -> bool:
+        if time.monotonic() > deadline:
+            timed_out.append(True)
+            return True
+        return done(w)
+
+    worker.run(until=until)
+    assert not timed_out, "the worker did not get there before the deadline"
+    return worker
+
+
+ACTIVE = ("queued", "running")
+
+
+def settled(*ids: int) -> bool:
+    """Every one of these jobs has left the active states (or waits for a far retry)."""
+    rows = Job.objects.filter(pk__in=ids).values_list("state", "run_after")
+    return all(
+        state not in ACTIVE or (state == "queued" and run_after > timezone.now())
+        for state, run_after in rows
+    )
+
+
+@contextmanager
+def refusing_trigger(message: str, errcode: str):
+    """A user's trigger on the jobs table that refuses results saying 'refuse-me'."""
+    with connection.cursor() as cur:
+        cur.execute(
+            f"""
+            CREATE FUNCTION refuse_me() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF NEW.result::text LIKE '%%refuse-me%%' THEN
+                    RAISE EXCEPTION '{message}' USING ERRCODE = '{errcode}';
+                END IF;
+                RETURN NEW;
+            END $$;
+            CREATE TRIGGER refuse_me BEFORE UPDATE ON jobs_job
+                FOR EACH ROW EXECUTE FUNCTION refuse_me();
+            """
+        )
+    try:
+        yield
+    finally:
+        with connection.cursor() as cur:
+            cur.execute("DROP TRIGGER refuse_me ON jobs_job; DROP FUNCTION refuse_me()")
+
+
+def worker_config(**options) -> WorkerConfig:
+    """A worker's configuration for a test in this process: no signal handlers, short polls
+    and a short shutdown; ``options`` override any of it."""
+    defaults = {
+        "concurrency": 4,
+        "poll_interval": 0.05,
+        "maintenance_interval": 0.5,
+        "shutdown_timeout": 1.0,
+        "install_signal_handlers": False,
+    }
+    return WorkerConfig(**{**defaults, **options})
+
+
+def run_jobs(registry: Registry, *ids: int, **options) -> Worker:
+    """Run a real worker in this thread until the jobs ``ids`` have ended and it is idle (or
+    15 seconds have passed); the worker, to read what it counted."""
+    worker = Worker(registry, worker_config(**options))
+    deadline = time.monotonic() + 15
+
+    def done(w: Worker) -> bool:
+        states = Job.objects.filter(pk__in=ids).values_list("state", flat=True)
+        finished = w.idle and all(s in ("succeeded", "failed") for s in states)
+        return finished or time.monotonic() > deadline
+
+    worker.run(until=done)
+    return worker
