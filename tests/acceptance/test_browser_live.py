@@ -117,9 +117,7 @@ PAGES = {
 }
 
 
-def test_every_live_and_polished_page_fits_a_laptop_without_a_horizontal_scroll(
-    context, live_server
-):
+def test_the_live_pages_and_lists_fit_a_laptop_without_a_horizontal_scroll(context, live_server):
     seed_console()
     page = context.new_page()
     wide = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import re
 from datetime import timedelta
 
 import pytest
@@ -16,6 +17,7 @@ from django.utils import timezone
 from jobs import admin as jobs_admin
 from jobs.models import Job, TenantOverride
 from jobs.monitor import modeladmin
+from jobs.monitor.display import moment
 from jobs.runs import RunState
 from jobs.scheduler import get_schedules, slots
 from jobs.scheduler.clock import database_now
@@ -345,3 +347,49 @@ def test_the_admin_pages_link_to_the_monitor():
     admin = client_for(operator("root", *VIEW_ALL))
     for url in (reverse("admin:index"), reverse("admin:app_list", args=["jobs"])):
         assert reverse("admin:jobs_monitor") in admin.get(url).content.decode()
+
+
+LONG_TYPE = "billing.invoices.reconcile_statement_with_ledger_and_notify_accountants.v12"
+
+
+@pytest.fixture
+def ops():
+    perms = (*VIEW_ALL, "jobs.view_process", "jobs.pause_work", "jobs.cancel_job")
+    return client_for(operator("ops", *perms))
+
+
+def test_a_moment_is_written_to_the_second_with_its_zone_and_age(settings):
+    settings.TIME_ZONE = "Europe/Paris"
+    now = database_now()
+    html = moment(now - timedelta(minutes=3, seconds=5), now)
+    text = re.sub(r"<[^>]+>", "", html)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d CES?T \(3 min ago\)", text)
+    assert f'datetime="{(now - timedelta(minutes=3, seconds=5)).isoformat()}"' in html
+    assert moment(None, now) == "—"
+
+
+def test_the_jobs_list_writes_moments_and_cuts_long_names_keeping_the_link(ops):
+    job = JobFactory(name=LONG_TYPE, job_id="statement-2026-11-acme", tenant="acme-europe")
+    body = ops.get(reverse("admin:jobs_job_changelist")).content.decode()
+    assert f'<span class="jobs-clip" title="{LONG_TYPE}">{LONG_TYPE}</span>' in body
+    change = reverse("admin:jobs_job_change", args=[job.pk])
+    assert f'<a href="{change}"><span class="jobs-clip" title="statement-2026-11-acme">' in body
+    created = re.search(r'<td class="field-created_at"><time [^>]*>(.*?)</time>', body)
+    assert created is not None
+    assert "just now" in created.group(1) or "s ago" in created.group(1)
+    assert 'class="jobs-zone"' in created.group(1)
+    assert "?o=" in body  # the replaced columns still sort
+    detail = ops.get(change).content.decode()
+    assert detail.count('class="jobs-age"') >= 1  # the job's page ages its moments too
+
+
+def test_the_app_page_shows_each_link_once_and_the_new_pages(ops):
+    body = ops.get(reverse("admin:app_list", args=["jobs"])).content.decode()
+    main = body[body.index('id="content-main"') :]
+    hrefs = re.findall(r'<a [^>]*href="([^"]+)"', main)
+    listed = [href for href in hrefs if not href.endswith("/add/")]
+    assert len(listed) == len(set(listed)), sorted(listed)
+    for name in ("jobs_monitor", "jobs_monitor_groups", "jobs_overview"):
+        assert reverse(f"admin:{name}") in listed
+    assert reverse("admin:jobs_performance") in listed
+    assert reverse("admin:jobs_schedules") in listed

@@ -8,11 +8,12 @@ import pytest
 from django.contrib.admin.models import LogEntry
 from django.urls import reverse
 
+from jobs.control.tables import RunTable
 from jobs.models import Job, JobHistory
 from jobs.queue import history
 from jobs.scheduler.clock import database_now
 from tests.support.admin import client_for, operator
-from tests.support.history import finish, job
+from tests.support.history import MINUTE, finish, job
 
 pytestmark = pytest.mark.django_db
 
@@ -79,3 +80,15 @@ def test_the_overview_counts_finished_jobs_in_the_history_too():
     assert [cell["text"] for cell in states["failed"]["cells"]] == ["0", "1"]
     (row,) = [t for t in data["types"] if t["name"] == JobHistory.objects.get(pk=pk).name]
     assert row["failed"] == "1"  # awaiting replay: counted exactly, wherever it is
+
+
+@pytest.mark.django_db
+def test_history_is_not_readable_with_unrelated_jobs_permissions():
+    """A staff user with only TenantOverride permissions sees no finished jobs."""
+    (pk,) = finish(job(), state="failed")
+    history.archive(now=database_now() + MINUTE)
+    user = operator("tenants", "jobs.view_tenantoverride", "jobs.change_tenantoverride")
+    client = client_for(user)
+    assert client.get(reverse("admin:jobs_jobhistory_changelist")).status_code == 403
+    assert client.get(reverse("admin:jobs_jobhistory_change", args=[pk])).status_code == 403
+    assert not RunTable(JobHistory).can_replay(user)

@@ -11,17 +11,23 @@ from datetime import timedelta
 
 import pytest
 from django.contrib.admin.models import ADDITION, CHANGE, DELETION, LogEntry
+from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
 from jobs import queue
 from jobs.models import Job, JobHistory, Pause
-from jobs.queue import ProcessBeat, history, processes
+from jobs.queue import (
+    ProcessBeat,
+    history,
+    processes,
+)
 from jobs.runs import RunState
 from jobs.scheduler.clock import database_now
-from tests.support.admin import client_for, operator
+from tests.support.admin import VIEW_ALL, client_for, operator
 from tests.support.factories import JobFactory, job_with_three_attempts
+from tests.support.polling import wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -425,3 +431,48 @@ def test_the_pauses_list_shows_a_throttles_end_and_not_a_throttle_that_ended(pau
     assert TYPE in page and "upstream said 429" in page and "in 1 min" in page
     assert "jobapp.other.v1" not in page
     assert "when resumed" in page  # the operator's pause of the queue
+
+
+NAME = "test.flow.v1"
+
+
+@pytest.mark.django_db
+def test_the_pauses_page_does_not_list_a_throttle_that_has_ended(client):
+    user = get_user_model().objects.create_superuser("boss", "boss@example.com", "pw")
+    client.force_login(user)
+    queue.throttle(NAME, 0.05, reason="upstream said 429")
+    wait_for(lambda: not queue.paused(), timeout=5, what="the throttle ended")
+
+    page = client.get(reverse("admin:jobs_pause_changelist"))
+
+    assert page.status_code == 200
+    assert NAME not in page.content.decode()
+
+
+LONG_TYPE = "billing.invoices.reconcile_statement_with_ledger_and_notify_accountants.v12"
+
+
+@pytest.fixture
+def ops():
+    perms = (*VIEW_ALL, "jobs.view_process", "jobs.pause_work", "jobs.cancel_job")
+    return client_for(operator("ops", *perms))
+
+
+def test_the_processes_and_pauses_lists_write_moments_with_ages(ops):
+    queue.pause("job_type", LONG_TYPE, by="alice", reason="INC-7")
+    pauses = ops.get(reverse("admin:jobs_pause_changelist")).content.decode()
+    assert 'class="jobs-age"' in pauses and 'class="jobs-zone"' in pauses
+
+
+def test_resume_selected_lists_what_it_lifts_and_what_is_over_already(ops):
+    queue.pause("queue", "bulk", by="alice")
+    queue.pause("tenant", "acme", by="alice")
+    live, gone = list(Pause.objects.order_by("pk"))
+    queue.resume("tenant", "acme")  # over before the operator's click
+    data = {"action": "resume_selected", "_selected_action": [live.pk, gone.pk]}
+    page = ops.post(reverse("admin:jobs_pause_changelist"), data).content.decode()
+    assert "queue bulk" in page and "tenant acme" not in page
+    assert "1 selected pause is over already" in page
+    assert Pause.objects.count() == 1 and not LogEntry.objects.exists()  # nothing done yet
+    ops.post(reverse("admin:jobs_pause_changelist"), {**data, "post": "yes"})
+    assert not Pause.objects.exists()

@@ -11,13 +11,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs import queue
-from jobs.models import Batch, Job
+from jobs.models import Batch, Job, JobHistory
 from jobs.queue import AllTenants, ClaimRequest, NewJob
 from jobs.queue import batches as queue_batches
 from jobs.queue.batches import BatchClosed, BatchNotFound
 from jobs.queue.types import InvalidJob
+from tests.support.workflows import settle
 
 NAME = "test.noop.v1"
+UP, DOWN, REPORT = "test.noop.v1", "test.after.v1", "test.report.v1"
 SUCCESSOR = NewJob(name="test.report.v1", payload={"report": True})
 
 
@@ -321,3 +323,90 @@ def test_retention_deletes_finished_batches_and_forgotten_open_ones_only():
     assert set(Batch.objects.values_list("id", flat=True)) == {busy}
     with pytest.raises(BatchNotFound):
         queue_batches.get(finished)
+
+
+def enqueue(name: str = UP, **fields) -> int:
+    """Enqueue one job; its dependency checks run as its commit would run them."""
+    id_ = queue.enqueue(NewJob(name=name, **fields)).id
+    settle()
+    return id_
+
+
+def claim_of(name: str = UP, count: int = 100):
+    return queue.claim([ClaimRequest(name, count)], scope=AllTenants())
+
+
+@pytest.mark.django_db
+def test_a_successor_whose_key_holder_has_expired_is_enqueued_afresh():
+    old = enqueue(REPORT, job_id="nightly-report")
+    [job] = claim_of(REPORT)
+    assert queue.complete(job)
+    Job.objects.filter(pk=old).update(finished_at=timezone.now() - timedelta(days=30))
+    # enqueue() would let the expired holder go and insert a new job under the key.
+    batch_id = queue_batches.open(NewJob(name=REPORT, job_id="nightly-report"))
+    queue_batches.add(batch_id, [NewJob(name=UP)])
+    queue_batches.seal(batch_id)
+    [member] = claim_of()
+    assert queue.complete(member)
+    state = queue_batches.get(batch_id)
+    assert state.fired_at is not None
+    assert state.successor_pk != old
+    assert Job.objects.get(pk=state.successor_pk).state == "queued"
+
+
+@pytest.mark.django_db
+def test_firing_is_final_a_member_replayed_before_the_successor_ran_moves_the_counts_only():
+    # docs/workflows.md: once the batch fired, its successor is enqueued and runs (it is not
+    # held back by a replay); the replayed member moves the counts and fires nothing again.
+    batch_id = queue_batches.open(NewJob(name=REPORT))
+    queue_batches.add(batch_id, [NewJob(name=UP), NewJob(name=UP)])
+    queue_batches.seal(batch_id)
+    good, bad = claim_of()
+    queue.complete(good)
+    queue.fail(bad, code="rejected")
+    fired = queue_batches.get(batch_id)
+    assert queue.replay([bad.id], by="operator").replayed == (bad.id,)
+    state = queue_batches.get(batch_id)
+    assert (state.finished, state.failed) == (1, 0)
+    [successor] = claim_of(REPORT)
+    assert successor.id == fired.successor_pk
+    [again] = claim_of()
+    queue.complete(again)
+    after = queue_batches.get(batch_id)
+    assert (after.succeeded, after.failed, after.successor_pk) == (2, 0, fired.successor_pk)
+    assert Job.objects.filter(name=REPORT).count() == 1
+
+
+@pytest.mark.django_db
+def test_a_failed_member_replayed_from_the_history_is_counted_again_before_the_fire():
+    batch_id = queue_batches.open(NewJob(name=REPORT))
+    [member] = queue_batches.add(batch_id, [NewJob(name=UP)])
+    [job] = claim_of()
+    queue.fail(job, code="rejected")
+    Job.objects.filter(pk=member.id).update(key_held=False)
+    queue.history.archive(now=timezone.now() + timedelta(days=1))
+    assert JobHistory.objects.filter(pk=member.id).exists()
+    assert queue_batches.get(batch_id).failed == 1
+
+    assert queue.replay([member.id], by="operator").replayed == (member.id,)
+    assert queue_batches.get(batch_id).failed == 0
+    assert queue_batches.seal(batch_id) is False  # the replayed member holds it open
+    [again] = claim_of()
+    assert queue.complete(again)
+    state = queue_batches.get(batch_id)
+    assert (state.succeeded, state.failed) == (1, 0) and state.fired_at is not None
+    assert Job.objects.filter(name=REPORT).count() == 1
+
+
+@pytest.mark.django_db
+def test_a_member_waiting_for_a_failed_job_settles_a_sealed_batch_inside_add():
+    up = enqueue()
+    [job] = claim_of()
+    queue.fail(job, code="rejected")
+    batch_id = queue_batches.open(NewJob(name=REPORT))
+    queue_batches.seal(batch_id)  # empty: fired already
+    late = queue_batches.open(NewJob(name=REPORT, payload={"late": True}))
+    [member] = queue_batches.add(late, [NewJob(name=DOWN, after=(up,))])
+    assert Job.objects.get(pk=member.id).state == "cancelled"
+    assert queue_batches.seal(late) is True
+    assert queue_batches.get(late).cancelled == 1

@@ -5,15 +5,35 @@ own."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
+import threading
+from datetime import timedelta
 
 import pytest
-from django.db import connection, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    IntegrityError,
+    connection,
+    connections,
+    transaction,
+)
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg.types.json import Jsonb
 
-from jobs.queue import _db
+from jobs import queue
+from jobs.models import Job
+from jobs.queue import (
+    ClaimRequest,
+    NewJob,
+    Outcome,
+    _db,
+)
+from tests.support.noop_jobs import NAME, SCOPE, claim, enqueue
 from tests.support.prepared import other_session, prepare_threshold
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -191,3 +211,142 @@ def test_a_statement_prepared_before_a_schema_change_fails_once_then_works(insid
                 other.execute("ALTER TABLE jobs_job ALTER COLUMN priority TYPE smallint")
     assert len(failures) == 1 and "cached plan" in failures[0], failures
     assert len(claims) == 3
+
+
+@pytest.mark.django_db
+def test_a_refused_statement_on_the_binding_cursor_is_djangos_integrity_error():
+    """Errors of the binding cursor come out as django.db errors, and they break the caller's
+    atomic block as Django's own would (the next query raises until rollback)."""
+    enqueue(1)
+    [job] = claim(1)
+    refused = Outcome(id=job.id, token=job.claim_token, state="bogus")  # type: ignore[arg-type]
+
+    with transaction.atomic():
+        with pytest.raises(IntegrityError), transaction.atomic():
+            queue.record([refused])
+        assert Job.objects.get(pk=job.id).state == "running"  # the savepoint rolled back
+
+    with pytest.raises(IntegrityError):
+        queue.record_and_claim([refused], [ClaimRequest(NAME, 1)], scope=SCOPE)
+
+
+@pytest.mark.django_db
+def test_the_binding_cursor_goes_through_execute_wrappers_and_query_logging():
+    enqueue(3)
+    seen: list[str] = []
+
+    def wrapper(execute, sql, params, many, context):
+        seen.append(sql)
+        return execute(sql, params, many, context)
+
+    with (
+        connection.execute_wrapper(wrapper),
+        override_settings(DEBUG=True),
+        CaptureQueriesContext(connection) as logged,
+    ):
+        [job] = claim(1)
+        queue.record_and_claim([Outcome.succeeded(job)], [ClaimRequest(NAME, 1)], scope=SCOPE)
+        queue.enqueue(NewJob(name=NAME, payload={}))
+
+    assert len(seen) == 3 and len(logged) == 3
+    assert "UPDATE jobs_job" in logged[0]["sql"] and "written" in logged[1]["sql"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cursor_kept_after_the_time_zone_changed_during_its_use_loads_as_a_fresh_one():
+    sql = "SELECT '2024-01-01 12:00:00+00'::timestamptz"
+    changed = override_settings(USE_TZ=False)
+    with _db.bound_cursor(None) as cur:  # made while USE_TZ is on: loads aware timestamps
+        cur.execute("SELECT 1")
+        changed.enable()  # e.g. a test's override entered while a generator holds the cursor
+    try:
+        with _db.bound_cursor(None) as cur:
+            cur.execute(sql)
+            [value] = cur.fetchone()
+        with connection.cursor() as cur:  # Django's own cursor, for what a fresh one loads
+            cur.execute(sql)
+            [expected] = cur.fetchone()
+    finally:
+        changed.disable()
+    assert expected.tzinfo is None
+    assert value.tzinfo is None, value
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_kept_cursor_does_not_hold_on_to_its_last_result():
+    with _db.bound_cursor(None) as cur:
+        cur.execute("SELECT repeat('x', %(n)s::integer)", {"n": 5_000_000})  # one 5 MB row
+        raw = cur.cursor
+    # Closed at the end of its use, the cursor freed its result; kept, it holds it (and the
+    # last statement's parameters) until the connection's next use, however big it was.
+    assert raw.closed or raw.pgresult is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_threads_sharing_a_connection_never_share_a_bound_cursor():
+    with _db.bound_cursor(None) as cur:
+        cur.execute("SELECT 1")  # the connection opened, and a cursor kept
+    shared = connections[DEFAULT_DB_ALIAS]
+    shared.inc_thread_sharing()
+    errors: list[BaseException] = []
+
+    def use(offset: int) -> None:
+        connections[DEFAULT_DB_ALIAS] = shared  # as Django's LiveServerThread shares one
+        try:
+            for n in range(200):
+                with _db.bound_cursor(None) as cur:
+                    cur.execute("SELECT %(v)s::bigint, pg_sleep(0)", {"v": offset + n})
+                    assert cur.fetchone()[0] == offset + n
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=use, args=(k * 1_000,)) for k in range(3)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        shared.dec_thread_sharing()
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == []
+
+
+enqueue_module = importlib.import_module("jobs.queue.enqueue")
+
+
+COPY_AT_LEAST = enqueue_module.COPY_AT_LEAST
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_cursor_kept_after_a_copy_is_the_one_used_next_and_binds_as_before():
+    """The COPY no longer changes the cursor's adapters, so it is kept: the next use takes
+    that very cursor, which sends JSON given as Json as JSON, binary arrays and times, and
+    reads times in the connection's time zone (a database ``TIME_ZONE`` of +05:45)."""
+    db = connections["default"]
+    saved = db.settings_dict["TIME_ZONE"]
+    db.settings_dict["TIME_ZONE"] = "Asia/Kathmandu"
+    for name in ("timezone", "timezone_name"):
+        db.__dict__.pop(name, None)
+    db.close()
+    try:
+        queue.enqueue_many([NewJob(NAME, {"n": n}) for n in range(COPY_AT_LEAST)])
+        kept = _db._idle.get(db)
+        assert kept is not None and not kept.closed
+        when = timezone.now()
+        with _db.bound_cursor(None) as cur:
+            assert cur.cursor is kept
+            cur.execute(
+                "SELECT %(doc)s::jsonb, %(ids)b::bigint[], %(at)s::timestamptz",
+                {"doc": Jsonb({"é": ["\U0001f600", 1]}), "ids": [1, 2], "at": when},
+            )
+            doc, ids, at = cur.fetchone()
+        assert json.loads(doc) == {"é": ["\U0001f600", 1]} and ids == [1, 2]
+        assert at == when and at.utcoffset() == timedelta(hours=5, minutes=45)
+        [job] = claim(1)
+        assert job.payload == {"n": 0}
+    finally:
+        db.settings_dict["TIME_ZONE"] = saved
+        for name in ("timezone", "timezone_name"):
+            db.__dict__.pop(name, None)
+        db.close()

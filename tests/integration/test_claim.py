@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.db import connection, transaction
@@ -12,7 +13,11 @@ from django.utils import timezone
 from jobs import queue
 from jobs.models import Job
 from jobs.queue import AllTenants, AllTenantsExcept, ClaimRequest, NewJob, OnlyTenant
+from jobs.queue.history import HOUR
+from jobs.scheduler.clock import database_now
+from tests.support.concurrency import Background
 from tests.support.factories import JobFactory, TenantOverrideFactory
+from tests.support.history import MINUTE, NAME
 
 pytestmark = pytest.mark.django_db
 
@@ -178,3 +183,68 @@ class TestLeases:
         )
 
         assert queue.renew([kept, taken]) == {taken.id}
+
+
+@pytest.mark.django_db
+def test_claim_walks_priorities_in_order_past_delayed_and_other_tenants_rows():
+    """The walk keeps (priority DESC, run_after, id) and the tenant scope.
+
+    Delayed rows and rows of another tenant at higher priorities are stepped over, never
+    claimed; the due rows come highest priority first, earliest due first within one.
+    """
+    now = database_now()
+    jobs = [
+        NewJob(name=NAME, payload={}, priority=50, run_after=now + HOUR, tenant="t1"),
+        NewJob(name=NAME, payload={}, priority=40, tenant="t2"),
+        NewJob(name=NAME, payload={}, priority=30, run_after=now - 2 * MINUTE, tenant="t1"),
+        NewJob(name=NAME, payload={}, priority=30, run_after=now - 5 * MINUTE, tenant="t1"),
+        NewJob(name=NAME, payload={}, priority=-100, tenant="t1"),
+        NewJob(name=NAME, payload={}, priority=100, run_after=now + HOUR, tenant="t1"),
+    ]
+    ids = [e.id for e in queue.enqueue_many(jobs)]
+
+    claimed = queue.claim([ClaimRequest(NAME, 10)], scope=OnlyTenant("t1"), worker="w")
+
+    assert [c.id for c in claimed] == [ids[3], ids[2], ids[4]]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_claim_locks_only_what_it_takes():
+    """Rows are locked only as the LIMIT pulls them, across priorities and names.
+
+    Inside an open claim of 3 (two names, three priorities), every other due row can still be
+    locked by another session with SKIP LOCKED.
+    """
+    other = "test.history.other.v1"
+    jobs = [NewJob(name=NAME, payload={}, priority=p) for p in (5, 5, 0, 0, -5, -5)]
+    jobs += [NewJob(name=other, payload={}, priority=1) for _ in range(4)]
+    queue.enqueue_many(jobs)
+    held, release = threading.Event(), threading.Event()
+
+    def claim_held_open() -> Any:
+        with transaction.atomic():
+            got = queue.claim(
+                [ClaimRequest(NAME, 2), ClaimRequest(other, 4)],
+                scope=AllTenants(),
+                limit=3,
+                worker="w",
+            )
+            held.set()
+            release.wait(60)
+        return got
+
+    claimer = Background(claim_held_open)
+    assert held.wait(30)
+    try:
+        with transaction.atomic(), connection.cursor() as cur:
+            cur.execute(
+                "SELECT count(*) FROM (SELECT id FROM jobs_job WHERE state = 'queued' "
+                "FOR UPDATE SKIP LOCKED) s"
+            )
+            (lockable,) = cur.fetchone()
+    finally:
+        release.set()
+    got = claimer.result()
+    assert len(got) == 3
+    assert [c.priority for c in got[:2]] == [5, 5] and got[2].name == other
+    assert lockable == 10 - 3

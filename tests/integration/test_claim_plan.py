@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 from django.db import connection
 
-from jobs.queue import AllTenants, AllTenantsExcept, OnlyTenant, claim_sql
+from jobs.queue import (
+    AllTenants,
+    AllTenantsExcept,
+    OnlyTenant,
+    claim_sql,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -125,3 +130,42 @@ def test_delayed_jobs_of_a_higher_priority_cost_the_claim_nothing(claim_form):
 
 def _nodes(node: dict) -> list[dict]:
     return [node, *(n for child in node.get("Plans", []) for n in _nodes(child))]
+
+
+MANY_PRIORITIES_DELAYED = """
+INSERT INTO jobs_job (job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
+                      state, attempts, last_error, error_detail, claimed_by, key_held,
+                      replayed_by, created_at)
+SELECT 'later-' || g, %(name)s, '{}', 'default', 'default',
+       CASE WHEN g <= 100 THEN -100 ELSE -99 + g %% 199 END, 5,
+       CASE WHEN g <= 100 THEN now() - interval '1 minute'
+            ELSE now() + interval '1 hour' + g * interval '1 second' END,
+       'queued', 0, '', '', '', TRUE, '', now()
+FROM generate_series(1, 60100) AS g
+"""
+
+
+@pytest.mark.django_db
+def test_the_scan_skips_through_many_priorities_without_statistics(claim_form):
+    """199 priorities of delayed rows above the due ones, and no ANALYZE since they came: the
+    claim still reads a few pages a priority, nothing in proportion to the 60,000 rows
+    (measured: the scan about 650 buffers, the walk about 1,600; a full read is ~2,000)."""
+    name = f"test.priorities.{claim_form}.v1"
+    with connection.cursor() as cur:
+        cur.execute(MANY_PRIORITIES_DELAYED, {"name": name})
+        sql, scope_params = claim_sql(AllTenantsExcept("worker"))
+        params = {
+            "names": [name],
+            "limits": [50],
+            "caps": [None],
+            "total": 50,
+            "lease": 10.0,
+            "worker": "plan",
+            **scope_params,
+        }
+        cur.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params)
+        (plan,) = cur.fetchone()
+    assert plan[0]["Plan"]["Actual Rows"] == 50
+    (picked,) = [n for n in _nodes(plan[0]["Plan"]) if n.get("Subplan Name") == "CTE picked"]
+    touched = picked["Shared Hit Blocks"] + picked["Shared Read Blocks"]
+    assert touched < (1000 if claim_form == "scan" else 2500), (touched, plan)

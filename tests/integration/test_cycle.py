@@ -9,28 +9,25 @@ from __future__ import annotations
 import json
 import threading
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.db import DatabaseError, connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 from jobs import queue
-from jobs.models import Job
-from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, _db
+from jobs.models import Job, TenantOverride
+from jobs.queue import (
+    AllTenantsExcept,
+    ClaimRequest,
+    NewJob,
+    Outcome,
+    _db,
+)
 from jobs.queue import outcomes as outcomes_module
 from tests.support.concurrency import Background
 from tests.support.enqueue import TransactionControl
-
-NAME = "test.noop.v1"
-SCOPE = AllTenants()
-
-
-def enqueue(count: int, **options) -> list[int]:
-    return [e.id for e in queue.enqueue_many([NewJob(name=NAME, payload={}, **options)] * count)]
-
-
-def claim(limit: int) -> list:
-    return queue.claim([ClaimRequest(NAME, limit)], scope=SCOPE, worker="w")
+from tests.support.noop_jobs import NAME, SCOPE, claim, enqueue
 
 
 @pytest.mark.django_db(transaction=True)
@@ -172,3 +169,55 @@ def test_a_batch_written_whole_does_not_look_for_busy_rows():
 
 def _nodes(node: dict) -> list[dict]:
     return [node, *(n for child in node.get("Plans", []) for n in _nodes(child))]
+
+
+@pytest.mark.django_db
+def test_the_combined_pass_keeps_the_scope_of_the_claim(claim_form):
+    """The outcome CTE is named ``o``, as is the override table in AllTenantsExcept's SQL: the
+    scope must still refer to the overrides, under both forms of the claim."""
+    scope = AllTenantsExcept("billing")
+    TenantOverride.objects.create(tenant="acme", component="billing")
+    queue.enqueue_many(
+        [NewJob(name=NAME, payload={}, tenant="acme")] * 2
+        + [NewJob(name=NAME, payload={}, tenant="other")] * 3
+    )
+    held = claim(1, scope=scope)
+
+    report, claimed = queue.record_and_claim(
+        [Outcome.succeeded(held[0])], [ClaimRequest(NAME, 10)], scope=scope
+    )
+
+    assert report.applied == (held[0].id,)
+    assert {j.tenant for j in [*held, *claimed]} == {"other"} and len(claimed) == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_combined_pass_locks_only_the_rows_it_claims():
+    """Inside a transaction the statement's row locks last until commit: only the rows it
+    wrote or claimed may be locked, never queued rows the claim looked at and left."""
+    ids = enqueue(6)
+    [held] = claim(1)
+    with transaction.atomic():
+        _, claimed = queue.record_and_claim(
+            [Outcome.succeeded(held)], [ClaimRequest(NAME, 5)], scope=SCOPE, limit=2
+        )
+        taken = {held.id, *(j.id for j in claimed)}
+        left = [i for i in ids if i not in taken]
+
+        def lock_the_rest() -> list[int]:
+            try:
+                with transaction.atomic():
+                    return list(
+                        Job.objects.select_for_update(nowait=True)
+                        .filter(pk__in=left)
+                        .values_list("pk", flat=True)
+                    )
+            finally:
+                connection.close()
+
+        result: list[Any] = []
+        thread = threading.Thread(target=lambda: result.append(lock_the_rest()))
+        thread.start()
+        thread.join(30)
+    assert len(claimed) == 2 and len(left) == 3
+    assert sorted(result[0]) == sorted(left)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
+from django.db import OperationalError, transaction
+from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +38,7 @@ def fail(job, **fields) -> None:
     settle()
 
 
-def claim(name: str, count: int = 100):
+def claim(name: str = UP, count: int = 100):
     return queue.claim([ClaimRequest(name, count)], scope=AllTenants())
 
 
@@ -233,3 +237,68 @@ def test_a_type_bound_to_a_run_table_cannot_wait():
     top = enqueue()
     with pytest.raises(InvalidJob, match="bound to a run table"):
         jobs.enqueue(DeliverV1(run_id=1), after=[top])
+
+
+def chain(length: int, **head_fields) -> tuple[int, int]:
+    """A head job and ``length`` jobs each waiting for the one before; (head, tail)."""
+    head = prev = enqueue(**head_fields)
+    for _ in range(length):
+        prev = enqueue(DOWN, after=(prev,))
+    return head, prev
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("end", ["fail", "cancel"])
+def test_a_failure_at_the_head_of_a_long_chain_ends_the_whole_chain(end):
+    head, tail = chain(500)
+    if end == "fail":
+        [job] = claim()
+        assert queue.fail(job, code="rejected")
+    else:
+        assert queue.cancel([head], by="operator") == [head]
+    settle()  # the release after the head ended, to the end of the chain
+    assert Job.objects.get(pk=tail).state == "cancelled"
+    assert Job.objects.get(pk=tail).last_error == "dependency_failed"
+
+
+@pytest.mark.django_db
+def test_an_exhausted_chain_head_does_not_wedge_the_exhaustion_pass_for_others():
+    head, _tail = chain(500, max_attempts=1)
+    unrelated = enqueue(max_attempts=1)
+    assert len(claim()) == 2
+    Job.objects.filter(pk__in=[head, unrelated]).update(
+        lease_expires_at=timezone.now() - timedelta(minutes=1)
+    )
+    try:
+        with transaction.atomic():
+            queue.fail_exhausted()
+    except OperationalError:
+        pass  # the head's own failure may be refused; the unrelated job's must not be
+    assert Job.objects.get(pk=unrelated).state == "failed"
+
+
+@pytest.mark.django_db
+def test_after_a_job_id_whose_holder_window_has_passed_is_not_its_old_success():
+    # A holder whose window has passed lets its key go to the next job enqueued under it:
+    # waiting for its weeks-old success would wait for the wrong job. The name is refused
+    # (after= names jobs enqueued before the call; a job of the same call by its result).
+    old = enqueue(job_id="render-42")
+    [job] = claim()
+    queue.complete(job)
+    Job.objects.filter(pk=old).update(finished_at=timezone.now() - timedelta(days=30))
+    with pytest.raises(InvalidJob, match="no job holds job_id 'render-42'"):
+        queue.enqueue_many(
+            [NewJob(name=UP, job_id="render-42"), NewJob(name=DOWN, after=("render-42",))]
+        )
+    assert not Job.objects.filter(name=DOWN).exists()
+    render = queue.enqueue(NewJob(name=UP, job_id="render-42"))
+    assert render.created and render.id != old
+    publish = queue.enqueue(NewJob(name=DOWN, after=("render-42",)))
+    assert Job.objects.get(pk=publish.id).waiting_on == 1
+
+
+@pytest.mark.django_db
+def test_after_refuses_a_row_id_of_another_tenant():
+    other = enqueue(tenant="tenant-b")
+    with pytest.raises(InvalidJob):
+        enqueue(DOWN, tenant="tenant-a", after=(other,))

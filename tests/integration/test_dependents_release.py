@@ -3,28 +3,42 @@
 The statement that ends a job others wait for records a settlement and nothing more, so its
 cost does not grow with the number of jobs waiting; :func:`jobs.queue.dependencies.release`
 applies it a step at a time, each edge once, and the worker wakes its release thread as
-soon as a pass ends such a job.
+soon as a pass ends such a job. The settle function leaves the same rows as migration
+0013's after random dependency graphs and outcomes (the old one installed in a savepoint on
+the same connection), and migrating back and forward keeps settles right on one connection.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
 from datetime import timedelta
 
 import pytest
-from django.db import connection, connections
+from django.core.management import call_command
+from django.db import connection, connections, transaction
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jobs import queue
-from jobs.models import Dependency, Job, Settlement
-from jobs.queue import AllTenants, ClaimRequest, NewJob, dependencies
+from jobs.models import WAITING_UNTIL, Dependency, Job, Settlement
+from jobs.queue import (
+    AllTenants,
+    ClaimRequest,
+    NewJob,
+    dependencies,
+)
 from jobs.queue import batches as queue_batches
+from jobs.scheduler.clock import database_now
+from tests.support.keyed_rows import backend, end_one, enqueue_one, insert, outcome_of, state_of
 from tests.support.polling import wait_for
 from tests.support.worker import Echo, Recorder, registry, running_worker
+from tests.support.workflows import settle
 
 UP, DOWN = "test.noop.v1", "test.after.v1"
 
 
-def claim(name: str, count: int = 100):
+def claim(name: str = UP, count: int = 100):
     return queue.claim([ClaimRequest(name, count)], scope=AllTenants())
 
 
@@ -246,3 +260,193 @@ def test_migrating_back_with_a_release_pending_ends_the_whole_chain():
     finally:
         call_command("migrate", "jobs", verbosity=0)
     assert states == [(mid, "cancelled", 0), (bottom, "cancelled", 0)]
+
+
+def enqueue(name: str = UP, **fields) -> int:
+    """Enqueue one job; its dependency checks run as its commit would run them."""
+    id_ = queue.enqueue(NewJob(name=name, **fields)).id
+    settle()
+    return id_
+
+
+@pytest.mark.django_db
+def test_one_success_releases_a_thousand_waiting_jobs_at_once():
+    top = enqueue()
+    waiting = [r.id for r in queue.enqueue_many([NewJob(name=DOWN, after=(top,))] * 1000)]
+    assert Job.objects.filter(pk__in=waiting, waiting_on=1).count() == 1000
+    [job] = claim()
+    assert queue.complete(job)
+    settle()  # the release after the outcome
+    assert len(claim(DOWN, 2000)) == 1000
+
+
+M13 = importlib.import_module("jobs.migrations.0013_settle_chains")
+
+
+M25 = importlib.import_module("jobs.migrations.0025_dependents_release")
+
+
+# The trigger function that settled waiting jobs in the statement (0010 to 0024).
+SETTLED_IN_STATEMENT = M25.SETTLED_IN_STATEMENT
+
+
+def _settle_body(sql: str) -> str:
+    """The text of ``jobs_dependents_settle`` between its dollar quotes in a migration's SQL."""
+    at = sql.index("CREATE OR REPLACE FUNCTION jobs_dependents_settle")
+    start = sql.index("$$", at) + 2
+    return sql[start : sql.index("$$", start)]
+
+
+# 0013's definition of the settle function, as that migration wrote it.
+SETTLE_0013 = M13.SQL[M13.SQL.index("CREATE OR REPLACE FUNCTION jobs_dependents_settle") :]
+
+
+def settle_source(function: str = "jobs_dependents_settle") -> str | None:
+    with connection.cursor() as cur:
+        cur.execute("SELECT prosrc FROM pg_proc WHERE proname = %s", [function])
+        row = cur.fetchone()
+    return None if row is None else row[0]
+
+
+def _release_body(sql: str) -> str:
+    """The text of ``jobs_dependents_release`` between its dollar quotes in a migration's SQL."""
+    at = sql.index("CREATE FUNCTION jobs_dependents_release")
+    start = sql.index("$$", at) + 2
+    return sql[start : sql.index("$$", start)]
+
+
+dag_strategy = st.lists(
+    st.tuples(st.lists(st.integers(0, 10), max_size=3), st.sampled_from(["cancel", "fail"])),
+    min_size=2,
+    max_size=7,
+)
+
+
+steps_strategy = st.lists(
+    st.tuples(st.integers(0, 6), st.sampled_from(["succeeded", "failed", "cancelled"])),
+    min_size=1,
+    max_size=6,
+)
+
+
+@pytest.mark.django_db
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(dag=dag_strategy, steps=steps_strategy)
+def test_the_settle_function_acts_as_0013s_on_any_graph_and_outcomes(dag, steps):
+    """Each job waits for some earlier ones; jobs due to run end one after another, the
+    trigger settling what waits for them: 0013's function and 0024's leave the same rows."""
+    with transaction.atomic(), connection.cursor() as cur:
+        ups = [sorted({u % j for u in wanted}) if j else [] for j, (wanted, _) in enumerate(dag)]
+        waited = {u for each in ups for u in each}
+        ids: list[int] = []
+        for j, upstreams in enumerate(ups):
+            ids.append(
+                insert(
+                    cur,
+                    f"dag-{j}",
+                    "queued",
+                    held=True,
+                    waiting=len(upstreams),
+                    depended_on=j in waited,
+                )
+            )
+        for j, upstreams in enumerate(ups):
+            for u in upstreams:
+                cur.execute(
+                    "INSERT INTO jobs_dependency (job, upstream, on_failure) VALUES (%s, %s, %s)",
+                    [ids[j], ids[u], dag[j][1]],
+                )
+
+        def run() -> list[tuple]:
+            return run_steps(steps)
+
+        def run_steps(steps: list[tuple[int, str]]) -> list[tuple]:
+            for index, state in steps:
+                cur.execute(
+                    "UPDATE jobs_job SET state = %(state)s, finished_at = statement_timestamp(), "
+                    "key_held = %(state)s <> 'cancelled' "
+                    "WHERE id = %(id)s AND state = 'queued' AND waiting_on = 0",
+                    {"state": state, "id": ids[index % len(ids)]},
+                )
+            cur.execute(
+                "SELECT id, state, waiting_on, key_held, last_error, error_detail, "
+                "run_after = %s, finished_at IS NULL FROM jobs_job ORDER BY id",
+                [WAITING_UNTIL],
+            )
+            return cur.fetchall()
+
+        def with_0013() -> list[tuple]:
+            # 0013's function, called by the trigger in the statement that ends a job.
+            cur.execute(SETTLE_0013)
+            cur.execute(SETTLED_IN_STATEMENT)
+            assert "|| ''" not in settle_source()
+            return run()
+
+        def released_after() -> list[tuple]:
+            # Today's: each job's waiting jobs released after it ends, before the next step.
+            for index, state in steps:
+                cur.execute(
+                    "UPDATE jobs_job SET state = %(state)s, finished_at = statement_timestamp(), "
+                    "key_held = %(state)s <> 'cancelled' "
+                    "WHERE id = %(id)s AND state = 'queued' AND waiting_on = 0",
+                    {"state": state, "id": ids[index % len(ids)]},
+                )
+                settle()
+            return run_steps([])
+
+        old, new = outcome_of(cur, with_0013), outcome_of(cur, released_after)
+        assert settle_source() is None  # 0025's trigger, back
+        assert old == new
+        transaction.set_rollback(True)
+
+
+def _settles_each_way() -> None:
+    """Success lets waiting jobs go (a diamond one at a time), failure ends the chain below."""
+    first, second = enqueue_one(job_id="first"), enqueue_one(job_id="second")
+    both = enqueue_one(DOWN, after=(first, second))
+    below = enqueue_one(DOWN, after=(both,), on_dependency_failure="fail")
+    end_one(UP, "succeeded")
+    assert state_of(both)[:2] == ("queued", 1)
+    end_one(UP, "succeeded")
+    assert state_of(both)[:2] == ("queued", 0)
+    assert Job.objects.get(pk=both).run_after <= database_now()
+    assert state_of(below)[:2] == ("queued", 1)
+
+    top = enqueue_one(job_id="top")
+    left = enqueue_one(DOWN, after=(top,))  # cancel edge
+    right = enqueue_one(DOWN, after=(top,), on_dependency_failure="fail")
+    bottom = enqueue_one(DOWN, after=(left, right), on_dependency_failure="fail")
+    end_one(UP, "failed")
+    assert state_of(left) == ("cancelled", 0, False, "dependency_failed")
+    assert state_of(right) == ("failed", 0, True, "dependency_failed")
+    # Reached by two paths, ended once, by the lowest upstream's edge (left ended cancelled).
+    assert state_of(bottom) == ("failed", 0, True, "dependency_failed")
+    assert Job.objects.get(pk=bottom).error_detail == (
+        f"job {left}, which this job waited for, ended cancelled"
+    )
+    assert state_of(both)[:2] == ("queued", 0)  # untouched by the other chain
+    Job.objects.filter(name__in=[UP, DOWN]).delete()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_settles_are_right_before_across_and_after_migrating_back_to_0023_and_forward():
+    """On one connection: settles by the release (0025's function, its plan kept), ``migrate
+    jobs 0023`` (0013's function back; this release's code does not run on that schema),
+    ``migrate`` forward, settles by the release again; each text exactly its migration's,
+    each in effect at once on the connection that ran the other."""
+    pid = backend()
+    _settles_each_way()
+    assert settle_source() is None
+    assert settle_source("jobs_dependents_release") == _release_body(M25.SQL)
+    try:
+        call_command("migrate", "jobs", "0023", verbosity=0)
+        assert backend() == pid
+        assert settle_source() == _settle_body(M13.SQL)
+    finally:
+        call_command("migrate", "jobs", verbosity=0)
+    assert backend() == pid
+    assert settle_source() is None
+    assert settle_source("jobs_dependents_release") == _release_body(M25.SQL)
+    _settles_each_way()

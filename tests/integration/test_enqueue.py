@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import pytest
@@ -11,8 +12,16 @@ from django.utils import timezone
 
 from jobs import queue
 from jobs.models import Job
-from jobs.queue import AllTenants, ClaimRequest, InvalidJob, NewJob
+from jobs.queue import (
+    AllTenants,
+    ClaimRequest,
+    InvalidJob,
+    NewJob,
+)
+from jobs.queue import keys as keys_module
 from tests.support.factories import JobFactory
+from tests.support.noop_jobs import NAME
+from tests.support.polling import wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -247,3 +256,159 @@ class TestTransactions:
         finally:
             with connection.cursor() as cur:
                 cur.execute("UNLISTEN *")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("size", [10_000, 50_000])
+def test_a_huge_mixed_tenant_batch_gets_ids_in_exactly_the_given_order(size):
+    # Keys in an order that is neither sorted nor reverse-sorted, over two tenants.
+    given = [(f"t{n % 3}", f"k{(n * 7919) % size:06}") for n in range(size)]
+    results = queue.enqueue_many([NewJob("a.v1", tenant=t, job_id=k) for t, k in given])
+
+    assert [(r.tenant, r.job_id) for r in results] == given
+    ids = [r.id for r in results]
+    assert ids == sorted(ids) and len(set(ids)) == size
+    in_id_order = Job.objects.order_by("id").values_list("tenant", "job_id")
+    assert list(in_id_order) == given
+
+
+@pytest.mark.django_db(transaction=True)
+def test_orm_inserts_after_a_batch_draw_from_the_same_sequence_and_never_collide():
+    first = queue.enqueue_many([NewJob("a.v1", job_id=f"x{n}") for n in range(50)])
+    made = Job.objects.create(name="a.v1", job_id="by-the-orm")
+    second = queue.enqueue_many([NewJob("a.v1", job_id=f"y{n}") for n in range(5)])
+
+    assert made.id > max(r.id for r in first)
+    assert min(r.id for r in second) > made.id
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rows_inserted_in_a_later_round_share_the_first_rounds_clock_and_keep_delay():
+    old = timezone.now() - timedelta(days=30)
+    JobFactory(name="a.v1", job_id="late", succeeded=True, finished_at=old)  # expired holder
+    batch = [
+        NewJob("a.v1", job_id="early"),
+        NewJob("a.v1", job_id="late", delay=timedelta(seconds=90)),
+        NewJob("a.v1", job_id="early", delay=timedelta(seconds=5)),  # duplicate: the first wins
+    ]
+    with transaction.atomic():
+        results = queue.enqueue_many(batch)
+        with connection.cursor() as cur:
+            cur.execute("SELECT statement_timestamp(), transaction_timestamp()")
+            _, started = cur.fetchone()
+
+    assert [r.created for r in results] == [True, True, False]
+    assert results[0].id == results[2].id < results[1].id
+    early, late = Job.objects.get(pk=results[0].id), Job.objects.get(pk=results[1].id)
+    assert early.created_at == late.created_at >= started
+    assert early.run_after == early.created_at
+    assert late.run_after == late.created_at + timedelta(seconds=90)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("notify", [True, False])
+def test_many_concurrent_batches_sharing_live_expired_and_free_keys_in_any_order(threads, notify):
+    keys = [(tenant, f"k{n:03}") for n in range(50) for tenant in ("t1", "t2")]
+    with override_settings(JOBS={"NOTIFY": notify}):
+        for round_ in range(8):
+            Job.objects.all().delete()
+            old = timezone.now() - timedelta(days=30)
+            live = set()
+            for i, (tenant, key) in enumerate(keys):
+                if i % 3 == 0:
+                    JobFactory(
+                        name="a.v1", tenant=tenant, job_id=key, succeeded=True, finished_at=old
+                    )
+                elif i % 5 == 0:
+                    JobFactory(name="a.v1", tenant=tenant, job_id=key)
+                    live.add((tenant, key))
+
+            def enqueue_batch(i, round_=round_):
+                cut = (i * 17 + round_) % len(keys)
+                order = keys[cut:] + keys[:cut]
+                if i % 2:
+                    order.reverse()
+                batch = [NewJob("a.v1", {"i": i}, tenant=t, job_id=k) for t, k in order]
+                return order, queue.enqueue_many(batch + batch[:3])  # with duplicates
+
+            results = threads(8, enqueue_batch, timeout=60)
+
+            assert Job.objects.filter(key_held=True).count() == len(keys)
+            created = sum(r.created for _, batch in results for r in batch)
+            assert created == len(keys) - len(live)
+            for order, batch in results:
+                assert [(r.tenant, r.job_id) for r in batch[: len(order)]] == order
+                mine = [r.id for r in batch[: len(order)] if r.created]
+                assert mine == sorted(mine)  # what a batch inserted follows its given order
+
+
+def _lock_waiters() -> int:
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return cur.fetchone()[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_batches_sharing_keys_do_not_deadlock_when_a_key_is_freed_between_their_rounds(
+    monkeypatch,
+):
+    old = timezone.now() - timedelta(days=30)
+    JobFactory(name="a.v1", job_id="k1", succeeded=True, finished_at=old)  # expired holder
+    live = JobFactory(name="a.v1", job_id="k2")  # a live holder, cancelled in between
+
+    real_holders = keys_module.holders
+    reached = {"A": threading.Event(), "B": threading.Event()}
+    proceed = {"A": threading.Event(), "B": threading.Event()}
+
+    def holders(cur, keys):
+        me = threading.current_thread().name
+        if me in proceed and not reached[me].is_set():  # after the first round only
+            reached[me].set()
+            assert proceed[me].wait(20)
+        return real_holders(cur, keys)
+
+    monkeypatch.setattr(keys_module, "holders", holders)
+    errors: dict[str, BaseException] = {}
+
+    def enqueue_both(name: str) -> None:
+        try:
+            queue.enqueue_many([NewJob("a.v1", job_id="k1"), NewJob("a.v1", job_id="k2")])
+        except BaseException as exc:
+            errors[name] = exc
+        finally:
+            connection.close()
+
+    b = threading.Thread(target=enqueue_both, args=("B",), name="B")
+    b.start()
+    assert reached["B"].wait(10)  # B's first round skipped both keys (both held)
+    assert queue.cancel([live.id], by="operator") == [live.id]  # k2 is free now
+    a = threading.Thread(target=enqueue_both, args=("A",), name="A")
+    a.start()
+    assert reached["A"].wait(10)  # A's first round inserted k2 (uncommitted), skipped k1
+    proceed["B"].set()  # B releases k1's expired holder, inserts k1, then waits for A on k2
+    wait_for(lambda: _lock_waiters() >= 1, what="B to wait for A", interval=0.01)
+    proceed["A"].set()  # A releases k1's holder: it waits for B, which waits for A
+    a.join(30)
+    b.join(30)
+
+    assert not errors, errors  # PostgreSQL ends one of them; that batch is tried again
+    assert Job.objects.filter(key_held=True).count() == 2
+
+
+@pytest.mark.django_db
+@override_settings(USE_TZ=False, TIME_ZONE="America/New_York")
+def test_due_times_with_use_tz_off_and_a_local_time_zone():
+    """With USE_TZ=False the batch insert reads its clock back naive (in the session's zone,
+    here New York) and sends it again for the due times: they must still be that clock."""
+    queue.enqueue_many([NewJob(name=NAME, payload={}, delay=timedelta(hours=1))] * 2)
+    queue.enqueue(NewJob(name=NAME, payload={}, delay=timedelta(hours=1)))
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT run_after - created_at, created_at BETWEEN now() AND clock_timestamp() "
+            "FROM jobs_job"
+        )
+        rows = cur.fetchall()
+    assert rows == [(timedelta(hours=1), True)] * 3

@@ -11,8 +11,12 @@ from django.utils import timezone
 
 from jobs import Payload, queue
 from jobs.models import Job
-from jobs.queue import InvalidJob, NewJob
+from jobs.queue import (
+    InvalidJob,
+    NewJob,
+)
 from tests.support.factories import JobFactory
+from tests.support.noop_jobs import enqueue
 
 
 @pytest.mark.django_db
@@ -62,3 +66,37 @@ def test_callers_racing_a_window_expiry_are_all_told_about_the_live_row(threads)
         assert live.pk != old.pk and live.state == "queued"
         assert {r.id for r in results} == {live.pk}, f"round {round_}: {results}"
         assert sum(r.created for r in results) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("count", [1, 2], ids=["alone", "batch"])
+@pytest.mark.parametrize("value", [2**31, 2**63], ids=["int8", "numeric"])
+def test_max_attempts_past_the_integer_column_is_an_invalid_job(count, value):
+    with transaction.atomic():
+        with pytest.raises(InvalidJob, match="max_attempts"):
+            enqueue(count, max_attempts=value)
+        # The caller's transaction is still usable: nothing ran.
+        assert Job.objects.count() == 0
+    with pytest.raises(InvalidJob, match="max_attempts"):
+        enqueue(count, max_attempts=value)  # outside a transaction (the one-statement path)
+
+
+NOOP = "test.noop.v1"
+
+
+class Drained(dict):
+    """A mapping read by draining it (a work list, a one-shot view): its items() empties it."""
+
+    def items(self):
+        while self:
+            yield self.popitem()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_payload_emptied_by_its_own_read_is_refused_not_stored_empty():
+    """A payload whose reading changes it is judged on its first reading: this one holds a
+    NaN, so enqueue refuses it, rather than encode the mapping its first reading emptied and
+    store the job with the payload ``{}``."""
+    with pytest.raises(InvalidJob, match="not JSON-serializable"):
+        queue.enqueue(NewJob(NOOP, Drained(order=7, score=float("nan"))))
+    assert list(Job.objects.values_list("payload", flat=True)) == []

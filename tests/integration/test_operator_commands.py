@@ -12,7 +12,11 @@ from django.core.management import CommandError, call_command
 from jobs import queue
 from jobs.control import cancels, pauses
 from jobs.models import Job, Pause
-from jobs.queue import AllTenants, ClaimRequest, NewJob
+from jobs.queue import (
+    AllTenants,
+    ClaimRequest,
+    NewJob,
+)
 from tests.support.admin import operator
 from tests.support.factories import JobFactory
 
@@ -176,3 +180,33 @@ class TestCancelCommand:
         second = cancels.cancel(alice, [running], via="test")
         assert (first.stopping, second.stopping, second.untouched) == ((running,), (), (running,))
         assert LogEntry.objects.filter(user=alice).count() == 1
+
+
+NOOP = "test.noop.v1"
+
+
+@pytest.mark.django_db
+def test_cancel_all_with_a_limit_of_zero_is_refused_and_cancels_nothing():
+    operator("alice", "jobs.cancel_job")
+    queue.enqueue(NewJob(NOOP))
+    queue.enqueue(NewJob(NOOP))
+
+    with pytest.raises(CommandError):
+        call_command(
+            "jobs", "cancel", "--all", "--limit", "0", "--user", "alice", stdout=StringIO()
+        )
+
+    assert Job.objects.filter(state="queued").count() == 2
+
+
+@pytest.mark.django_db
+def test_the_command_refuses_non_staff_and_users_without_the_permission():
+    operator("nostaff", "jobs.cancel_job", "jobs.pause_work", staff=False)
+    operator("noperm")
+    queue.enqueue(NewJob(NOOP))
+    for user in ("nostaff", "noperm", "nobody"):
+        with pytest.raises(CommandError):
+            call_command("jobs", "cancel", "--all", "--user", user, stdout=StringIO())
+        with pytest.raises(CommandError):
+            call_command("jobs", "pause", "queue", "q", "--user", user, stdout=StringIO())
+    assert Job.objects.get().state == "queued" and not Pause.objects.exists()

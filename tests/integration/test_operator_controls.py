@@ -3,24 +3,38 @@ in-process worker on real PostgreSQL."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from datetime import timedelta
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
-from jobs import enqueue, queue
+from jobs import JobContext, Payload, Policy, RetryAfter, enqueue, queue
 from jobs.conf import NOTIFY_CHANNEL
-from jobs.models import Job, Pause
-from jobs.queue import ClaimRequest, NewJob, Outcome, attempts
-from jobs.queue.types import AllTenants
+from jobs.control import cancels
+from jobs.models import Job, Pause, TenantOverride
+from jobs.queue import (
+    AllTenants,
+    AllTenantsExcept,
+    ClaimRequest,
+    NewJob,
+    OnlyTenant,
+    Outcome,
+    attempts,
+    flow,
+)
+from jobs.queue.flow import FlowLimits
+from jobs.registry import Backoff, JobType, Registry
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
+from tests.runapp.models import Delivery
+from tests.support.admin import operator
 from tests.support.factories import JobFactory
 from tests.support.polling import wait_for
 from tests.support.worker import Recorder, Step, registry
@@ -32,10 +46,12 @@ def outcomes_counted(job_type: str, kind: str) -> float:
 
 
 NOOP = "test.noop.v1"
+OTHER = "test.other.v1"
 
 
-def claim(names=(NOOP,), limit=100):
-    return queue.claim([ClaimRequest(n, limit) for n in names], scope=AllTenants(), worker="w1")
+def claim(names=(NOOP,), limit=100, scope=None, worker="w1", caps=None):
+    requests = [ClaimRequest(n, limit, (caps or {}).get(n)) for n in names]
+    return queue.claim(requests, scope=scope or AllTenants(), worker=worker)
 
 
 @pytest.mark.django_db
@@ -464,3 +480,528 @@ class TestWorker:
         finally:
             worker.request_stop()
             thread.join(10)
+
+
+def row_of(job_id: int) -> Job:
+    return Job.objects.get(pk=job_id)
+
+
+def numbers(job_id: int) -> list[int]:
+    return [a.attempt for a in attempts.of(row_of(job_id))]
+
+
+def db_now():
+    with connection.cursor() as cur:
+        cur.execute("SELECT statement_timestamp()")
+        return cur.fetchone()[0]
+
+
+def lock_waiters() -> int:
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return cur.fetchone()[0]
+
+
+class Thread(threading.Thread):
+    """A thread on its own database connection that re-raises its error on ``result()``."""
+
+    def __init__(self, target) -> None:
+        super().__init__(daemon=True)
+        self._target_fn = target
+        self.error: BaseException | None = None
+        self.value = None
+
+    def run(self) -> None:
+        try:
+            self.value = self._target_fn()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            connection.close()
+
+    def result(self, timeout: float = 10):
+        self.join(timeout)
+        assert not self.is_alive(), "a test thread did not finish in time"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+@pytest.mark.django_db
+def test_a_cancelled_hand_back_lists_each_attempt_once():
+    """A drain hands back a running attempt (Outcome.released) before the worker's renewal
+    learned of the cancel: the outcome CTE turns it into ``cancelled`` but still applies the
+    hand-back's ``attempts - 1``, and the row's columns now describe attempt 2's claim under
+    attempt 1's number."""
+    queue.enqueue(NewJob(NOOP, max_attempts=3))
+    [first] = claim()
+    queue.retry(first, code="handler_error", detail="boom")
+    [second] = claim()  # attempt 2
+    queue.cancel_running([second.id], by="alice")
+    assert queue.record([Outcome.released(second)]).applied == (second.id,)
+    row = row_of(second.id)
+    assert row.state == "cancelled"
+
+    listed = numbers(second.id)
+
+    assert len(listed) == len(set(listed)), f"an attempt listed twice: {listed}"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("ending", ["cancel", "exhausted"])
+def test_a_job_ended_while_queued_after_a_hand_back_lists_each_attempt_once(ending):
+    """attempts.of takes the columns for an unlogged attempt when the log's last entry ended
+    before ``started_at``; a hand-back leaves ``started_at`` at a claim that is not an
+    attempt. Replay then writes the duplicate into the log for good."""
+    queue.enqueue(NewJob(NOOP, max_attempts=3))
+    [first] = claim()
+    queue.retry(first, code="handler_error", detail="boom")
+    [second] = claim()
+    queue.release([second])  # a draining worker hands attempt 2 back untried
+    assert row_of(first.id).attempts == 1
+    if ending == "cancel":
+        assert queue.cancel([first.id], by="alice") == [first.id]
+    else:
+        assert [r.id for r in queue.fail_exhausted(max_attempts={NOOP: 1})] == [first.id]
+
+    listed = numbers(first.id)
+    queue.replay([first.id], by="bob")
+    logged = [a.attempt for a in attempts.read(row_of(first.id).attempt_log)]
+
+    assert listed == [1], f"listed {listed}"
+    assert logged == [1], f"logged {logged}"
+
+
+@pytest.mark.django_db
+def test_error_text_with_nul_and_huge_tracebacks_is_logged_bounded_and_readable():
+    queue.enqueue(NewJob(NOOP, max_attempts=5))
+    [job] = claim()
+    assert queue.next_attempt(job, code="handler\x00error", detail="a\x00b" + "x" * 100_000) == 2
+    queue.retry(job, code="handler_error", detail="head\x00" + "y" * 50_000 + "tail")
+    [again] = claim()
+    expire(again.id)
+    queue.requeue_expired()
+
+    listed = attempts.of(row_of(job.id))
+
+    assert [(a.attempt, a.outcome) for a in listed] == [
+        (1, "retry"),
+        (2, "retry"),
+        (3, "lease_expired"),
+    ]
+    assert listed[0].code == "handler\\x00error"
+    assert all(len(a.error) <= attempts.ERROR_MAX for a in listed)
+    assert listed[1].error.endswith("tail")
+    ends = [a.ended_at for a in listed]
+    assert ends == sorted(ends)
+
+
+@pytest.mark.django_db
+def test_a_row_from_before_the_log_reads_its_last_attempt_from_the_columns():
+    queue.enqueue(NewJob(NOOP, max_attempts=3))
+    [job] = claim()
+    queue.retry(job, code="handler_error", detail="boom")
+    [again] = claim()
+    queue.fail(again, code="rejected", detail="no")
+    Job.objects.filter(pk=job.id).update(attempt_log=[])  # written before the column existed
+
+    [only] = attempts.of(row_of(job.id))
+
+    assert (only.attempt, only.outcome, only.code, only.error) == (2, "failed", "rejected", "no")
+
+
+@pytest.mark.django_db
+def test_a_cancelled_job_whose_worker_died_on_its_last_attempt_ends_cancelled():
+    """The commonest cancel of a running job is of one that is stuck because its worker is
+    gone; with no attempt left the watchdog's exhaustion pass takes it, not requeue_expired."""
+    queue.enqueue(NewJob(NOOP, job_id="stuck", max_attempts=1))
+    [job] = claim()
+    assert queue.cancel_running([job.id], by="alice") == [job.id]
+    expire(job.id)
+
+    queue.requeue_expired()
+    queue.fail_exhausted()
+
+    row = row_of(job.id)
+    assert (row.state, row.last_error) == ("cancelled", "cancelled")
+
+
+class WaitSyncV1(Payload, name="operator.wait_sync.v1"):
+    run_id: int
+    seconds: float = 5.0
+
+
+class WaitAsyncV1(Payload, name="operator.wait_async.v1"):
+    run_id: int
+    seconds: float = 5.0
+
+
+raised = threading.Event()
+
+
+def wait_sync(payload: WaitSyncV1, ctx: JobContext) -> None:
+    raised.set()
+    raise RetryAfter(payload.seconds)  # short: waited out in the worker
+
+
+async def wait_async(payload: WaitAsyncV1, ctx: JobContext) -> None:
+    raised.set()
+    raise RetryAfter(payload.seconds)
+
+
+class SleepAsyncV1(Payload, name="operator.sleep_async.v1"):
+    run_id: int
+
+
+class StubbornV1(Payload, name="operator.stubborn.v1"):
+    """Retries in process on every attempt; the first attempt waits for the test's go."""
+
+
+go = threading.Event()
+
+
+calls: list[int] = []
+
+
+cancelled_seen: list[str] = []
+
+
+async def sleep_async(payload: SleepAsyncV1, ctx: JobContext) -> None:
+    raised.set()
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        cancelled_seen.append("CancelledError")
+        raise
+
+
+def stubborn(payload: StubbornV1, ctx: JobContext) -> None:
+    calls.append(ctx.attempt)
+    if len(calls) == 1:
+        raised.set()
+        go.wait(10)
+    raise RetryAfter(0.05)
+
+
+def waiting_registry() -> Registry:
+    policy = Policy(run_model=Delivery, max_attempts=3, backoff=Backoff(base=0.01, cap=0.05))
+    return Registry(
+        [
+            JobType(WaitSyncV1, wait_sync, policy),
+            JobType(WaitAsyncV1, wait_async, policy),
+            JobType(SleepAsyncV1, sleep_async, policy),
+            JobType(StubbornV1, stubborn, Policy(max_attempts=3)),
+        ]
+    )
+
+
+def run_worker_until(done_id: int, predicate, *, lease: float, before=None):
+    """Run a worker on waiting_registry() until ``predicate(row)``; stop it; the row."""
+    config = WorkerConfig(lease=timedelta(seconds=lease), install_signal_handlers=False)
+    worker = Worker(waiting_registry(), config)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        if before is not None:
+            before()
+        wait_for(lambda: predicate(row_of(done_id)), timeout=10, what="the job's state")
+    finally:
+        worker.request_stop(force=True)
+        thread.join(10)
+    return row_of(done_id)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_cancel_during_an_in_process_retry_wait_ends_the_run_row_cancelled(kind):
+    raised.clear()
+    row = Delivery.objects.create(job_id=f"wait-{kind}")
+    payload = (WaitSyncV1 if kind == "sync" else WaitAsyncV1)(run_id=row.pk)
+    done = enqueue(payload)
+    config = WorkerConfig(lease=timedelta(seconds=0.6), install_signal_handlers=False)
+    worker = Worker(waiting_registry(), config)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        assert raised.wait(10), "the handler ran"
+        assert queue.cancel_running([done.id], by="alice") == [done.id]
+        wait_for(lambda: row_of(done.id).state == "cancelled", timeout=10, what="job cancelled")
+    finally:
+        worker.request_stop(force=True)
+        thread.join(10)
+    row.refresh_from_db()
+    assert row.state == "cancelled", (
+        f"the run row is {row.state} (next_retry_at {row.next_retry_at})"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_in_process_retries_stop_at_a_cancel_and_the_job_ends_cancelled():
+    """The cancel commits before the handler's first RetryAfter; the worker has not renewed
+    yet (a 30 s lease renews every 10 s). Recording the next attempt is a statement on the
+    row, fenced by token, that could see the request, as a claim sees a pause."""
+    raised.clear()
+    go.clear()
+    calls.clear()
+    done = enqueue(StubbornV1())
+
+    def cancel_then_go() -> None:
+        assert raised.wait(10), "the handler ran"
+        assert queue.cancel_running([done.id], by="alice") == [done.id]
+        go.set()
+
+    row = run_worker_until(done.id, lambda r: r.state != "running", lease=30, before=cancel_then_go)
+
+    assert (row.state, calls) == ("cancelled", [1]), (
+        f"{row.state} / {row.last_error} after attempts {calls}"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_async_bound_handler_cancelled_while_awaiting_ends_job_and_row_cancelled():
+    raised.clear()
+    cancelled_seen.clear()
+    run = Delivery.objects.create(job_id="async-sleep")
+    done = enqueue(SleepAsyncV1(run_id=run.pk))
+
+    def cancel() -> None:
+        assert raised.wait(10), "the handler ran"
+        assert queue.cancel_running([done.id], by="alice") == [done.id]
+
+    row = run_worker_until(done.id, lambda r: r.state != "running", lease=0.6, before=cancel)
+
+    assert (row.state, row.last_error, row.attempts) == ("cancelled", "cancelled", 1)
+    assert [a.outcome for a in attempts.of(row)] == ["cancelled"]
+    assert cancelled_seen == ["CancelledError"]
+    run.refresh_from_db()
+    assert (run.state, run.last_error) == ("cancelled", "cancelled")
+    Delivery.objects.create(job_id="async-sleep")  # the active-state lock is free
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cancel_racing_a_retry_is_kept():
+    alice = operator("alice", "jobs.cancel_job")
+    queue.enqueue(NewJob(NOOP, max_attempts=3))
+    [job] = claim()
+    holding, go = threading.Event(), threading.Event()
+
+    def worker_writes_a_retry() -> None:
+        with transaction.atomic():
+            assert queue.retry(job, code="handler_error", delay=3600)
+            holding.set()
+            go.wait(10)
+
+    writer = Thread(worker_writes_a_retry)
+    writer.start()
+    assert holding.wait(10)
+    canceller = Thread(lambda: cancels.cancel(alice, [job.id], via="test"))
+    canceller.start()
+    try:
+        wait_for(
+            lambda: lock_waiters() > 0 or not canceller.is_alive(),
+            timeout=10,
+            what="the cancel waits for the retry's row lock",
+        )
+    finally:
+        go.set()
+        writer.result()
+    done = canceller.result()
+
+    row = row_of(job.id)
+    assert row.state == "cancelled", f"{row.state}; the cancel reported {done}"
+
+
+@pytest.mark.django_db
+def test_a_stale_workers_outcome_does_not_undo_a_cancel_and_the_key_is_kept():
+    queue.enqueue(NewJob(NOOP, job_id="k-stale", max_attempts=3))
+    [stale] = claim()
+    expire(stale.id)
+    queue.requeue_expired()
+    [fresh] = claim(worker="w2")
+    queue.cancel_running([fresh.id], by="alice")
+    # The stale worker's late outcomes, each kind, are fenced; the fresh one ends it cancelled.
+    for late in (Outcome.succeeded(stale), Outcome.retry(stale, code="x"), Outcome.released(stale)):
+        assert queue.record([late]).fenced == (stale.id,)
+    assert queue.record([Outcome.cancelled(fresh)]).applied == (fresh.id,)
+    row = row_of(fresh.id)
+    assert (row.state, row.key_held, row.claimed_by) == ("cancelled", True, "w2")
+    # Kept through FAILURE_WINDOW: the same key is the same job.
+    assert queue.enqueue(NewJob(NOOP, job_id="k-stale")).created is False
+    assert [(a.attempt, a.outcome, a.worker) for a in attempts.of(row)] == [
+        (1, "lease_expired", "w1"),
+        (2, "cancelled", "w2"),
+    ]
+
+
+def _grid() -> list[int]:
+    """Jobs of two types over two queues, two tenants, two priorities, due and delayed."""
+    ids = []
+    for name in (NOOP, OTHER):
+        for queue_name in ("q1", "q2"):
+            for tenant in ("t1", "t2"):
+                for priority in (0, 5):
+                    for delay in (None, timedelta(hours=1)):
+                        ids.append(
+                            queue.enqueue(
+                                NewJob(
+                                    name,
+                                    queue=queue_name,
+                                    tenant=tenant,
+                                    priority=priority,
+                                    delay=delay,
+                                )
+                            ).id
+                        )
+    return ids
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("scope", ["all", "only_t1", "except_t2"])
+@pytest.mark.parametrize("via", ["claim", "record_and_claim"])
+def test_pauses_only_remove_rows_from_the_claim(claim_form, scope, via):
+    """With a queue and a tenant paused, a claim takes exactly what the same claim takes when
+    those rows are simply not there: same order, same per-name limits, same caps."""
+    _grid()
+    TenantOverride.objects.create(tenant="t2", component="worker")
+    the_scope = {
+        "all": AllTenants(),
+        "only_t1": OnlyTenant("t1"),
+        "except_t2": AllTenantsExcept("worker"),
+    }[scope]
+    Job.objects.filter(name=OTHER, priority=5, tenant="t1").update(attempts=2)  # over the cap
+    queue.pause("queue", "q2", by="alice")
+    queue.pause("tenant", "t2", by="alice")
+    requests = [ClaimRequest(OTHER, 3, 2), ClaimRequest(NOOP, 2)]
+    eligible = Job.objects.filter(
+        state="queued", queue="q1", tenant="t1", run_after__lte=db_now()
+    ).exclude(name=OTHER, attempts__gte=2)
+
+    def expected(name, limit):
+        rows = eligible.filter(name=name).order_by("-priority", "run_after", "id")
+        return list(rows.values_list("id", flat=True)[:limit])
+
+    want = expected(OTHER, 3) + expected(NOOP, 2)
+    if via == "claim":
+        got = queue.claim(requests, scope=the_scope, worker="w")
+    else:
+        queue.enqueue(NewJob("test.third.v1"))
+        [third] = queue.claim([ClaimRequest("test.third.v1", 1)], scope=AllTenants())
+        report, got = queue.record_and_claim(
+            [Outcome.succeeded(third)], requests, scope=the_scope, worker="w"
+        )
+        assert report.applied == (third.id,)
+
+    assert [j.id for j in got] == want
+    assert want  # the grid leaves something to claim
+
+
+@pytest.mark.django_db(transaction=True)
+def test_no_claim_started_after_the_pause_committed_takes_a_paused_job(claim_form):
+    """Claimers on their own connections race a pause; every claim statement issued after
+    pause() returned (committed) takes nothing of the paused type."""
+    for _ in range(60):
+        queue.enqueue(NewJob(NOOP))
+        queue.enqueue(NewJob(OTHER))
+    committed = threading.Event()
+    stop = threading.Event()
+    walk = claim_form == "walk"
+
+    def claimer() -> list[tuple[bool, list[str]]]:
+        if walk:
+            connection.ensure_connection()
+            connection.pg_version = 170000
+        seen = []
+        while not stop.is_set():
+            after = committed.is_set()
+            got = claim((NOOP, OTHER), limit=1)
+            seen.append((after, [j.name for j in got]))
+            if not got and after:
+                break
+        return seen
+
+    claimers = [Thread(claimer) for _ in range(4)]
+    for t in claimers:
+        t.start()
+    wait_for(
+        lambda: Job.objects.filter(state="running").exists(), what="claims under way", timeout=20
+    )
+    queue.pause("job_type", NOOP, by="alice")
+    committed.set()
+    try:
+        wait_for(lambda: not any(t.is_alive() for t in claimers), timeout=20, what="claimers")
+    finally:
+        stop.set()
+    results = [t.result() for t in claimers]
+
+    late = [names for seen in results for after, names in seen if after]
+    assert late, "some claims ran after the pause"
+    assert all(NOOP not in names for names in late)
+    assert Job.objects.filter(name=NOOP, state="queued").exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("kind", ["queue", "tenant"])
+@pytest.mark.parametrize("value", ["emails ", " emails", "two words", "x" * 65])
+def test_a_pause_that_can_never_match_is_refused(kind, value):
+    """pauses.validate promises to refuse 'a value that could never name anything'; queues
+    and tenants are keys (jobs.queue.types.validate_key) at enqueue."""
+    queue.enqueue(NewJob(NOOP, **{kind: "emails"}))
+    with pytest.raises(ValueError):
+        queue.pause(kind, value, by="alice")
+
+
+NAME = "test.flow.v1"
+
+
+def put(tenant: str, count: int, name: str = NAME, **fields) -> None:
+    queue.enqueue_many([NewJob(name, {}, tenant=tenant, **fields) for _ in range(count)])
+
+
+def take(limits, asked, *, scope=None, after=None, cap=None, name=NAME):
+    return queue.claim(
+        [ClaimRequest(name, asked, cap)],
+        scope=scope or AllTenants(),
+        limits={name: limits},
+        after=after,
+    )
+
+
+@pytest.mark.django_db
+def test_a_throttle_never_shortens_or_ends_an_operator_pause():
+    assert queue.pause("job_type", NAME, by="operator", reason="maintenance")
+    assert queue.throttle(NAME, 0.01) is None
+    (row,) = queue.paused()
+    assert (row.paused_by, row.until, row.reason) == ("operator", None, "maintenance")
+
+
+@pytest.mark.django_db
+def test_an_operator_pause_replaces_a_throttle_and_lasts():
+    assert queue.throttle(NAME, 0.2) is not None
+    assert queue.pause("job_type", NAME, by="operator")  # it was only throttled
+    assert not queue.pause("job_type", NAME, by="operator")  # now it is paused
+    (row,) = queue.paused()
+    assert (row.paused_by, row.until) == ("operator", None)
+
+
+@pytest.mark.django_db
+def test_a_throttle_only_lengthens_and_ends_by_itself():
+    limits = FlowLimits(global_concurrency=5)
+    flow.ensure({NAME: limits})
+    put("a", 1)
+    long = queue.throttle(NAME, 60)
+    assert queue.throttle(NAME, 0.01) is None  # shorter: the longer one stands
+    assert take(limits, 1) == []
+    Pause.objects.filter(value=NAME).update(until=long - timedelta(seconds=61))
+    assert queue.paused() == []
+    assert len(take(limits, 1)) == 1
+
+
+@pytest.mark.django_db
+def test_resuming_a_type_whose_throttle_has_ended_reports_it_was_not_paused():
+    queue.throttle(NAME, 0.05)
+    wait_for(lambda: not queue.paused(), timeout=5, what="the throttle ended")
+
+    assert queue.resume("job_type", NAME) is False

@@ -20,11 +20,19 @@ from jobs import enqueue
 from jobs.models import Job
 from jobs.queue import ClaimedJob
 from jobs.registry import JobType, Policy, Registry
+from jobs.worker import runner as runner_module
 from jobs.worker.config import WorkerConfig
 from jobs.worker.execution import Running, make_context
 from jobs.worker.runner import PREFETCH_HORIZON, Worker
 from tests.support.polling import wait_for
-from tests.support.worker import Echo, Recorder, Step, registry, scripted
+from tests.support.worker import (
+    Echo,
+    Recorder,
+    Step,
+    registry,
+    running_worker,
+    scripted,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -300,3 +308,62 @@ def test_async_jobs_waiting_for_a_slot_end_in_turn_when_the_loop_is_gone():
     failed = [outcome for _, outcome in worker._acks if outcome is not None]
     assert len(failed) == len(rest)
     assert {o.code for o in failed} == {"handler_error"}
+
+
+def sync_step(payload: Step, ctx) -> None:
+    if payload.seconds:
+        time.sleep(payload.seconds)
+
+
+def all_done() -> bool:
+    return not Job.objects.exclude(state="succeeded").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_prefetch_goes_by_every_jobs_run_time_measured_or_not(monkeypatch):
+    """With the interval made a minute, only each thread's first job is measured; prefetch's
+    mean run time still takes every job: short handlers get prefetch, and once handlers run
+    50 ms it is gone (the worker holds no job beyond its threads)."""
+    monkeypatch.setattr(runner_module, "CPU_SAMPLE_INTERVAL", 60.0)
+    worker = Worker(
+        Registry([JobType(Step, sync_step, Policy(concurrency=None))]),
+        WorkerConfig(install_signal_handlers=False, concurrency=2, poll_interval=0.05, prefetch=20),
+    )
+    for _ in range(80):
+        enqueue(Step(plan=("ok",)), priority=10)
+    for _ in range(16):
+        enqueue(Step(plan=("sleep",), seconds=0.05))
+    capacities: list[tuple[int, int]] = []  # (capacity, jobs succeeded) after each pass
+
+    def until(w: Worker) -> bool:
+        with w._lock:
+            capacity = w._capacity()
+        capacities.append((capacity, Job.objects.filter(state="succeeded").count()))
+        return w.idle and all_done()
+
+    worker.run(until=until)
+    assert len(worker._recent_held) <= 2  # each thread's first job only
+    assert max(c for c, done in capacities if done < 80) > 2  # short handlers: prefetched
+    with worker._lock:
+        assert worker._capacity() == 2, worker._mean_run  # long ones: no prefetch
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_drain_of_a_prefetching_worker_leaks_no_slot():
+    """A worker prefetching short handlers is stopped mid-drain: it stops within its
+    shutdown timeout, every job it held is done or handed back (none left running), and it
+    holds no slot and counts no handler running."""
+    jobs = [enqueue(Step(plan=("sleep",), seconds=0.002)) for _ in range(300)]
+    registry = Registry([JobType(Step, sync_step, Policy(concurrency=None))])
+    with running_worker(registry, concurrency=4, prefetch=40) as worker:
+        wait_for(
+            lambda: Job.objects.filter(state="succeeded").count() >= 30,
+            what="a drain begun",
+            interval=0.005,
+        )
+        began = time.monotonic()  # leaving stops it (one request: a graceful drain)
+    assert time.monotonic() - began < 5
+    states = set(Job.objects.filter(pk__in=[j.id for j in jobs]).values_list("state", flat=True))
+    assert states <= {"succeeded", "queued"}, states
+    assert worker._in_flight == 0 and worker.handlers_running == 0
+    assert worker.idle

@@ -1,7 +1,8 @@
 """The processes table (jobs.queue.processes) against PostgreSQL: register, beat, prune, read.
 
 Time is PostgreSQL's: rows are put on either side of a cutoff by their ``expires_at`` and by
-passing ``now``, never by sleeping.
+passing ``now``, never by sleeping. The beat rides on the lease renewal, and a lock on a
+process row, or a row that is gone, never holds the renewal up.
 """
 
 from __future__ import annotations
@@ -13,14 +14,20 @@ import threading
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from jobs import queue
+from jobs import enqueue, queue
 from jobs.models import Job, Process
 from jobs.process import Presence, process_identity
-from jobs.queue import AllTenants, NewJob, ProcessBeat, processes
+from jobs.queue import (
+    AllTenants,
+    ClaimRequest,
+    NewJob,
+    ProcessBeat,
+    processes,
+)
 from jobs.scheduler.clock import database_now
 from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.retention import Retention, RetentionConfig
@@ -323,3 +330,141 @@ class TestWorkerAndScheduler:
             (config.identity, "scheduler", True)
         ]
         assert not Process.objects.exists()
+
+
+NOOP = "test.noop.v1"
+
+
+def claim(names=(NOOP,), limit=100, scope=None, worker="w1", caps=None):
+    requests = [ClaimRequest(n, limit, (caps or {}).get(n)) for n in names]
+    return queue.claim(requests, scope=scope or AllTenants(), worker=worker)
+
+
+def row_of(job_id: int) -> Job:
+    return Job.objects.get(pk=job_id)
+
+
+def db_now():
+    with connection.cursor() as cur:
+        cur.execute("SELECT statement_timestamp()")
+        return cur.fetchone()[0]
+
+
+class Thread(threading.Thread):
+    """A thread on its own database connection that re-raises its error on ``result()``."""
+
+    def __init__(self, target) -> None:
+        super().__init__(daemon=True)
+        self._target_fn = target
+        self.error: BaseException | None = None
+        self.value = None
+
+    def run(self) -> None:
+        try:
+            self.value = self._target_fn()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            connection.close()
+
+    def result(self, timeout: float = 10):
+        self.join(timeout)
+        assert not self.is_alive(), "a test thread did not finish in time"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class RowLock:
+    """Hold ``FOR UPDATE`` on rows of another session's transaction until released."""
+
+    def __init__(self, sql: str, params: list) -> None:
+        self.locked, self.release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with transaction.atomic(), connection.cursor() as cur:
+                cur.execute(sql, params)
+                self.locked.set()
+                self.release.wait(30)
+
+        self.thread = Thread(hold)
+
+    def __enter__(self) -> RowLock:
+        self.thread.start()
+        assert self.locked.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release.set()
+        self.thread.result()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_locked_process_row_does_not_block_the_lease_renewal():
+    processes.register("h:1:aa", component="worker", host="h", pid=1, version="t", expires_in=10)
+    queue.enqueue(NewJob(NOOP))
+    [job] = claim(worker="h:1:aa")
+    before = row_of(job.id).lease_expires_at
+    beat = ProcessBeat("h:1:aa", 1, False, expires_in=10)
+
+    with RowLock("SELECT 1 FROM jobs_process WHERE identity = %s FOR UPDATE", ["h:1:aa"]):
+        renewer = Thread(lambda: queue.renew_leases([job], lease=timedelta(seconds=30), beat=beat))
+        renewer.start()
+        # (On failure the lock is released on leaving the block and the renewal returns.)
+        wait_for(lambda: not renewer.is_alive(), timeout=3, what="the renewal returned")
+    renewal = renewer.result()
+
+    assert not renewal.lost
+    assert row_of(job.id).lease_expires_at > before
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lock_on_a_workers_process_row_does_not_stop_its_lease_renewals():
+    recorder = Recorder()
+    done = enqueue(Step(plan=("slow",), seconds=30))
+    config = WorkerConfig(lease=timedelta(seconds=0.6), install_signal_handlers=False)
+    worker = Worker(registry(recorder), config)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_for(lambda: recorder.calls, what="the handler started", timeout=20)
+        wait_for(
+            lambda: processes.status(config.identity), what="the worker registered", timeout=20
+        )
+        token = row_of(done.id).claim_token
+        sql = "SELECT 1 FROM jobs_process WHERE identity = %s FOR UPDATE"
+        with RowLock(sql, [config.identity]):  # an operator's open transaction, say
+            # Every lease before the lock ends by locked_at + 0.6 s; a renewal after it, later.
+            # (Were the renewal to wait for the lock, the lease would lapse and the worker's own
+            # maintenance requeue the job and claim it again: a new token, an attempt used up.)
+            locked_at = db_now()
+
+            def renewed() -> bool:
+                row = row_of(done.id)
+                return row.claim_token == token and row.lease_expires_at > locked_at + timedelta(
+                    seconds=0.6
+                )
+
+            wait_for(renewed, timeout=3, what="a renewal of the same claim after the lock")
+        assert not recorder.calls[0][1].cancelled.is_set()
+        assert len(recorder.calls) == 1
+    finally:
+        worker.request_stop(force=True)
+        thread.join(10)
+
+
+@pytest.mark.django_db
+def test_a_renewal_whose_process_row_is_gone_still_renews_and_reports_cancels():
+    queue.enqueue(NewJob(NOOP))
+    queue.enqueue(NewJob(NOOP))
+    held = claim(worker="gone:1:aa")
+    before = {j.id: row_of(j.id).lease_expires_at for j in held}
+    queue.cancel_running([held[0].id], by="alice")
+
+    renewal = queue.renew_leases(
+        held, lease=timedelta(seconds=60), beat=ProcessBeat("gone:1:aa", 2, False, 10)
+    )
+
+    assert renewal.beat_missed and not renewal.lost
+    assert renewal.cancel_requested == {held[0].claim_token}
+    assert all(row_of(j.id).lease_expires_at > before[j.id] for j in held)

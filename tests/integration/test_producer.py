@@ -221,3 +221,32 @@ def test_an_invalid_payload_of_a_large_batch_inserts_nothing(bad_at):
     assert raised.value.index == range(len(items))[bad_at]
     assert not Job.objects.exists()
     assert len(jobs.enqueue_many([CountedV1(n=n) for n in range(4)])) == 4  # the connection goes on
+
+
+class HostileMixV1(Payload, name="hostile.mix.v1"):
+    n: int
+    ratio: float = 0.5
+
+
+@pytest.mark.django_db
+def test_plain_payloads_and_job_specs_of_one_type_keep_their_own_options():
+    """The per-type options cache of plain payloads does not leak a JobSpec's own options to the
+    plain jobs after it, nor the other way round.
+    """
+    results = jobs.enqueue_many(
+        [
+            HostileMixV1(n=0),
+            JobSpec(payload=HostileMixV1(n=1, ratio=1.0), priority=9, queue="q9", max_attempts=7),
+            HostileMixV1(n=2, ratio=2.5),
+        ],
+        priority=3,
+    )
+    rows = {j.pk: j for j in Job.objects.all()}
+    got = [(rows[r.id].priority, rows[r.id].queue, rows[r.id].payload) for r in results]
+    assert got[1][:2] == (9, "q9") and rows[results[1].id].max_attempts == 7
+    assert got[0][0] == got[2][0] == 3 and got[0][1] == got[2][1] != "q9"
+    assert [g[2] for g in got] == [
+        {"n": 0, "ratio": 0.5},
+        {"n": 1, "ratio": 1.0},
+        {"n": 2, "ratio": 2.5},
+    ]

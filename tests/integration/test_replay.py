@@ -1,9 +1,18 @@
-"""Replay from the admin and the command: confirmation, permissions, CSRF, records, idempotency."""
+"""Replay: a failed job queued again under its id, from the jobs table or the history.
+
+Through the queue (fresh attempts, keys taken back only from expired holders, one replay of
+rows sharing a key), across the history boundary (a row the archive moved, or moves while the
+replay runs), and from the admin and the command: confirmation, permissions, CSRF, records,
+idempotency.
+"""
 
 from __future__ import annotations
 
 import re
 import threading
+from datetime import timedelta
+from io import StringIO
+from typing import Any
 
 import pytest
 from django.contrib.admin.models import CHANGE, LogEntry
@@ -11,14 +20,22 @@ from django.core.management import CommandError, call_command
 from django.db import connection, connections, transaction
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
-from jobs.models import Job
+from jobs import queue
+from jobs.control.failures import fetch_page
+from jobs.control.replays import replay as monitor_replay
+from jobs.control.tables import Filters, RunTable, run_tables
+from jobs.models import Job, JobHistory
 from jobs.monitor import modeladmin, views
+from jobs.queue import NewJob, history
 from jobs.runs import RunState
+from jobs.scheduler.clock import database_now
 from project.curation.models import CurationRun
 from project.harvester.models import DeadLetter
 from project.mail.models import Delivery
 from tests.support.admin import REPLAY_ALL, VIEW_ALL, client_for, operator
+from tests.support.concurrency import Background
 from tests.support.factories import (
     CurationRunFactory,
     DeadLetterFactory,
@@ -26,6 +43,7 @@ from tests.support.factories import (
     JobFactory,
     ago,
 )
+from tests.support.history import MINUTE, finish, job, where
 from tests.support.polling import wait_for
 
 pytestmark = pytest.mark.django_db
@@ -436,3 +454,232 @@ def test_replay_by_crafted_post_names_a_table_the_user_may_not_view():
     assert response.status_code == 403
     assert Delivery.objects.get(pk=delivery.pk).resends == 0
     assert Job.objects.get(pk=job.pk).state == RunState.FAILED
+
+
+def lock_waiters(like: str = "%") -> int:
+    """Sessions of this database waiting on a heavyweight lock, running a query like ``like``."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid() AND query LIKE %s",
+            [like],
+        )
+        return cur.fetchone()[0]
+
+
+@pytest.mark.django_db
+def test_replaying_a_jobs_row_the_archive_moved_meanwhile_still_replays_it():
+    """The monitor/admin/CLI replay of ``jobs.job:<id>`` finds a row the archive moved.
+
+    The failure monitor lists a failed keyless job as ``jobs.job:<id>``; ten seconds after it
+    failed (ARCHIVE_AFTER) the archive moves it. The operator's confirmation then goes to
+    ``_replay_table`` for the jobs table, whose eligible rows include those the archive moved,
+    so the row is replayed as ``queue.replay`` restores it, not reported "no longer eligible".
+    The same holds for the Job admin's replay action and button on a stale page.
+    """
+    (pk,) = finish(job(), state="failed")
+    table = RunTable(Job)
+    assert table.eligible_pks([pk]) == [pk]  # what the operator's page offered
+    history.archive(now=database_now() + MINUTE)
+    assert where(pk) == "history"
+    alice = operator("alice", "jobs.view_job", "jobs.replay_job")
+
+    (result,) = monitor_replay(alice, {table: [pk]}, via="test")
+
+    assert result.replayed == (pk,), "the archived failed job was not replayed"
+    assert Job.objects.get(pk=pk).state == "queued"
+
+
+@pytest.mark.django_db
+def test_manage_py_replay_by_id_replays_a_job_that_was_archived():
+    """``manage.py replay <id>`` (default ``--model jobs.job``) replays a job the archive moved.
+
+    Every failed keyless job is archived 10 s after it fails, so a script that replays the ids
+    it was alerted about must replay them from the history, not say "1 row was not replayed: it
+    is no longer eligible (not failed, or already replayed)".
+    """
+    (pk,) = finish(job(), state="failed")
+    history.archive(now=database_now() + MINUTE)
+    operator("ops", "jobs.view_job", "jobs.replay_job")
+    out = StringIO()
+
+    call_command("replay", str(pk), "--user", "ops", stdout=out)
+
+    assert where(pk) == "jobs" and Job.objects.get(pk=pk).state == "queued", out.getvalue()
+
+
+@pytest.mark.django_db
+def test_a_history_replay_records_only_the_rows_it_replayed():
+    """A key-taken history row is neither reported nor logged as replayed.
+
+    The history's replay returns a count; with a partial count ``_which`` asks which rows are
+    "no longer eligible". A row whose key a newer job holds stays failed in the history, so it
+    is not counted as replayed: the operator does not read "Replayed 2 rows", nor does a
+    LogEntry say so, for a job that never runs.
+    """
+    (taken,) = finish(job("import-13"), state="failed")
+    (free,) = finish(job(), state="failed")
+    history.archive(now=database_now() + 2 * MINUTE)
+    assert where(taken) == where(free) == "history"
+    newer = queue.enqueue(job("import-13"))
+    assert newer.created
+    alice = operator("alice", "jobs.view_job", "jobs.replay_job")
+
+    (result,) = monitor_replay(alice, {RunTable(JobHistory): [taken, free]}, via="test")
+
+    # Key taken: it did not replay, and stays failed where it was (in the history).
+    assert JobHistory.objects.get(pk=taken).state == "failed"
+    assert Job.objects.get(pk=free).state == "queued"
+    assert result.replayed == (free,)
+    assert not LogEntry.objects.filter(object_id=str(taken)).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_replay_racing_an_archive_of_the_same_row_replays_it():
+    """A replay that meets the archive mid-move still replays the row and reports it.
+
+    replay() runs RESTORE (history -> jobs) while the archive's DELETE ... INSERT is not
+    committed yet, so RESTORE sees no history row. The replay locks the ids' jobs rows first
+    (FOR UPDATE waits for the move in flight), so once the archive commits it restores and
+    replays the row: the id is in the report, and the failed job is not left in the history.
+    """
+    (pk,) = finish(job(), state="failed")
+    later = database_now() + MINUTE
+    with connection.cursor() as cur:  # no DDL inside the racing transaction
+        history.ensure(cur, "failed", later - timedelta(days=1), later + timedelta(days=1))
+    moved, release = threading.Event(), threading.Event()
+
+    def archive_held_open() -> Any:
+        with transaction.atomic():
+            counts = history.archive(now=later)
+            moved.set()
+            release.wait(60)
+        return counts
+
+    archiver = Background(archive_held_open)
+    assert moved.wait(30)
+    replayer = Background(lambda: queue.replay([pk], by="alice"))
+    wait_for(
+        lambda: lock_waiters("%FOR UPDATE%") == 1, what="the replay to wait on the row", timeout=30
+    )
+    release.set()
+    assert archiver.result() == {"failed": (1, 1)}
+    report = replayer.result()
+
+    accounted = report.replayed + report.not_failed + report.key_taken
+    assert pk in accounted, f"replay reported nothing about {pk}: {report}; row in {where(pk)}"
+    assert report.replayed == (pk,)
+
+
+@pytest.mark.django_db
+def test_replay_of_an_archived_succeeded_job_reports_it_not_failed():
+    """``ReplayReport.not_failed`` names a succeeded row that sits in the history.
+
+    replay([id of a succeeded job]) reports it as not_failed whichever table holds it: the
+    report's query reads the history too.
+    """
+    (pk,) = finish(job())
+    history.archive(now=database_now() + MINUTE)
+    assert where(pk) == "history"
+
+    report = queue.replay([pk], by="alice")
+
+    assert report.not_failed == (pk,), report
+
+
+def test_replay_brings_a_failed_job_back_from_history_under_its_id():
+    (pk,) = finish(job(), state="failed")
+    history.archive(now=database_now() + timedelta(minutes=1))
+    assert where(pk) == "history"
+
+    report = queue.replay([pk], by="alice")
+
+    assert report.replayed == (pk,)
+    assert where(pk) == "jobs"
+    row = Job.objects.get(pk=pk)
+    assert (row.state, row.attempts, row.replayed_by, row.key_held) == ("queued", 0, "alice", True)
+    assert queue.replay([pk], by="bob").replayed == ()  # a second replay acts on nothing
+
+
+def test_the_history_table_replays_through_the_monitor_contract():
+    (pk,) = finish(job(), state="failed")
+    history.archive(now=database_now() + timedelta(minutes=1))
+    table = next(t for t in run_tables() if t.model is JobHistory)
+    assert table.supports_replay and table.replay_permission == "jobs.replay_job"
+    assert table.eligible_pks([pk]) == [pk]
+
+    page = fetch_page([table], Filters(state="failed"))
+    assert [row.pk for row in page.rows] == [pk]
+
+    assert table.replay([pk], by="carol") == 1
+    assert where(pk) == "jobs"
+
+
+def test_a_replay_whose_key_was_taken_leaves_the_newer_job_alone():
+    (pk,) = finish(job("import-9"), state="failed")
+    history.archive(now=database_now() + timedelta(minutes=2))
+    newer = queue.enqueue(job("import-9"))
+    assert newer.created
+
+    report = queue.replay([pk], by="dave")
+
+    assert report.key_taken == (pk,)
+    assert Job.objects.get(pk=newer.id).state == "queued"
+
+
+def test_replay_requeues_a_failed_job_with_fresh_attempts():
+    failed = JobFactory(failed=True, attempts=5)
+
+    report = queue.replay([failed.pk], by="alice")
+
+    assert report.replayed == (failed.pk,)
+    row = Job.objects.get(pk=failed.pk)
+    assert (row.state, row.attempts, row.replayed_by, row.key_held) == ("queued", 0, "alice", True)
+    assert row.replayed_at is not None and row.finished_at is None
+    assert row.last_error == "handler_error"  # why it failed, until it runs again
+
+
+def test_replay_leaves_active_and_succeeded_jobs_alone():
+    queued = JobFactory()
+    done = JobFactory(succeeded=True)
+    report = queue.replay([queued.pk, done.pk], by="alice")
+    assert report.replayed == () and report.not_failed == (queued.pk, done.pk)
+
+
+def test_replay_after_the_key_was_taken_by_new_work_is_refused():
+    old = JobFactory(job_id="k", failed=True, key_held=False)
+    new = queue.enqueue(NewJob("test.noop.v1", job_id="k"))
+
+    report = queue.replay([old.pk], by="alice")
+
+    assert report.key_taken == (old.pk,)
+    assert Job.objects.get(pk=old.pk).state == "failed"
+    assert Job.objects.get(pk=new.id).state == "queued"
+
+
+def test_replay_takes_the_key_back_from_an_expired_holder():
+    old = JobFactory(job_id="k", failed=True, key_held=False)
+    newer = JobFactory(job_id="k", succeeded=True, finished_at=timezone.now() - timedelta(days=2))
+
+    assert queue.replay([old.pk], by="alice").replayed == (old.pk,)
+    assert Job.objects.get(pk=newer.pk).key_held is False
+
+
+def test_replay_of_two_failed_rows_sharing_a_key_replays_one():
+    first = JobFactory(job_id="k", failed=True, key_held=False)
+    second = JobFactory(job_id="k", failed=True, key_held=False)
+
+    report = queue.replay([first.pk, second.pk], by="alice")
+
+    assert report.replayed == (first.pk,)
+    assert report.key_taken == (second.pk,)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_operators_replaying_at_once_replay_once(threads):
+    failed = JobFactory(failed=True)
+
+    reports = threads(2, lambda i: queue.replay([failed.pk], by=f"operator-{i}"))
+
+    assert sorted(len(r.replayed) for r in reports) == [0, 1]
+    assert Job.objects.get(pk=failed.pk).state == "queued"

@@ -9,12 +9,18 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.db import transaction
 from django.utils import timezone
 
 from jobs import enqueue, queue
 from jobs.models import Job
-from jobs.queue import AllTenants, ClaimRequest, Outcome
+from jobs.queue import (
+    AllTenants,
+    ClaimRequest,
+    Outcome,
+)
 from jobs.registry import get_registry
+from jobs.runs import mark_running
 from jobs.scheduler.watchdog import Watchdog
 from jobs.testing import run_worker
 from jobs.worker.execution import Running, make_context, sync_run_rows
@@ -152,3 +158,73 @@ def test_a_shutdown_hand_back_queues_the_row():
 
     assert report.applied == (job.id,)
     assert state(row)[0] == "queued"
+
+
+NOOP = "test.noop.v1"
+
+
+def claim(names=(NOOP,), limit=100, scope=None, worker="w1", caps=None):
+    requests = [ClaimRequest(n, limit, (caps or {}).get(n)) for n in names]
+    return queue.claim(requests, scope=scope or AllTenants(), worker=worker)
+
+
+def row_of(job_id: int) -> Job:
+    return Job.objects.get(pk=job_id)
+
+
+def expire(job_id: int) -> None:
+    row = row_of(job_id)
+    Job.objects.filter(pk=job_id).update(lease_expires_at=row.started_at - timedelta(seconds=1))
+
+
+@pytest.mark.django_db
+def test_a_cancelled_bound_job_whose_lease_expired_ends_its_run_row_cancelled():
+    row = Delivery.objects.create(job_id="expired-cancel")
+    done = enqueue(DeliverV1(run_id=row.pk))
+    [job] = claim((DeliverV1.job_name,))
+    mark_running(Delivery, row.pk, attempt=1)  # the handler thread's first step
+    queue.cancel_running([job.id], by="alice")
+    expire(job.id)  # the worker died
+
+    counts = Watchdog().run_once()
+
+    assert counts["jobs.job:requeued"] == 1
+    assert row_of(done.id).state == "cancelled"
+    row.refresh_from_db()
+    assert (row.state, row.last_error) == ("cancelled", "cancelled")
+
+
+def _held(job, run_pk) -> Running:
+    job_type = get_registry()[job.name]
+    held = Running(job, job_type, make_context(job, job_type))
+    held.run_pk = run_pk
+    return held
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("outcome", ["retry", "released"])
+def test_a_cancelled_bound_jobs_retry_or_hand_back_ends_its_run_row_cancelled(outcome):
+    """The worker's own sequence (runner._write_and_claim, drain._release): write the outcomes,
+    then move the run rows of those applied, as they were written."""
+    row = Delivery.objects.create(job_id=f"cancel-{outcome}")
+    enqueue(DeliverV1(run_id=row.pk))
+    [job] = claim((DeliverV1.job_name,))
+    mark_running(Delivery, row.pk, attempt=1)
+    queue.cancel_running([job.id], by="alice")  # before the worker's next renewal
+    made = (
+        Outcome.retry(job, code="handler_error", delay=60)
+        if outcome == "retry"
+        else Outcome.released(job)
+    )
+
+    with transaction.atomic():
+        report = queue.record([made])
+        # As the worker does: the run row follows the outcome as written (report.as_written).
+        written = report.as_written(made)
+        sync_run_rows([(_held(job, row.pk), written)] if report.was_applied(made) else [])
+
+    assert row_of(job.id).state == "cancelled"
+    row.refresh_from_db()
+    assert row.state == "cancelled", (
+        f"the run row is {row.state} (next_retry_at {row.next_retry_at})"
+    )

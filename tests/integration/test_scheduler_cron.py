@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo
 
 import pytest
 from django.db import connection
@@ -278,3 +280,118 @@ class TestStatus:
             cur.execute("SELECT statement_timestamp()")
             now = cur.fetchone()[0]
         assert now - timedelta(seconds=61) < item.next_due <= now + timedelta(seconds=1)
+
+
+QUARTERLY = {**HOURLY, "cron": "*/15 * * * *"}
+
+
+BERLIN = ZoneInfo("Europe/Berlin")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_catch_up_from_at_the_end_of_a_spring_forward_gap_fires_the_slots_after_it():
+    schedule = make(
+        **QUARTERLY, misfire="all", timezone="Europe/Berlin", catch_up_from="2026-03-29T03:00"
+    )
+    now = datetime(2026, 3, 29, 4, 0, 5, tzinfo=BERLIN)  # 02:00:05 UTC
+
+    decisions = schedule.plan(now, None)
+
+    wall = [(d.slot.astimezone(BERLIN).strftime("%H:%M"), d.kind) for d in decisions]
+    assert wall == [
+        ("03:00", SlotKind.CATCH_UP),
+        ("03:15", SlotKind.CATCH_UP),
+        ("03:30", SlotKind.CATCH_UP),
+        ("03:45", SlotKind.CATCH_UP),
+        ("04:00", SlotKind.ON_TIME),
+    ]  # not only 04:00
+
+
+@pytest.mark.django_db(transaction=True)
+def test_catch_up_from_given_in_utc_at_the_same_instant_already_works():
+    schedule = make(
+        **QUARTERLY,
+        misfire="all",
+        timezone="Europe/Berlin",
+        catch_up_from=datetime(2026, 3, 29, 1, 0, tzinfo=UTC),  # 03:00 CEST
+    )
+    decisions = schedule.plan(datetime(2026, 3, 29, 2, 0, 5, tzinfo=UTC), None)
+    assert [d.kind for d in decisions].count(SlotKind.CATCH_UP) == 4
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("value", "instant"),
+    [
+        ("2030-05-01T07:00:00+00:00", datetime(2030, 5, 1, 7, tzinfo=UTC)),
+        ("2030-05-01T09:00+02:00", datetime(2030, 5, 1, 7, tzinfo=UTC)),
+        ("2030-05-01T07:00Z", datetime(2030, 5, 1, 7, tzinfo=UTC)),
+        ("2030-05-01", datetime(2030, 5, 1, tzinfo=UTC)),  # a date-only string: midnight
+    ],
+)
+def test_catch_up_from_strings_with_and_without_an_offset(value, instant):
+    assert make(catch_up_from=value).catch_up_from == instant
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("value", [datetime(2030, 5, 1).date(), 1_900_000_000, True, "yesterday"])
+def test_catch_up_from_that_is_no_instant_is_refused_at_start_up(value):
+    from django.core.exceptions import ImproperlyConfigured
+
+    with pytest.raises(ImproperlyConfigured, match="catch_up_from must be a datetime"):
+        make(catch_up_from=value)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("misfire", ["skip", "once", "all"])
+def test_catch_up_from_a_year_back_costs_bounded_work_whatever_the_misfire(misfire):
+    schedule = make(
+        cron="* * * * * *", misfire=misfire, max_catch_up=5, catch_up_from=T - timedelta(days=365)
+    )
+    started = time.monotonic()
+    counts = CronService([schedule], identity="test").run_once(T + timedelta(seconds=0.5))
+    assert time.monotonic() - started < 5
+    # Every slot inside the grace (60 s: 60 slots) fires on time, as after any downtime; only
+    # the older ones go to the misfire policy, bounded by max_catch_up.
+    expected = {"skip": (60, 0, 1), "once": (60, 1, 0), "all": (60, 5, 1)}[misfire]
+    assert (counts.on_time, counts.catch_up, counts.skipped) == expected
+    assert ScheduleSlot.objects.count() == sum(expected)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_catch_up_from_exactly_on_a_slot_fires_that_slot():
+    schedule = make(misfire="all", catch_up_from=T - timedelta(hours=2))
+    decisions = schedule.plan(T + timedelta(seconds=5), None)
+    assert decisions[0] == Decision(T - timedelta(hours=2), SlotKind.CATCH_UP)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_schedulers_racing_a_new_schedules_first_tick_fire_its_slot_once(threads):
+    schedule = make(cron="* * * * * *", catch_up_from=T - timedelta(seconds=3), misfire="all")
+
+    def tick(i):
+        return CronService([schedule], identity=f"s{i}").run_once(T + timedelta(seconds=i * 0.4))
+
+    counts = threads(4, tick)
+    assert sum(c.on_time + c.catch_up for c in counts) == ScheduleSlot.objects.count()
+    assert Job.objects.count() == ScheduleSlot.objects.count()
+    assert ScheduleSlot.objects.values("slot").distinct().count() == ScheduleSlot.objects.count()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_new_schedule_without_catch_up_from_is_never_reported_overdue():
+    schedule = make()
+    (before,) = status(now=T + timedelta(minutes=30), schedules=[schedule])
+    assert not before.overdue and before.next_due == T + timedelta(hours=1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_status_of_a_new_schedule_starting_in_the_future_says_when_it_will_fire():
+    start = T + timedelta(days=3)
+    schedule = make(catch_up_from=start)
+    now = T + timedelta(minutes=30)
+    assert schedule.plan(now + timedelta(hours=1), None) == []  # it really does not fire
+
+    (item,) = status(now=now, schedules=[schedule])
+
+    assert item.next_due == start  # not T + 1 hour, a slot that never fires

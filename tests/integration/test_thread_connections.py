@@ -6,10 +6,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.test import override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from psycopg.pq import TransactionStatus
 
 from jobs.worker import thread_connections
 from jobs.worker.execution import close_open_transactions
@@ -85,3 +86,48 @@ def test_any_handler_sequence_is_checked_as_before(kinds, max_age):
         run_on(pool, lambda: step("query"))
     finally:
         pool.shutdown(5)
+
+
+def _handler_sharing_its_connection() -> list[str]:
+    """A handler that lends its (not yet opened) connection to a helper thread, which opens
+    it and turns autocommit off (work it means to commit later, and never does); then the
+    worker's check after the handler, on the handler's thread."""
+    conn = connections[DEFAULT_DB_ALIAS]
+    conn.inc_thread_sharing()
+    try:
+
+        def helper() -> None:
+            conn.set_autocommit(False)  # opens the connection here: connection_created fires here
+            with conn.cursor() as cur:
+                cur.execute("SELECT 1")
+
+        thread = threading.Thread(target=helper)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive()
+    finally:
+        conn.dec_thread_sharing()
+    return close_open_transactions()
+
+
+def _starts_clean() -> tuple[bool, TransactionStatus | None]:
+    """What the next job on the thread finds: autocommit on, no transaction open."""
+    raw = connection.connection
+    if raw is None:
+        return True, None
+    return connection.get_autocommit(), raw.info.transaction_status
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_connection_opened_by_a_thread_it_is_shared_with_is_still_checked():
+    pool = HandlerPool(1)
+    try:
+        left_open = run_on(pool, _handler_sharing_its_connection)
+        autocommit, status = run_on(pool, _starts_clean)
+    finally:
+        pool.shutdown(5)
+    # The handler's thread holds a connection out of autocommit, so it
+    # is reported and closed, and the next job on the thread does not run (and lose its
+    # writes) inside the transaction the previous one left.
+    assert left_open == ["default"]
+    assert autocommit and status in (None, TransactionStatus.IDLE)

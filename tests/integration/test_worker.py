@@ -6,6 +6,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from datetime import timedelta
 
 import pytest
@@ -13,7 +14,7 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from jobs import enqueue, queue
+from jobs import JobContext, Payload, enqueue, queue
 from jobs.models import Job
 from jobs.queue import NewJob
 from jobs.registry import JobType, Policy, Registry
@@ -501,3 +502,49 @@ class TestLeasesAndDrain:
         finally:
             worker.request_stop()
             thread.join(10)
+
+
+class SlowV1(Payload, name="test.share.slow.v1"):
+    n: int = 0
+
+
+class QuickV1(Payload, name="test.share.quick.v1"):
+    n: int = 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_types_without_a_limit_share_the_free_slots_of_one_claim():
+    """Two unlimited types with work due, four slots: both run, neither waits for the other."""
+    release = threading.Event()
+    seen: list[str] = []
+    lock = threading.Lock()
+
+    def handler(payload, ctx: JobContext) -> None:
+        with lock:
+            seen.append(ctx.name)
+        release.wait(10)
+
+    for n in range(6):
+        queue.enqueue_many([NewJob(SlowV1.job_name, {"n": n}), NewJob(QuickV1.job_name, {"n": n})])
+    registry = Registry([JobType(SlowV1, handler, Policy()), JobType(QuickV1, handler, Policy())])
+    first_four: list[str] = []
+
+    def watch() -> None:
+        try:
+            wait_for(lambda: len(seen) >= 4, what="four jobs to start", interval=0.01)
+            with lock:
+                first_four.extend(seen[:4])
+        finally:
+            release.set()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        run_worker(registry=registry, concurrency=4, timeout=30)
+    finally:
+        release.set()
+        watcher.join(15)
+
+    assert Job.objects.filter(state="succeeded").count() == 12
+    # Not all four first slots to whichever name the rotation put first.
+    assert set(Counter(first_four)) == {SlowV1.job_name, QuickV1.job_name}, first_four

@@ -322,8 +322,10 @@ class TestBounds:
         assert seen == {"loop": "5s", "handler": "0"}
 
 
-class TestSecondPass:
-    """Defects a hostile review found after the first round of fixes."""
+class TestTroubleStaysWithItsJob:
+    """Whatever one job's handler or row does (a mangled context, a stall past its lease, a
+    row another session locks, a refusal, a lock timeout, a huge result, an unreadable
+    payload, tricks on the raw connection), the trouble stays with that job."""
 
     def test_a_handler_mangling_its_context_cannot_kill_the_lease_keeper(self, recorder):
         mangler = queue.enqueue(NewJob(Hostile.job_name, {"action": "mangle-ctx", "seconds": 0.2}))

@@ -78,3 +78,14 @@ def test_outcomes_are_counted_by_kind():
     # 14 claims, each one handler call: 7 + 3 + 2 x 2 (the flaky ones run twice).
     assert observed("jobs_handler_duration_seconds") - calls == 14
     assert observed("jobs_queue_latency_seconds") - claims == 14
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_duration_histogram_exports_its_created_series():
+    name = "metrics.created.v1"
+    metrics.for_type(name).handler_duration.observe(0.2)
+    labels = {"job_type": name}
+    # The counters next to it still have theirs (prometheus_client's default)…
+    assert REGISTRY.get_sample_value("jobs_claimed_created", labels) is not None
+    # …and the library Histogram this replaced exported one for every job type.
+    assert REGISTRY.get_sample_value("jobs_handler_duration_seconds_created", labels) is not None

@@ -18,7 +18,6 @@ VIEW_ALL = (
     "curation.view_curationrun",
 )
 
-
 REPLAY_ALL = (
     "jobs.replay_job",
     "mail.replay_delivery",

@@ -9,9 +9,7 @@ from jobs.queue import AllTenants, ClaimRequest, NewJob
 
 NAME = "test.pass.scale.v1"
 
-
 BACKLOG = 30_000  # queued: the table's size moves the plan's costs
-
 
 OTHERS = 300  # jobs other workers hold while this one writes its outcomes
 

@@ -18,7 +18,6 @@ from tests.support.factories import DeliveryFactory, JobFactory, ago
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 
-
 FLAGS = [
     "--headless",
     "--no-sandbox",
@@ -29,16 +28,13 @@ FLAGS = [
     "--no-first-run",
 ]
 
-
 TIMEOUT_MS = 10_000
 
 
 # Operator controls at a laptop's size; the docs' screenshots come from these runs.
 SMALL = {"width": 1280, "height": 800}
 
-
 DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
-
 
 WORKER = "worker-1:4242:ab12"
 
@@ -89,7 +85,6 @@ def seed_processes() -> None:
 
 LARGE = {"width": 1920, "height": 1080}
 
-
 INTERVAL = 0.3  # seconds between refreshes in these tests
 
 
@@ -126,7 +121,6 @@ def claim(name: str, count: int) -> list[ClaimedJob]:
 
 
 LONG_TYPE = "billing.invoices.reconcile_statement_with_ledger_and_notify_accountants.v12"
-
 
 LONG_ERROR = (
     "ConnectionError: HTTPSConnectionPool(host='ledger.internal.example.com', port=443): "

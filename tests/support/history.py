@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from jobs import queue
 from jobs.models import Job, JobHistory
 from jobs.queue import AllTenants, ClaimRequest, NewJob
@@ -32,3 +34,6 @@ def where(pk: int) -> str:
     if JobHistory.objects.filter(pk=pk).exists():
         return "history"
     return "gone"
+
+
+MINUTE = timedelta(minutes=1)

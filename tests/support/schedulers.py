@@ -20,7 +20,6 @@ SCHEDULER = [
     "0",
 ]
 
-
 LEADS = "is now the leader"
 
 

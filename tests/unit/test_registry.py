@@ -15,7 +15,7 @@ from django.core.exceptions import AppRegistryNotReady, ImproperlyConfigured
 from django.test import override_settings
 
 import jobs
-from jobs import JobContext, Payload, Reject, RetryAfter
+from jobs import JobContext, Payload, Rate, Reject, RetryAfter
 from jobs.registry import (
     Backoff,
     Catalogue,
@@ -340,3 +340,28 @@ def test_importing_jobs_needs_neither_settings_nor_models():
         [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [(True,), (1.5,), (0,), (1, 0), (1, True), (1, -1), (1, float("nan")), (1, 1, 0), (1, 1, 1.0)],
+)
+def test_rate_refuses_what_is_not_a_rate(arguments):
+    with pytest.raises(ValueError):
+        Rate(*arguments)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"global_concurrency": True},
+        {"global_concurrency": 0},
+        {"tenant_concurrency": 1.0},
+        {"rate_limit": 5},
+        {"tenant_rate_limit": "10/s"},
+        {"fair": 1},
+    ],
+)
+def test_policy_names_each_bad_flow_option(options):
+    (problem,) = Policy(**options).validate()
+    assert next(iter(options)) in problem

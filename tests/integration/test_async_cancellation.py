@@ -1,15 +1,15 @@
-"""Review of 4abe3c3: an async job awaits its handler's task directly, not through asyncio.wait.
+"""An async job awaits its handler's task directly: what a cancellation of either task does.
 
 Awaited directly, a cancellation of the worker's own task for the job (the loop closing under
 it, or anything else cancelling it) is passed on to the handler's task; ``_call`` raises it
 again when its own task has a cancellation pending, so the job still ends as the worker's
 failure whatever the handler does with that cancellation: return a value, raise something
-else, re-raise it through ``asyncio.timeout()`` or a ``TaskGroup``. Unlike before, the
-handler's task is no longer left running behind a job already ended: it is cancelled with
-it, and the job keeps its slot until the handler has returned.
+else, re-raise it through ``asyncio.timeout()`` or a ``TaskGroup``. The handler's task is
+never left running behind a job already ended: it is cancelled with it, and the job keeps
+its slot until the handler has returned.
 
 The paths that cancel only the handler's task (deadline, lost lease, drain, operator cancel)
-and what a handler does to its own task are checked to end as before. Real workers, real
+and what a handler does to its own task end as they do for any handler. Real workers, real
 PostgreSQL; waits poll with a deadline.
 """
 
@@ -36,7 +36,7 @@ WORKER_FAILURE = "the worker failed running the job: CancelledError"
 STOLEN = "00000000-0000-0000-0000-000000000023"
 
 
-class Act(Payload, name="test.round23.v1"):
+class Act(Payload, name="test.async.cancellation.v1"):
     action: str = "ok"
 
 
@@ -297,7 +297,7 @@ async def _task_names() -> list[str]:
 # -- what a handler does to its own task ---------------------------------------------------
 
 
-def test_what_a_handler_does_to_its_own_task_ends_as_before(seen):
+def test_what_a_handler_does_to_its_own_task_ends_as_for_any_handler(seen):
     actions = {
         "self-cancel-return": ("failed", "CancelledError"),
         "self-cancel-uncancel": ("succeeded", None),
@@ -360,7 +360,7 @@ def test_an_operator_cancel_ends_cancelled_whatever_the_handler_makes_of_it(seen
     worker = Worker(registry(seen, max_attempts=3), worker_config(lease=timedelta(seconds=0.6)))
     with Running(seen, worker):
         wait_for(lambda: seen.started == 2, interval=0.005)
-        assert queue.cancel_running([j.id for j in jobs], by="round23") == sorted(
+        assert queue.cancel_running([j.id for j in jobs], by="operator") == sorted(
             j.id for j in jobs
         )
         wait_for(lambda: {row(j).state for j in jobs} == {"cancelled"}, interval=0.005)

@@ -1,38 +1,29 @@
-"""Review round 28: 2e79aea, the listener's proof sends nothing on its connection once the
-probe is out (``jobs.worker.wakeup.NotifyListener._prove``).
+"""The listener proves that LISTEN delivers with a probe, and sends nothing on its
+connection once the probe is out (``jobs.worker.wakeup.NotifyListener._prove``).
 
-The proof now asks for the backend before the probe NOTIFY and then only waits. Pinned here
-(passing): a direct connection proves and wakes at once; a session-mode PgBouncer proves and
-leaves nothing on its servers; a transaction-mode PgBouncer with 1, 2 or 5 server
-connections never proves, also while other clients keep its pool busy, and each failed proof
-is undone on the backend that holds the LISTEN; notices for the worker's job names that come
-during the proof (with the backend check's answer or before the probe's) still wake it; the
-warning is logged once over many failed proofs; after ``REPROVE_AFTER`` the listener proves
-again once the path allows it; a stop during the proof's wait ends the thread at once; a
-listening backend lost during the proof, directly or behind the pooler, is survived.
+The proof asks for the backend before the probe NOTIFY and then only waits. Checked here: a
+direct connection proves and wakes at once; a session-mode PgBouncer proves and leaves
+nothing on its servers; a transaction-mode PgBouncer with 1, 2 or 5 server connections never
+proves, also while other clients keep its pool busy, and each failed proof is undone on the
+backend that holds the LISTEN; notices for the worker's job names that come during the proof
+(with the backend check's answer or before the probe's) still wake it; the warning is logged
+once over many failed proofs; after ``REPROVE_AFTER`` the listener proves again once the
+path allows it; a stop during the proof's wait ends the thread at once; a listening backend
+lost during the proof, directly or behind the pooler, is survived.
 
-Defects found, all fixed since (the LISTEN is undone however the proof ends; the probe is
-sent from a thread of its own, within the proof's deadline):
+The LISTEN is undone however the proof ends: on a stop during the proof, and on an error
+during it (a probe the pooler refuses, ``max_client_conn`` reached), so that no LISTEN stays
+on a pooled backend whose notices the pooler would hand to whichever client it lends that
+backend to next. The probe is sent from a thread of its own, within the proof's deadline: a
+stop or ``PROBE_TIMEOUT`` ends the wait even when the pooler has no free server for the
+probe (a session-mode pool of one, which the listener holds) and would keep its
+``pg_notify`` queued for ``query_wait_timeout``.
 
-* ``test_a_stop_during_the_proof_leaves_no_listen_on_a_pooled_backend``: ``_listen``
-  returned at once when the proof ended on a stop and never undid the LISTEN: behind a
-  transaction-mode pooler it stayed on the pooled backend, whose notices the pooler then
-  hands to whichever client it lends that backend to. A worker stopped within the first
-  ``PROBE_TIMEOUT`` of its start (or of a reproof) left one.
-* ``test_a_probe_that_cannot_connect_leaves_no_listen_on_a_pooled_backend``: the same for
-  an error during the proof: a probe the pooler refuses (``max_client_conn`` reached)
-  raised out of ``_listen`` past ``_unlisten``, and the LISTEN stayed on the pooled backend.
-* ``test_a_stop_while_the_probe_waits_for_a_server_returns_promptly``: the probe's
-  connection had no bound of its own: when the pooler has no free server for it (here a
-  session-mode pool of one, which the listener holds), its ``pg_notify`` waited in
-  PgBouncer's queue (``query_wait_timeout``, 120 s by default) and neither a stop request
-  nor ``PROBE_TIMEOUT`` ended the wait.
-
-Since then the listener sends no LISTEN at all where the backend that answers is not the one
-its connection was opened with, which is so behind PgBouncer in any pool mode
-(tests/integration/test_pgbouncer.py). The proof pinned here still decides behind a pooler
-that passes PostgreSQL's start-up reply through: :func:`_a_pooler_that_passes_the_key_through`
-plays one, by taking every connection as the session's own.
+The listener sends no LISTEN at all where the backend that answers is not the one its
+connection was opened with, which is so behind PgBouncer in any pool mode
+(tests/integration/test_pgbouncer.py). The proof still decides behind a pooler that passes
+PostgreSQL's start-up reply through: :func:`_a_pooler_that_passes_the_key_through` plays
+one, by taking every connection as the session's own.
 
 Every test runs on real PostgreSQL and a real PgBouncer; waits poll with deadlines.
 """

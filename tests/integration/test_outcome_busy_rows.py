@@ -1,17 +1,17 @@
-"""Review of dab5dd9: the outcome write looks for busy rows only when an outcome went unwritten.
+"""The outcome write looks for busy rows only when an outcome went unwritten.
 
-The one-time filter ``(SELECT count(*) FROM written) < (SELECT count(*) FROM o)`` in the
-``busy`` CTE must change nothing a batch reports or writes, on any of the paths that carry
-the CTEs: ``record()`` counted and not, the inline pass, and the worker's pass functions
+The filter ``(SELECT count(*) FROM written) < (SELECT count(*) FROM o)`` in the ``busy`` CTE
+must change nothing a batch reports or writes, on any of the paths that carry the CTEs:
+``record()`` counted and not, the inline pass, and the worker's pass functions
 (``jobs_worker_pass``, ``jobs_worker_fair_pass``). It cannot: ``written`` has one row per
 row updated, every such row was matched by outcomes of its id under its own token, and rows
 of different ids are different outcomes; so ``count(written) = count(o)`` only when every
 outcome's token is among the written ones, when the anti join finds nothing busy anyway.
 
-These tests check that on generated batches against the statement as it was before the
-change (the same SQL without the filter; for the functions, 0016/0017's text, put in place
-inside a transaction rolled back after), with rows another session really holds locked,
-and against what ``jobs.queue.outcomes`` promises (written, fenced, busy, stopped).
+These tests check that on generated batches against the same statements without the filter
+(for the functions, migrations 0016/0017's text, put in place inside a transaction rolled
+back after), with rows another session really holds locked, and against what
+``jobs.queue.outcomes`` promises (written, fenced, busy, stopped).
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ from tests.support.concurrency import Background
 from tests.support.explain import explained_nested_statements
 from tests.support.functions import function_body, installed_sources, migration_sql
 
-NAME = "test.round22.v1"
+NAME = "test.busy.v1"
 # Nothing is ever queued under these: a pass that writes outcomes and claims nothing.
-IDLE = "test.round22.idle.v1"
-FAIR_IDLE = "test.round22.fair.v1"
+IDLE = "test.busy.idle.v1"
+FAIR_IDLE = "test.busy.fair.v1"
 FAIR = {FAIR_IDLE: FlowLimits(fair=True)}
 SCOPE = AllTenants()
-BY = "operator@round22"
+BY = "operator@busy"
 AT = datetime(2031, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 FILTER = re.compile(r"\(SELECT count\(\*\) FROM written\) < \(SELECT count\(\*\) FROM o\)\s+AND ")
@@ -65,13 +65,13 @@ FUNCTIONS = ("jobs_worker_pass_v2", "jobs_worker_fair_pass_v2")
 
 def _without_filter(sql: str, times: int = 1) -> str:
     old, found = FILTER.subn("", sql)
-    assert found == times, "the busy CTE's one-time filter is not where the review expects it"
+    assert found == times, "the busy CTE's one-time filter is not where these tests expect it"
     return old
 
 
 @contextmanager
-def before_the_change(path: str) -> Iterator[None]:
-    """The path's statement as it was before dab5dd9 (call inside a transaction rolled back).
+def without_the_filter(path: str) -> Iterator[None]:
+    """The path's statement without the busy filter (call inside a transaction rolled back).
 
     The functions' old texts (0016, 0017) are the statement's, under the earlier names: the
     functions the code calls now return a column more, so their old text cannot stand in for
@@ -250,15 +250,15 @@ def check_promise(world: World, batch: list[Outcome], report: OutcomeReport) -> 
     assert set(report.stopped) <= report.applied_tokens
 
 
-def compare_with_before(world: World, batch: list[Outcome]) -> None:
-    """Every path: the same report and the same rows as before the change, and as promised."""
+def compare_with_the_unfiltered(world: World, batch: list[Outcome]) -> None:
+    """Every path: the same report and the same rows as without the filter, and as promised."""
     run_after = dict(Job.objects.filter(name=NAME).values_list("id", "run_after"))
     base = {row["id"]: row for row in _rows(run_after)}
     for path in PATHS:
         if path in CALLS:
             continue  # the function is the pass statement's text (test_worker_pass.py)
         with transaction.atomic():
-            with before_the_change(path):
+            with without_the_filter(path):
                 before = run(path, batch)
             before_rows = _rows(run_after)
             transaction.set_rollback(True)
@@ -338,13 +338,13 @@ batch_strategy = st.lists(
 @settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-def test_any_batch_reports_and_writes_what_it_did_before_the_change(fair_gate, jobs, batch):
+def test_any_batch_reports_and_writes_what_it_would_without_the_filter(fair_gate, jobs, batch):
     _functions_have_the_filter()
     world = build(jobs)
     locker = Locker(sorted(world.locked)) if world.locked else None
     try:
         outcomes = [outcome(world, index, which, kind) for index, which, kind in batch]
-        compare_with_before(world, outcomes)
+        compare_with_the_unfiltered(world, outcomes)
     finally:
         if locker is not None:
             locker.release()

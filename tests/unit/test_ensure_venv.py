@@ -1,4 +1,4 @@
-"""Review round 11: scripts/lib.sh's ensure_venv as scripts/test calls it.
+"""scripts/lib.sh's ensure_venv as scripts/test calls it: a failed install fails the leg.
 
 scripts/test runs ``(ensure_venv …) && echo VENV`` inside ``$(leg_venv …) || die``. In both
 places bash ignores ``set -e`` for everything the subshell runs, so ensure_venv goes on after a

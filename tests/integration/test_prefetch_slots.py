@@ -1,46 +1,21 @@
-"""Review of 5bf55c8 (with 31e6acb, 8f395a0): async jobs prefetched, a held job starts only
-into a free slot.
+"""A prefetched job starts only into a free slot: parked, resumed, drained, cancelled.
 
 With ``--prefetch`` a worker holds claimed jobs beyond its ``concurrency`` slots. A held job
-of either kind now counts as started only while fewer than ``concurrency`` handlers run
+of either kind counts as started only while fewer than ``concurrency`` handlers run
 (``Worker._slot_taken``); otherwise it is parked in ``Worker._waiting`` until a handler ends,
-and ``Worker._finished`` resumes the first parked job (``_resume``).
+and ``Worker._finished`` resumes the first parked job (``_resume``), the freed slot counted
+for it as it is popped.
 
-Pinned here (passing): sync and async handlers together never exceed ``concurrency`` for any
-mix of jobs and endings (BaseExceptions, an async handler cancelling itself), every job runs
-exactly once and the worker's books return to zero; a thread-only worker never parks a job
-(the gate is one comparison on its path); parked jobs keep their leases, go back at once on a
-drain (also with a lost one among them); a drain at any moment leaves each job run once or
-handed back untried, never both; a forced stop with a handler that ignores its
-cancellation hands them back too; a parked job whose lease is lost never runs, and its fresh
-claim runs once; an operator's cancel ends a parked async job before its handler.
-
-Defects found (each test failed on 5bf55c8; fixed in the commit that adds this file):
-
-* ``test_a_parked_job_s_timeout_runs_from_its_start_not_its_claim``: the timeout clock of a
-  held job starts at its claim (``JobContext.started`` defaults to the context's creation in
-  ``Worker._dispatch`` → ``make_context``, and neither ``_execute`` nor ``execute_on_loop``
-  resets it). A job parked behind a long handler for longer than its type's timeout is told
-  to stop by the lease keeper before it starts (``LeaseKeeper._enforce_deadlines``), and
-  ``judge`` ends it ``deadline_exceeded`` however short its own run: an async one's handler
-  is never entered, a sync one's runs and is failed anyway; the attempt is counted. (The
-  sync-behind-sync case, a job in the pool's queue, is the thread-run prefetch of before.)
-* ``test_an_operator_cancel_stops_a_parked_job_before_its_handler[sync]``: a parked sync job
-  the operator cancelled while it waited still has its handler called when a slot frees
-  (``execution.execute`` checks ``running.lost`` before ``_call`` but not
-  ``running.cancel_requested``); the async one's task is cancelled before its first step.
-* ``test_a_parked_job_whose_lease_is_lost_leaves_its_run_row_alone[async]``: a parked async
-  job whose lease was lost still marks its bound run row ``running`` when a slot frees
-  (``on_loop.execute_on_loop`` calls ``mark_running`` before any ``running.lost`` check),
-  on behalf of an attempt this worker no longer holds; the sync path checks first.
-* ``test_a_parked_job_resumed_by_a_handler_s_end_takes_that_slot``: the slot ``_finished``
-  frees for the first parked job is not reserved for it; another held job reaching
-  ``_slot_taken`` first takes it and the resumed one is parked again at the back.
-* ``test_a_drain_as_a_parked_job_is_resumed_does_not_wait_for_a_lost_one``: a drain that
-  hands back the job just popped by ``_next_waiting`` leaves its slot unused; a lost job
-  parked behind it (never handed back by a drain) is stranded, and the drain waits out its
-  shutdown and cancel timeouts with nothing running. Now the slot is counted for the job as
-  it is popped: the drain leaves it to run, and its end drops the lost one.
+Checked here: sync and async handlers together never exceed ``concurrency`` for any mix of
+jobs and endings (BaseExceptions, an async handler cancelling itself), every job runs exactly
+once and the worker's books return to zero; a thread-only worker never parks a job (the gate
+is one comparison on its path); a resumed job takes the slot that was freed for it; a parked
+job's timeout runs from its start, not its claim; parked jobs keep their leases, go back at
+once on a drain (also with a lost one among them); a drain at any moment leaves each job run
+once or handed back untried, never both, and one that lands as a parked job is resumed does
+not wait for a lost one; a forced stop with a handler that ignores its cancellation hands
+them back too; a parked job whose lease is lost never runs, leaves its run row alone, and its
+fresh claim runs once; an operator's cancel ends a parked job before its handler.
 
 Every test runs a real ``Worker`` on PostgreSQL in a thread of this process; waits poll with
 deadlines.
@@ -80,33 +55,33 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 # -- job types ------------------------------------------------------------------------------------
 
 
-class Work(Payload, name="test.r25.work.v1"):
+class Work(Payload, name="test.prefetch.work.v1"):
     """A sync job: ``action`` says what its handler does, ``seconds`` how long it waits."""
 
     action: str = "ok"
     seconds: float = 0.0
 
 
-class AWork(Payload, name="test.r25.awork.v1"):
+class AWork(Payload, name="test.prefetch.awork.v1"):
     """The same for an ``async def`` handler."""
 
     action: str = "ok"
     seconds: float = 0.0
 
 
-class Timed(Payload, name="test.r25.timed.v1"):
+class Timed(Payload, name="test.prefetch.timed.v1"):
     """A sync job of a type with a short timeout (``SHORT_TIMEOUT``)."""
 
     action: str = "ok"
     seconds: float = 0.0
 
 
-class ATimed(Payload, name="test.r25.atimed.v1"):
+class ATimed(Payload, name="test.prefetch.atimed.v1"):
     action: str = "ok"
     seconds: float = 0.0
 
 
-class Bound(Payload, name="test.r25.bound.v1"):
+class Bound(Payload, name="test.prefetch.bound.v1"):
     """A sync job bound to a run row (tests.runapp Delivery)."""
 
     run_id: int
@@ -114,7 +89,7 @@ class Bound(Payload, name="test.r25.bound.v1"):
     seconds: float = 0.0
 
 
-class ABound(Payload, name="test.r25.abound.v1"):
+class ABound(Payload, name="test.prefetch.abound.v1"):
     run_id: int
     action: str = "ok"
     seconds: float = 0.0
@@ -249,7 +224,7 @@ def start(registry: Registry, **config) -> tuple[Worker, threading.Thread]:
     options = {"install_signal_handlers": False, "poll_interval": 0.05, **config}
     worker = Worker(registry, WorkerConfig(**options))
     worker._waiting = CountingDeque()
-    thread = threading.Thread(target=worker.run, name="r25-worker")
+    thread = threading.Thread(target=worker.run, name="prefetch-worker")
     thread.start()
     return worker, thread
 
@@ -416,15 +391,11 @@ def test_a_thread_only_worker_never_parks_a_job():
 
 
 def test_a_parked_job_resumed_by_a_handler_s_end_takes_that_slot():
-    """FIXED (this round).
-
-    The docs say a handler that ends starts the next held job: ``_finished`` hands the
-    freed slot to the first parked job. But ``_next_waiting`` only pops it; it is counted in
-    by ``_slot_taken`` only when it reaches its thread (through the pool's queue, behind held
-    jobs already there) or the loop, and another held job that gets there first takes the
-    slot. The resumed job is parked again, at the back of the line behind jobs claimed after
-    it (claim order, priority included, is lost), and each round costs a hand-off for
-    nothing."""
+    """A handler that ends starts the next held job: ``_finished`` hands the freed slot to
+    the first parked job, and the slot is counted for it as ``_next_waiting`` pops it. No
+    other held job that reaches ``_slot_taken`` first (through the pool's queue, or the
+    loop) takes it, so the resumed job is never parked again behind jobs claimed after it
+    (claim order, priority included, holds) and no hand-off is spent for nothing."""
     slots = Slots()
     worker, thread = start(mixed(slots), concurrency=2, prefetch=20)
     try:
@@ -456,12 +427,10 @@ BEHIND = {
 
 @pytest.mark.parametrize("case", list(BEHIND))
 def test_a_parked_job_s_timeout_runs_from_its_start_not_its_claim(case):
-    """FIXED (this round).
-
-    A job of a type with a 0.4 s timeout waits 1.2 s for the slot, then its handler
-    returns at once: it succeeded. It ends ``failed``/``deadline_exceeded`` instead, its one
-    attempt spent: the timeout clock ran from its claim (ctx.started), and the lease keeper
-    told it to stop before it ever started."""
+    """A job of a type with a 0.4 s timeout waits 1.2 s for the slot, then its handler
+    returns at once: it succeeded. Its timeout clock (ctx.started) runs from its start, not
+    its claim, so the lease keeper never tells it to stop before it has started and it does
+    not end ``failed``/``deadline_exceeded`` with its one attempt spent."""
     long_type, parked_type = BEHIND[case]
     slots = Slots()
     worker, thread = start(mixed(slots), concurrency=1, prefetch=4)
@@ -491,13 +460,11 @@ def test_a_parked_job_s_timeout_runs_from_its_start_not_its_claim(case):
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_an_operator_cancel_stops_a_parked_job_before_its_handler(kind):
-    """FIXED (this round).
-
-    An operator cancels a job parked behind a long handler; the worker learns it at the
-    next renewal, while the job still waits. When the slot frees, the job must end
-    ``cancelled`` without its handler being called (its side effects would happen after the
-    operator said stop). The async one's task is cancelled before its first step; the sync
-    one's handler is called."""
+    """An operator cancels a job parked behind a long handler; the worker learns it at the
+    next renewal, while the job still waits. When the slot frees, the job ends ``cancelled``
+    without its handler being called (its side effects would happen after the operator said
+    stop): the async one's task is cancelled before its first step, and the sync one's
+    handler is checked for the cancel before it is called."""
     slots = Slots()
     worker, thread = start(mixed(slots), concurrency=1, prefetch=4, lease=timedelta(seconds=1.5))
     try:
@@ -558,18 +525,16 @@ def test_a_parked_job_whose_lease_is_lost_never_runs_and_its_fresh_claim_runs_on
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_parked_job_whose_lease_is_lost_leaves_its_run_row_alone(kind):
-    """FIXED (this round).
-
-    A parked job bound to a run row is taken away while it waits (requeued, due in an
-    hour). When the slot frees, the stale attempt must write nothing for the job: its run
-    row stays ``queued`` with no attempt. The sync path checks ``running.lost`` first; the
-    async one marks the row ``running`` (attempt 1) for an attempt it no longer holds."""
+    """A parked job bound to a run row is taken away while it waits (requeued, due in an
+    hour). When the slot frees, the stale attempt writes nothing for the job: its run row
+    stays ``queued`` with no attempt. Both paths check ``running.lost`` before they mark the
+    row ``running`` for an attempt the worker no longer holds."""
     slots = Slots()
     worker, thread = start(mixed(slots), concurrency=1, prefetch=4, lease=timedelta(seconds=1.5))
     try:
         warm_up(slots)
         long = hold_the_slot(slots, AWork(action="sleep", seconds=1.2))
-        row = Delivery.objects.create(job_id=f"r25-{kind}")
+        row = Delivery.objects.create(job_id=f"parked-{kind}")
         parked = enqueue(Bound(run_id=row.pk) if kind == "sync" else ABound(run_id=row.pk))
         wait_for(
             lambda: len(worker._waiting) == 1, what="the job parked for a slot", interval=0.005
@@ -766,16 +731,12 @@ def test_a_forced_stop_with_a_stubborn_async_handler_hands_parked_jobs_back():
 
 
 def test_a_drain_as_a_parked_job_is_resumed_does_not_wait_for_a_lost_one():
-    """FIXED (this round).
-
-    SIGTERM lands between a slot's hand-over to the first parked job and that job's start
+    """SIGTERM lands between a slot's hand-over to the first parked job and that job's start
     (forced here by a hook on ``Worker._resume``, which the worker calls right after
-    ``_next_waiting`` gave the job the freed slot). The drain hands the job back, so it
-    never takes the slot, and nothing passes the slot on: a lost job parked behind it (not
-    handed back by a drain, it waits to be resumed and dropped) stays parked with every slot
-    free. The drain, which has nothing left to run, waits out its whole shutdown timeout and
-    cancel timeout (logging "waiting ... for 1 running jobs" and "cancelled 1 running
-    handlers" for a job that never started), and exits with the job still held."""
+    ``_next_waiting`` gave the job the freed slot). The slot is counted for the job as it is
+    popped, so the drain leaves it to run, and its end drops a lost job parked behind it
+    (not handed back by a drain, it waits to be resumed and dropped). The drain never waits
+    out its shutdown and cancel timeouts with nothing running, nor exits with a job held."""
     slots = Slots()
     worker, thread = start(
         mixed(slots),
@@ -821,7 +782,7 @@ def test_a_drain_as_a_parked_job_is_resumed_does_not_wait_for_a_lost_one():
     finally:
         stop(worker, thread)
     assert state_of(long).state == "succeeded"
-    # Fixed: the job given the slot runs in it (once), and its end drops the lost one.
+    # The job given the slot runs in it (once), and its end drops the lost one.
     assert state_of(first).state == "succeeded" and slots.entered[first.id] == 1
     assert slots.entered[lost.id] == 0
     assert took < 1.5, f"the drain took {took:.1f}s with no handler left to run"
