@@ -1,10 +1,11 @@
 """The watcher of the handlers' event loop, in a real process: what held the loop up.
 
-A loop that has not run for a while was held by code on it (a ``time.sleep`` inside ``async def``:
-tests/integration/test_async_handlers.py), by another thread that kept the GIL, or by nothing in the
-worker at all: the whole process was stopped (SIGSTOP, a paused host or VM) and no thread of it ran.
-The watcher names which, so that a paused host is not chased as a CPU-bound handler. The process is
-tests/support/loop_watch.py: the loop and its watcher, nothing else.
+A loop that has not run for a while was held by code on it (a ``time.sleep`` inside ``async
+def``: tests/integration/worker/test_async_handlers.py), by another thread that kept the GIL, or
+by nothing in the worker at all: the whole process was stopped (SIGSTOP, a paused host or VM)
+and no thread of it ran. The watcher names which, so that a paused host is not chased as a
+CPU-bound handler. The process is tests/support/loop_watch.py: the loop and its watcher, nothing
+else.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Finished jobs leave the jobs table for the partitioned history, and nothing is lost there.
 
-The archive moves a finished row once it holds no key: a job enqueued without a job_id at
-once, a keyed one only after its idempotency window. Retention drops whole history
-partitions. Neither waits long behind a reader of the history, nor fails when two passes
-overlap or ``USE_TZ`` is off; a row is in exactly one table at every moment. The failure
-monitor reads across the boundary (replay from the history: test_replay.py).
+The archive moves a finished row once it holds no key: a job enqueued without a job_id at once,
+a keyed one only after its idempotency window. Retention drops whole history partitions. Neither
+waits long behind a reader of the history, nor fails when two passes overlap or ``USE_TZ`` is
+off; a row is in exactly one table at every moment. The failure monitor reads across the
+boundary (replay from the history: control/test_replays.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Operator actions on queued jobs: cancel and run now (replay: test_replay.py)."""
+"""Operator actions on queued jobs: cancel and run now (replay: control/test_replays.py)."""
 
 from __future__ import annotations
 

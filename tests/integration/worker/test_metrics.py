@@ -2,7 +2,7 @@
 
 The gauge and the counters are kept without an update of a prometheus value per job: the
 running gauge reads the workers' counts when scraped, and a pass adds its outcomes up before
-counting them. The histograms are the worker's own (tests/unit/test_worker_histograms.py).
+counting them. The histograms are the worker's own (tests/unit/worker/test_histograms.py).
 """
 
 from __future__ import annotations

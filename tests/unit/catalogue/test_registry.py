@@ -335,7 +335,7 @@ def test_importing_jobs_needs_neither_settings_nor_models():
         """
     )
     env = {key: value for key, value in os.environ.items() if key != "DJANGO_SETTINGS_MODULE"}
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
     )
