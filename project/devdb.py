@@ -8,8 +8,8 @@ wheel then creates a dedicated system user for the server. ``DEVDB_PGDATA`` puts
 (a test that must not share the developer's server).
 
 Besides ``var/postgres``, tests start servers of their own under ``var/`` with ``DEVDB_PGDATA``
-(tests/otherdb.py's ``var/postgres-other``); each data directory this module prepared holds a
-marker, which is how :func:`servers` finds them all.
+(tests/support/otherdb.py's ``var/postgres-other``); each data directory this module prepared
+holds a marker, which is how :func:`servers` finds them all.
 
 Command line::
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-import threading
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 from django.db import connection
+
+from tests.support.concurrency import run_in_threads
+from tests.support.processes import alive
 
 #: Acceptance tests of real worker and scheduler processes (signals, kill -9, SIGSTOP).
 PROCESS_MODULES = frozenset(
@@ -53,8 +53,8 @@ def django_db_modify_db_settings(
     request, django_db_modify_db_settings_parallel_suffix, django_db_blocker
 ):
     """Before the test database is created, drop those left by runs that were killed; point
-    the ``other`` alias at its own server if a collected test uses it (tests/otherdb.py)."""
-    from tests import otherdb
+    the ``other`` alias at its own server if a collected test uses it (tests/support/otherdb.py)."""
+    from tests.support import otherdb
 
     with django_db_blocker.unblock():
         _drop_orphaned_test_databases()
@@ -70,47 +70,6 @@ def _drop_orphaned_test_databases() -> None:
             match = re.fullmatch(re.escape(prefix) + r"(\d+)", name)
             if match and not alive(int(match.group(1))):
                 cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
-
-
-def alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (a test run's, whose database is then in use)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def run_in_threads(count: int, target: Callable[[int], Any], timeout: float = 30) -> list[Any]:
-    """Run ``target(i)`` in ``count`` threads released together; return results in order.
-
-    Each thread uses its own database connection (Django connections are per thread) and
-    closes it when done. An exception in any thread is re-raised here.
-    """
-    barrier = threading.Barrier(count)
-    results: list[Any] = [None] * count
-    errors: list[BaseException] = []
-
-    def body(index: int) -> None:
-        try:
-            barrier.wait(timeout)
-            results[index] = target(index)
-        except BaseException as exc:  # re-raised in the calling thread
-            errors.append(exc)
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
-        assert not thread.is_alive(), "a test thread did not finish in time"
-    if errors:
-        raise errors[0]
-    return results
 
 
 @pytest.fixture

@@ -23,10 +23,10 @@ if process_retention := os.environ.get("TEST_JOBS_PROCESS_RETENTION"):
 # A test database per test run, so several runs can share one PostgreSQL server at once.
 DATABASES["default"]["TEST"] = {"NAME": f"test_{DATABASES['default']['NAME']}_{os.getpid()}"}
 
-# A second database alias for the several-databases tests. Until tests/otherdb.py points it at
-# a second PostgreSQL server (before the test databases are made, and only when a collected
-# test asks for "other"), it is a second database on the default server. pytest-django creates
-# it and lets a test open it only where the test asks, so the rest of the suite never does.
+# A second database alias for the several-databases tests. Until tests/support/otherdb.py points it
+# at a second PostgreSQL server (before the test databases are made, and only when a collected test
+# asks for "other"), it is a second database on the default server. pytest-django creates it and
+# lets a test open it only where the test asks, so the rest of the suite never does.
 DATABASES["other"] = {
     **copy.deepcopy(DATABASES["default"]),
     "TEST": {"NAME": f"test_{DATABASES['default']['NAME']}_{os.getpid()}_other"},

@@ -3,41 +3,13 @@
 from __future__ import annotations
 
 import os
-import re
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
-from urllib.parse import quote
 
 import pytest
-from django.db import connection
+from django.db import connection, connections
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_for(predicate, timeout: float = 20.0, interval: float = 0.02, what: str = "condition"):
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"{what} not met within {timeout}s")
-
-
-def database_url_for_tests() -> str:
-    params = connection.settings_dict
-    host = quote(params["HOST"] or "localhost", safe="")
-    password = f":{quote(params['PASSWORD'])}" if params.get("PASSWORD") else ""
-    port = params.get("PORT") or 5432
-    return f"postgres://{quote(params['USER'])}{password}@{host}:{port}/{params['NAME']}"
-
-
-#: What :func:`outcome_log` records into.
-OUTCOMES_TABLE = "test_outcomes"
+from tests.support.admin import REPLAY_ALL, VIEW_ALL, operator
+from tests.support.browser import CHROMIUM, FLAGS, INTERVAL, SMALL, TIMEOUT_MS
+from tests.support.processes import OUTCOMES_TABLE, Process, database_url_for_tests
 
 
 @pytest.fixture
@@ -69,46 +41,6 @@ def outcome_log():
         )
 
 
-class Process:
-    """A manage.py command running in its own process, its output captured in a file."""
-
-    def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
-        self.log = log
-        self._out = open(log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "manage.py"), *args],
-            cwd=ROOT,
-            env=env,
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def output(self) -> str:
-        return self.log.read_text()
-
-    def wait_for_output(self, pattern: str, timeout: float = 20.0) -> re.Match:
-        return wait_for(
-            lambda: re.search(pattern, self.output()), timeout, what=f"output /{pattern}/"
-        )
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def wait(self, timeout: float = 20.0) -> int:
-        return self.proc.wait(timeout)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(10)
-        self._out.close()
-
-
 @pytest.fixture
 def spawn(tmp_path):
     """Start ``manage.py <args>`` processes; all are killed at the end of the test."""
@@ -138,5 +70,54 @@ def spawn(tmp_path):
         print(f"--- {' '.join(process.proc.args[2:4])} ({process.log.name}), last lines:\n{tail}")
 
 
-def read_trace(path: Path) -> list[list[str]]:
-    return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+@pytest.fixture(scope="module")
+def browser():
+    """One headless Chromium for the test module; skipped where Playwright or Chromium is
+    missing (scripts/test installs Debian's chromium when it can)."""
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')"
+    )
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"no Chromium at {CHROMIUM}: install it or set CHROMIUM=/path/to/chromium")
+    # Playwright's sync API runs an event loop in this thread for the whole module; the ORM
+    # calls of the tests and of the database fixtures are plain synchronous code beside it.
+    with pytest.MonkeyPatch.context() as patch, sync_api.sync_playwright() as playwright:
+        patch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            yield launched
+        finally:
+            launched.close()
+            connections.close_all()  # the thread's connection while Playwright's loop ran
+
+
+@pytest.fixture
+def live(settings):
+    """A short live interval, so that a test waiting for the pages' next refresh waits little."""
+    settings.JOBS = {**getattr(settings, "JOBS", {}), "LIVE_REFRESH": INTERVAL}
+
+
+@pytest.fixture
+def context(browser, live_server):
+    """A browser context (its own cookies and localStorage) logged in as ``ops``."""
+    operator(
+        "ops",
+        *VIEW_ALL,
+        *REPLAY_ALL,
+        "jobs.cancel_job",
+        "jobs.change_job",
+        "jobs.view_process",
+        "jobs.pause_work",
+        password="correct horse",
+    )
+    made = browser.new_context(viewport=SMALL)
+    made.set_default_timeout(TIMEOUT_MS)
+    page = made.new_page()
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/")
+    page.fill("#id_username", "ops")
+    page.fill("#id_password", "correct horse")
+    page.click("input[type=submit]")
+    page.wait_for_url("**/admin/")
+    page.close()
+    yield made
+    made.close()

@@ -9,68 +9,32 @@ Drives the real admin on a live server with Playwright and Debian's Chromium
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 from django.contrib.admin.models import LogEntry
-from django.db import connections
 
 from jobs import queue
 from jobs.models import Job, Pause
-from jobs.queue import ProcessBeat, processes
 from jobs.runs import RunState
-from tests.factories import JobFactory
-from tests.integration.test_admin_factories import (
-    REPLAY_ALL,
-    VIEW_ALL,
+from tests.runapp.models import Delivery as RunDelivery
+from tests.support.admin import REPLAY_ALL, VIEW_ALL, operator
+from tests.support.browser import TIMEOUT_MS, WORKER, log_in, seed_processes, shot
+from tests.support.factories import (
     CurationRunFactory,
     DeadLetterFactory,
     DeliveryFactory,
+    JobFactory,
     ago,
-    operator,
     two_attempts,
 )
-from tests.runapp.models import Delivery as RunDelivery
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 ARTIFACT = Path(__file__).resolve().parents[1] / "artifacts" / "monitor.png"
-TIMEOUT_MS = 10_000
 
 
-@pytest.fixture
-def chromium():
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')"
-    )
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(
-            f"no Chromium at {CHROMIUM}: scripts/test installs Debian's chromium when run as "
-            f"root with apt-get; elsewhere install it or set CHROMIUM=/path/to/chromium"
-        )
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
-            # While Playwright's loop runs, Django hands this thread a separate connection
-            # (asgiref sees an event loop); close it here, or it outlives the test database.
-            connections.close_all()
-
-
-def test_an_operator_replays_a_failed_job_from_the_monitor(live_server, chromium, monkeypatch):
+def test_an_operator_replays_a_failed_job_from_the_monitor(live_server, browser, monkeypatch):
     # Playwright's sync API runs an event loop in this thread; the ORM calls here are plain
     # synchronous test code, not code running inside that loop.
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
@@ -80,7 +44,7 @@ def test_an_operator_replays_a_failed_job_from_the_monitor(live_server, chromium
     DeliveryFactory(job_id="welcome-ann", finished_at=ago(minutes=1))
     DeadLetterFactory(finished_at=ago(minutes=5))
     CurationRunFactory(finished_at=ago(minutes=7))
-    page = chromium.new_page(viewport={"width": 1400, "height": 900})
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
     page.set_default_timeout(TIMEOUT_MS)
 
     page.goto(f"{live_server.url}/admin/login/?next=/admin/jobs/job/monitor/")
@@ -116,7 +80,7 @@ def test_an_operator_replays_a_failed_job_from_the_monitor(live_server, chromium
     assert LogEntry.objects.filter(object_id=str(job.pk)).count() == 1
 
 
-def test_an_operator_reads_a_job_and_its_run_row_as_one_failure(live_server, chromium, monkeypatch):
+def test_an_operator_reads_a_job_and_its_run_row_as_one_failure(live_server, browser, monkeypatch):
     """The monitor shows a bound job and its run row on one line; their pages link each way."""
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     operator("ops", "jobs.view_job", "runapp.view_delivery", password="correct horse")
@@ -130,7 +94,7 @@ def test_an_operator_reads_a_job_and_its_run_row_as_one_failure(live_server, chr
         payload={"run_id": row.pk},
         finished_at=ago(minutes=2),
     )
-    page = chromium.new_page(viewport={"width": 1400, "height": 900})
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
     page.set_default_timeout(TIMEOUT_MS)
 
     page.goto(f"{live_server.url}/admin/login/?next=/admin/jobs/job/monitor/")
@@ -152,58 +116,8 @@ def test_an_operator_reads_a_job_and_its_run_row_as_one_failure(live_server, chr
     assert f"runapp.delivery #{row.pk}" in page.inner_text("#linked-work")
 
 
-# Operator controls at a laptop's size; the docs' screenshots come from these runs.
-SMALL = {"width": 1280, "height": 800}
-DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
-WORKER = "worker-1:4242:ab12"
-
-
-def shot(target, name: str, *, down_to: str = "") -> None:
-    """Save a docs screenshot, only when JOBS_UPDATE_SCREENSHOTS=1 (CI leaves the images alone).
-
-    ``target`` is a page (its viewport, or from the top down to the element ``down_to``) or
-    an element.
-    """
-    if os.environ.get("JOBS_UPDATE_SCREENSHOTS") != "1":
-        return
-    DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
-    path = str(DOCS_IMAGES / name)
-    if down_to:
-        box = target.locator(down_to).bounding_box()
-        bottom = box["y"] + box["height"] + 16 + target.evaluate("window.scrollY")
-        clip = {"x": 0, "y": 0, "width": SMALL["width"], "height": bottom}
-        target.screenshot(path=path, full_page=True, clip=clip)
-    else:
-        target.screenshot(path=path)
-    print(f"\nscreenshot: {path}")
-
-
-def log_in(chromium, live_server, username: str, to: str):
-    page = chromium.new_page(viewport=SMALL)
-    page.set_default_timeout(TIMEOUT_MS)
-    page.goto(f"{live_server.url}/admin/login/?next={to}")
-    page.fill("#id_username", username)
-    page.fill("#id_password", "correct horse")
-    page.click("input[type=submit]")
-    page.wait_for_url(f"**{to}")
-    return page
-
-
-def seed_processes() -> None:
-    """Two live workers (one holding a job, one draining) and a leading scheduler."""
-    common = {"host": "worker-1", "version": "0.1.0", "expires_in": 60}
-    processes.register(WORKER, component="worker", pid=4242, concurrency=4, **common)
-    processes.beat(ProcessBeat(WORKER, 1, False, expires_in=60))
-    draining = "worker-2:4243:cd34"
-    processes.register(draining, component="worker", pid=4243, concurrency=4, **common)
-    processes.beat(ProcessBeat(draining, 0, True, expires_in=60))
-    leader = "worker-1:4300:ef56"
-    processes.register(leader, component="scheduler", pid=4300, concurrency=None, **common)
-    processes.beat(ProcessBeat(leader, 0, False, leader=True, expires_in=60))
-
-
 def test_an_operator_pauses_a_job_type_from_the_overview_and_resumes_it(
-    live_server, chromium, monkeypatch
+    live_server, browser, monkeypatch
 ):
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     operator(
@@ -214,7 +128,7 @@ def test_an_operator_pauses_a_job_type_from_the_overview_and_resumes_it(
     JobFactory(name="jobapp.audit.v1", tenant="acme")
     queue.pause("tenant", "acme", by="alice", reason="customer migration")
     seed_processes()
-    page = log_in(chromium, live_server, "ops", "/admin/jobs/job/overview/")
+    page = log_in(browser, live_server, "ops", "/admin/jobs/job/overview/")
     assert page.inner_text("#capacity-workers") == "2 live workers"
     assert page.inner_text("#capacity-free") == "3 free slots"
 
@@ -250,7 +164,7 @@ def test_an_operator_pauses_a_job_type_from_the_overview_and_resumes_it(
 
 
 def test_an_operator_cancels_a_running_job_and_reads_its_attempts(
-    live_server, chromium, monkeypatch
+    live_server, browser, monkeypatch
 ):
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     operator(
@@ -266,7 +180,7 @@ def test_an_operator_cancels_a_running_job_and_reads_its_attempts(
         started_at=ago(seconds=42),
     )
     seed_processes()
-    page = log_in(chromium, live_server, "ops", f"/admin/jobs/job/{job.pk}/change/")
+    page = log_in(browser, live_server, "ops", f"/admin/jobs/job/{job.pk}/change/")
     timeline = page.locator("#attempt-timeline tbody")
     assert timeline.count() == 3
     assert timeline.nth(2).locator(".jobs-badge").inner_text() == "running"
@@ -298,7 +212,7 @@ def test_an_operator_cancels_a_running_job_and_reads_its_attempts(
 
 
 def test_an_operator_without_the_permissions_sees_no_controls_and_cannot_post(
-    live_server, chromium, monkeypatch
+    live_server, browser, monkeypatch
 ):
     """A viewer gets no Pause or Cancel controls, and forged POSTs are refused: without the
     permission (403), and without the page's CSRF token (403) even for one who has it."""
@@ -306,7 +220,7 @@ def test_an_operator_without_the_permissions_sees_no_controls_and_cannot_post(
     operator("viewer", "jobs.view_job", "jobs.view_pause", password="correct horse")
     operator("ops", "jobs.view_job", "jobs.pause_work", "jobs.cancel_job", password="correct horse")
     job = JobFactory(running=True, name="jobapp.ping.v1")
-    page = log_in(chromium, live_server, "viewer", "/admin/jobs/job/overview/")
+    page = log_in(browser, live_server, "viewer", "/admin/jobs/job/overview/")
     assert page.locator("a.jobs-pause").count() == 0
     page.goto(f"{live_server.url}/admin/jobs/job/{job.pk}/change/")
     assert page.locator("#cancel-job").count() == 0
@@ -332,7 +246,7 @@ def test_an_operator_without_the_permissions_sees_no_controls_and_cannot_post(
     assert post(page, cancel, with_token=True) == 403  # no jobs.cancel_job
     assert post(page, add_pause, with_token=True) == 403  # no jobs.pause_work
 
-    ops = log_in(chromium, live_server, "ops", f"/admin/jobs/job/{job.pk}/change/")
+    ops = log_in(browser, live_server, "ops", f"/admin/jobs/job/{job.pk}/change/")
     assert post(ops, cancel, with_token=False) == 403  # the permission, but no CSRF token
     assert post(ops, add_pause, with_token=False) == 403
     assert Job.objects.get(pk=job.pk).cancel_requested_at is None

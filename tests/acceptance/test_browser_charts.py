@@ -8,25 +8,21 @@ One browser for the module and few page loads: the suite's time budget is tight.
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import pytest
-from django.db import connections
 
 from jobs import queue
 from jobs.db.clock import database_now
 from jobs.queue import AllTenants, ClaimRequest, rollup
-from tests.acceptance.test_browser import CHROMIUM, FLAGS, TIMEOUT_MS, log_in, shot
-from tests.factories import JobFactory
-from tests.integration.test_admin_console import end, put_history
-from tests.integration.test_admin_factories import operator
+from tests.support.admin import operator
+from tests.support.browser import LARGE, TIMEOUT_MS, log_in, shot
+from tests.support.factories import JobFactory
+from tests.support.rollup import end, put_history
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 PING, AUDIT, MAIL = "jobapp.ping.v1", "jobapp.audit.v1", "mail.deliver.v1"
-LARGE = {"width": 1920, "height": 1080}
-
 # The numbers of each mark of a chart, summed per series, read from the data attributes.
 SERIES_TOTALS = """chart => {
     const totals = {};
@@ -39,23 +35,6 @@ SERIES_TOTALS = """chart => {
 NO_SIDEWAYS_SCROLL = (
     "() => document.documentElement.scrollWidth <= document.documentElement.clientWidth"
 )
-
-
-@pytest.fixture(scope="module")
-def browser():
-    """One Chromium for the module (the ORM runs beside Playwright's loop in this thread)."""
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"no Chromium at {CHROMIUM} (set CHROMIUM=/path/to/chromium)")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-        with sync_api.sync_playwright() as playwright:
-            launched = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-            try:
-                yield launched
-            finally:
-                launched.close()
-                connections.close_all()
 
 
 def seed_history() -> None:

@@ -10,18 +10,15 @@ test rewrites ``docs/images/flow-control.png``, as ``test_browser.py`` does.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from django.contrib.admin.models import CHANGE, LogEntry
-from django.db import connections
 
 from jobs import queue
 from jobs.admin import flow as flow_page
 from jobs.models import TenantWeight
-from tests.acceptance.test_browser import CHROMIUM, FLAGS, SMALL, TIMEOUT_MS, shot
-from tests.integration.test_admin_factories import operator
-from tests.integration.test_admin_flow import (
+from tests.support.admin import operator
+from tests.support.browser import INTERVAL, LARGE, SMALL, TIMEOUT_MS, shot
+from tests.support.flow import (
     FAIR,
     GATED,
     PER_TENANT,
@@ -34,28 +31,7 @@ from tests.integration.test_admin_flow import (
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-LARGE = {"width": 1920, "height": 1080}
 PAGE = "/admin/jobs/job/flow/"
-INTERVAL = 0.3  # seconds between live refreshes, so the wait for one is short
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')"
-    )
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"no Chromium at {CHROMIUM}: install it or set CHROMIUM=/path/to/chromium")
-    # Playwright's sync API runs an event loop in this thread for the whole module; the ORM
-    # calls of the test are plain synchronous code beside it.
-    with pytest.MonkeyPatch.context() as patch, sync_api.sync_playwright() as playwright:
-        patch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        try:
-            yield launched
-        finally:
-            launched.close()
-            connections.close_all()  # the thread's connection while Playwright's loop ran
 
 
 def no_horizontal_scroll(page) -> bool:

@@ -11,119 +11,24 @@ screenshots in ``docs/images/``, as ``test_browser.py`` does.
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from django.db import connection, connections
 
 from jobs import queue
-from jobs.queue import AllTenants, ClaimedJob, ClaimRequest
 from jobs.runs import ErrorCode
-from tests.acceptance.test_browser import (
-    CHROMIUM,
-    FLAGS,
+from tests.support.browser import (
+    LARGE,
+    OVERFLOW,
     SMALL,
-    TIMEOUT_MS,
-    WORKER,
-    seed_processes,
+    claim,
+    not_reloaded,
+    open_page,
+    seed_console,
     shot,
+    wait_refreshes,
 )
-from tests.factories import JobFactory
-from tests.integration.test_admin_factories import (
-    REPLAY_ALL,
-    VIEW_ALL,
-    DeliveryFactory,
-    ago,
-    operator,
-)
+from tests.support.factories import JobFactory
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-LARGE = {"width": 1920, "height": 1080}
-INTERVAL = 0.3  # seconds between refreshes in these tests
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')"
-    )
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"no Chromium at {CHROMIUM}: install it or set CHROMIUM=/path/to/chromium")
-    # Playwright's sync API runs an event loop in this thread for the whole module; the ORM
-    # calls of the tests and of the database fixtures are plain synchronous code beside it.
-    with pytest.MonkeyPatch.context() as patch, sync_api.sync_playwright() as playwright:
-        patch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        try:
-            yield launched
-        finally:
-            launched.close()
-            connections.close_all()  # the thread's connection while Playwright's loop ran
-
-
-@pytest.fixture(autouse=True)
-def live(settings):
-    """A short live interval."""
-    settings.JOBS = {**getattr(settings, "JOBS", {}), "LIVE_REFRESH": INTERVAL}
-
-
-@pytest.fixture
-def context(browser, live_server):
-    """A browser context (its own cookies and localStorage) logged in as ``ops``."""
-    operator(
-        "ops",
-        *VIEW_ALL,
-        *REPLAY_ALL,
-        "jobs.cancel_job",
-        "jobs.change_job",
-        "jobs.view_process",
-        "jobs.pause_work",
-        password="correct horse",
-    )
-    made = browser.new_context(viewport=SMALL)
-    made.set_default_timeout(TIMEOUT_MS)
-    page = made.new_page()
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/")
-    page.fill("#id_username", "ops")
-    page.fill("#id_password", "correct horse")
-    page.click("input[type=submit]")
-    page.wait_for_url("**/admin/")
-    page.close()
-    yield made
-    made.close()
-
-
-def open_page(context, live_server, path: str):
-    """Open ``path`` and mark the window, so a full reload would show."""
-    page = context.new_page()
-    page.goto(f"{live_server.url}{path}")
-    page.wait_for_selector("[data-jobs-live-root][data-jobs-live-state='on']")
-    page.evaluate("window.jobsTestMarker = 'loaded once'")
-    return page
-
-
-def refreshes(page) -> int:
-    return int(page.get_attribute("[data-jobs-live-root]", "data-jobs-live-count") or 0)
-
-
-def wait_refreshes(page, more: int = 1) -> None:
-    """Wait until the page has refreshed ``more`` times from now."""
-    target = refreshes(page) + more
-    page.wait_for_function(
-        "n => Number(document.querySelector('[data-jobs-live-root]').dataset.jobsLiveCount) >= n",
-        arg=target,
-    )
-
-
-def not_reloaded(page) -> bool:
-    return page.evaluate("window.jobsTestMarker") == "loaded once"
-
-
-def claim(name: str, count: int) -> list[ClaimedJob]:
-    claimed = queue.claim([ClaimRequest(name, count)], scope=AllTenants(), worker="w-1:1:aa")
-    assert len(claimed) == count
-    return sorted(claimed, key=lambda job: job.id)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("live")]
 
 
 def test_pages_show_work_that_finished_after_they_loaded(context, live_server):
@@ -203,14 +108,6 @@ def test_a_paused_page_shows_nothing_new_until_resumed(context, live_server):
     assert later.inner_text(".jobs-live-state") == "Live: paused"
 
 
-LONG_TYPE = "billing.invoices.reconcile_statement_with_ledger_and_notify_accountants.v12"
-LONG_ERROR = (
-    "ConnectionError: HTTPSConnectionPool(host='ledger.internal.example.com', port=443): "
-    "Max retries exceeded with url: /api/v2/statements/2026-11/reconcile?account="
-    "ACME-INDUSTRIES-HOLDINGS-EUROPE-0001&include=lines,adjustments,corrections "
-    "(Caused by NewConnectionError: Failed to establish a new connection: [Errno 111] "
-    "Connection refused)"
-)
 PAGES = {
     "monitor": "/admin/jobs/job/monitor/",
     "failures-by-cause": "/admin/jobs/job/monitor/groups/",
@@ -220,53 +117,7 @@ PAGES = {
 }
 
 
-# What scrolls sideways: the page, or a table cut inside its scrolling box (the admin's .results).
-OVERFLOW = """() => {
-    const found = [];
-    const page = document.documentElement;
-    if (page.scrollWidth > page.clientWidth) {
-        found.push(`the page by ${page.scrollWidth - page.clientWidth}px`);
-    }
-    document.querySelectorAll("#content .results, #content .module, #content table").forEach(el => {
-        if (el.scrollWidth > el.clientWidth + 1) {
-            const name = `${el.tagName.toLowerCase()}#${el.id}.${el.className}`;
-            found.push(`${name} by ${el.scrollWidth - el.clientWidth}px`);
-        }
-    });
-    return found;
-}"""
-
-
-def seed_console() -> None:
-    """Rows as an operator meets them: long type names, tenants and errors, in every state,
-    and ids of a table that has run for years (ten digits, not the test database's few)."""
-    with connection.cursor() as cur:
-        cur.execute("SELECT setval(pg_get_serial_sequence('jobs_job', 'id'), 4200000000)")
-    for n in range(6):
-        JobFactory(
-            failed=True,
-            name=LONG_TYPE,
-            job_id=f"statement-reconcile-acme-industries-holdings-europe-2026-11-{n:04d}",
-            tenant="acme-industries-holdings-europe",
-            queue="ledger-reconciliation",
-            error_detail=f"Traceback (most recent call last):\n  ...\n{LONG_ERROR}",
-            finished_at=ago(minutes=n + 1),
-        )
-    JobFactory.create_batch(3, name=LONG_TYPE, tenant="acme-industries-holdings-europe")
-    JobFactory(running=True, name="jobapp.ping.v1", claimed_by=WORKER)
-    DeliveryFactory(
-        job_id="welcome-mail-for-a-customer-with-a-long-address@example.com",
-        error_detail="550 5.1.1 The email account that you tried to reach does not exist",
-        finished_at=ago(minutes=2),
-    )
-    queue.pause("job_type", LONG_TYPE, by="alice", reason="INC-7: the ledger is being migrated")
-    queue.pause("tenant", "acme-industries-holdings-europe", by="bob", reason="customer asked")
-    seed_processes()
-
-
-def test_every_live_and_polished_page_fits_a_laptop_without_a_horizontal_scroll(
-    context, live_server
-):
+def test_the_live_pages_and_lists_fit_a_laptop_without_a_horizontal_scroll(context, live_server):
     seed_console()
     page = context.new_page()
     wide = []

@@ -12,20 +12,12 @@ from __future__ import annotations
 import pytest
 
 from jobs.models import Job
-from tests.acceptance.test_browser import SMALL
-from tests.acceptance.test_browser_live import (  # noqa: F401 - the fixtures by name
-    LARGE,
-    OVERFLOW,
-    browser,
-    context,
-    live,
-    seed_console,
-)
+from tests.support.browser import LARGE, OVERFLOW, SMALL, seed_console
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("live")]
 
 
-def test_every_other_console_page_fits_without_a_horizontal_scroll(context, live_server):  # noqa: F811
+def test_every_other_console_page_fits_without_a_horizontal_scroll(context, live_server):
     seed_console()
     failed = Job.objects.filter(state="failed").order_by("pk").first()
     queued = Job.objects.filter(state="queued").order_by("pk").first()

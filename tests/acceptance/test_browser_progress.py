@@ -10,17 +10,10 @@ import pytest
 
 from jobs import queue
 from jobs.core.progress import Progress
-from tests.acceptance.test_browser_live import (  # noqa: F401 - fixtures used by name
-    browser,
-    claim,
-    context,
-    live,
-    not_reloaded,
-    open_page,
-)
-from tests.factories import JobFactory
+from tests.support.browser import claim, not_reloaded, open_page
+from tests.support.factories import JobFactory
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("live")]
 
 REGION = "[data-jobs-live='progress']"
 
@@ -30,7 +23,7 @@ def report(job, done: int, total: int, note: str) -> None:
     assert not renewal.lost and not renewal.unsent
 
 
-def test_progress_moves_on_the_job_page_and_in_the_running_view(context, live_server):  # noqa: F811
+def test_progress_moves_on_the_job_page_and_in_the_running_view(context, live_server):
     JobFactory(name="jobapp.ping.v1")
     [job] = claim("jobapp.ping.v1", 1)
     report(job, 1, 4, "first file")

@@ -8,12 +8,10 @@ test rewrites ``docs/images/schedules.png``, as ``test_browser.py`` does.
 
 from __future__ import annotations
 
-import os
 from datetime import datetime, timedelta
 
 import pytest
 from django.contrib.admin.models import LogEntry
-from django.db import connections
 from django.test import override_settings
 
 from jobs import queue
@@ -22,12 +20,11 @@ from jobs.db.clock import database_now
 from jobs.models import Job, ScheduleSlot
 from jobs.runs import ErrorCode, RunState
 from jobs.scheduler.cron import CronService
-from tests.acceptance.test_browser import CHROMIUM, FLAGS, SMALL, TIMEOUT_MS, shot
-from tests.integration.test_admin_factories import operator
+from tests.support.admin import operator
+from tests.support.browser import LARGE, SMALL, TIMEOUT_MS, shot
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-LARGE = {"width": 1920, "height": 1080}
 PAGE = "/admin/jobs/job/schedules/"
 SCHEDULES = {
     "minutely-ping": {
@@ -50,25 +47,6 @@ SCHEDULES = {
         "timezone": "Europe/Berlin",
     },
 }
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')"
-    )
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"no Chromium at {CHROMIUM}: install it or set CHROMIUM=/path/to/chromium")
-    # Playwright's sync API runs an event loop in this thread for the whole module; the ORM
-    # calls of the test are plain synchronous code beside it.
-    with pytest.MonkeyPatch.context() as patch, sync_api.sync_playwright() as playwright:
-        patch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        try:
-            yield launched
-        finally:
-            launched.close()
-            connections.close_all()  # the thread's connection while Playwright's loop ran
 
 
 def fire(schedule: Schedule, back: int, *, now: datetime, gap: bool = False) -> None:

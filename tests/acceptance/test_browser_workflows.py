@@ -6,36 +6,16 @@ With ``JOBS_UPDATE_SCREENSHOTS=1`` the test rewrites ``docs/images/batches.png``
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from django.db import connections
 
 from jobs import queue
 from jobs.queue import AllTenants, ClaimRequest, NewJob, batches
-from tests.acceptance.test_browser import CHROMIUM, FLAGS, SMALL, TIMEOUT_MS, shot
-from tests.integration.test_admin_factories import operator
+from tests.support.admin import operator
+from tests.support.browser import SMALL, TIMEOUT_MS, shot
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 NAME = "test.noop.v1"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')"
-    )
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"no Chromium at {CHROMIUM}: install it or set CHROMIUM=/path/to/chromium")
-    with pytest.MonkeyPatch.context() as patch, sync_api.sync_playwright() as playwright:
-        patch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        try:
-            yield launched
-        finally:
-            launched.close()
-            connections.close_all()
 
 
 def seed() -> int:

@@ -1,7 +1,7 @@
 """Real processes over two databases: a worker per alias, one scheduler for both.
 
-The ``other`` alias is a second PostgreSQL server where one can start (tests/otherdb.py). The
-processes run with ``--settings tests.dbapp.settings``: its types (one bound to ``other``, one
+The ``other`` alias is a second PostgreSQL server where one can start (tests/support/otherdb.py).
+The processes run with ``--settings tests.dbapp.settings``: its types (one bound to ``other``, one
 unbound) are registered there, and a schedule fires the bound one every second.
 """
 
@@ -16,9 +16,9 @@ from django.db import connections
 
 from jobs.models import Job, Process, ScheduleSlot
 from jobs.queue import AllTenants, ClaimRequest, NewJob, claim, enqueue_many
-from tests import otherdb
-from tests.acceptance.conftest import wait_for
 from tests.dbapp.types import OTHER, NoteV1, ReportV1
+from tests.support import otherdb
+from tests.support.polling import wait_for
 
 pytestmark = [
     pytest.mark.django_db(transaction=True, databases=["default", OTHER]),

@@ -28,7 +28,7 @@ from urllib.parse import quote
 import pytest
 from django.db import connection
 
-from tests.acceptance.conftest import wait_for
+from tests.support.polling import wait_for
 
 # once: the same on every Django version, so scripts/test runs it in the first leg only.
 pytestmark = [pytest.mark.acceptance, pytest.mark.slow, pytest.mark.once]
@@ -198,7 +198,9 @@ def private_pgdata(tmp_path):
     with contextlib.suppress(OSError, ValueError):  # still up: stop its postmaster directly
         pid = int((pgdata / "postmaster.pid").read_text().split()[0])
         os.kill(pid, signal.SIGINT)  # PostgreSQL's fast shutdown
-        wait_for(lambda: not (pgdata / "postmaster.pid").exists(), what="postmaster stopped")
+        wait_for(
+            lambda: not (pgdata / "postmaster.pid").exists(), what="postmaster stopped", timeout=20
+        )
     shutil.rmtree(pgdata, ignore_errors=True)
 
 

@@ -14,8 +14,9 @@ from django.db import connection
 
 from jobs import enqueue
 from jobs.models import Effect, Job
-from tests.acceptance.conftest import read_trace, wait_for
 from tests.procapp.jobs import Charge
+from tests.support.polling import wait_for
+from tests.support.processes import read_trace
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.acceptance, pytest.mark.slow]
 
@@ -46,7 +47,7 @@ def test_kill_9_mid_effect_charges_exactly_once(spawn, tmp_path, provider, block
     trace, signal = tmp_path / "trace", tmp_path / "signal"
     job = enqueue(Charge(amount=250, path=str(trace), signal=str(signal), block=block))
     first = spawn("runworker", *FAST, lease=1.0)
-    wait_for(signal.exists, what="the first attempt is mid-effect")
+    wait_for(signal.exists, what="the first attempt is mid-effect", timeout=20)
     first.proc.kill()  # SIGKILL: the result is never recorded
     first.wait()
 
@@ -58,6 +59,7 @@ def test_kill_9_mid_effect_charges_exactly_once(spawn, tmp_path, provider, block
     wait_for(
         lambda: Job.objects.get(pk=job.id).state == "succeeded",
         what="the job succeeded on the second worker",
+        timeout=20,
     )
 
     [(charge_id, key, amount, requests)] = charges()

@@ -14,8 +14,8 @@ from django.db import connection
 
 from jobs import enqueue, enqueue_many
 from jobs.models import Job, Pause, TenantWeight
-from tests.acceptance.conftest import wait_for
 from tests.procapp.jobs import FlowEntry, FlowFair, FlowFairLimited, FlowRate, FlowTenant
+from tests.support.polling import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.acceptance, pytest.mark.slow]
 

@@ -1,13 +1,13 @@
 """Worker hosts in network namespaces of their own: one killed, one cut off, nothing lost.
 
 Three ``runworker`` processes run as hosts ``host-a``, ``host-b`` and ``host-c``
-(:mod:`tests.netns`): each in its own network namespace and hostname, reaching PostgreSQL over
-a veth link through a TCP forwarder in this namespace (the embedded server listens on a Unix
-socket only, and is shared with other test runs, so it is not restarted to listen on the
-links). Under a load of thousands of jobs ``host-b`` is killed with SIGKILL and ``host-c``'s
-link is cut, so that its connections hang rather than fail, until its leases have expired and
-its jobs run elsewhere; then the link comes back. A trigger on the jobs table records every
-transition out of ``running``, so the database itself says how many outcomes each job got.
+(:mod:`tests.support.netns`): each in its own network namespace and hostname, reaching PostgreSQL
+over a veth link through a TCP forwarder in this namespace (the embedded server listens on a Unix
+socket only, and is shared with other test runs, so it is not restarted to listen on the links).
+Under a load of thousands of jobs ``host-b`` is killed with SIGKILL and ``host-c``'s link is cut, so
+that its connections hang rather than fail, until its leases have expired and its jobs run
+elsewhere; then the link comes back. A trigger on the jobs table records every transition out of
+``running``, so the database itself says how many outcomes each job got.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from django.db import connection
 from jobs import enqueue_many
 from jobs.models import Job
 from jobs.queue import processes
-from tests import netns
-from tests.acceptance.conftest import ROOT, wait_for
 from tests.procapp.jobs import HostWork
-from tests.tcp_proxy import TcpProxy
+from tests.support import netns
+from tests.support.polling import wait_for
+from tests.support.processes import ROOT
+from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -72,10 +73,16 @@ class HostWorker:
     def wait_started(self) -> str:
         """This worker's identity, once its row is live in the processes view."""
         found = wait_for(
-            lambda: re.search(r"worker (\S+) started", self.output()), what=f"{self.host.name} up"
+            lambda: re.search(r"worker (\S+) started", self.output()),
+            what=f"{self.host.name} up",
+            timeout=20,
         )
         self.identity = found.group(1)
-        wait_for(lambda: self.status() and not self.status().gone, what=f"{self.host.name} row")
+        wait_for(
+            lambda: self.status() and not self.status().gone,
+            what=f"{self.host.name} row",
+            timeout=20,
+        )
         return self.identity
 
     def status(self) -> processes.ProcessStatus | None:
@@ -124,7 +131,9 @@ def test_hosts_lose_no_job_and_double_none_through_a_kill_and_a_cut(hosts, outco
     late = enqueue_many([HostWork(path=str(trace), first_seconds=120, gate=str(gate))] * 2)
     stuck = enqueue_many([HostWork(path=str(trace), first_seconds=120)] * 2)
     held = {job.job_id for job in late + stuck}
-    wait_for(lambda: {r.job for r in runs(trace, "start", "host-c")} >= held, what="c holds")
+    wait_for(
+        lambda: {r.job for r in runs(trace, "start", "host-c")} >= held, what="c holds", timeout=20
+    )
     a.start()
     b.start()
     a.wait_started()
@@ -140,7 +149,7 @@ def test_hosts_lose_no_job_and_double_none_through_a_kill_and_a_cut(hosts, outco
     wait_for(lambda: succeeded() >= LOAD // 4, timeout=30, what="a quarter of the load done")
 
     # host-b dies holding jobs.
-    wait_for(lambda: held_by(b.identity), what="host-b holds jobs")
+    wait_for(lambda: held_by(b.identity), what="host-b holds jobs", timeout=20)
     b.proc.kill()
     b.proc.wait(10)
     b_held = held_by(b.identity)
@@ -151,7 +160,7 @@ def test_hosts_lose_no_job_and_double_none_through_a_kill_and_a_cut(hosts, outco
     c.host.cut()
     cut = time.monotonic()
     gate.touch()
-    wait_for(lambda: c.status().gone, what="host-c shown gone")
+    wait_for(lambda: c.status().gone, what="host-c shown gone", timeout=20)
     took["shown gone"] = time.monotonic() - cut
     wait_for(lambda: not held_by(c.identity), timeout=30, what="host-c's jobs taken back")
     took["jobs taken back"] = time.monotonic() - cut

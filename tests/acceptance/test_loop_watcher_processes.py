@@ -1,10 +1,11 @@
 """The watcher of the handlers' event loop, in a real process: what held the loop up.
 
-A loop that has not run for a while was held by code on it (a ``time.sleep`` inside
-``async def``: tests/integration/test_async_handlers.py), by another thread that kept the GIL,
-or by nothing in the worker at all: the whole process was stopped (SIGSTOP, a paused host or
-VM) and no thread of it ran. The watcher names which, so that a paused host is not chased as
-a CPU-bound handler. The process is tests/loop_watch.py: the loop and its watcher, nothing else.
+A loop that has not run for a while was held by code on it (a ``time.sleep`` inside ``async
+def``: tests/integration/worker/test_async_handlers.py), by another thread that kept the GIL, or
+by nothing in the worker at all: the whole process was stopped (SIGSTOP, a paused host or VM)
+and no thread of it ran. The watcher names which, so that a paused host is not chased as a
+CPU-bound handler. The process is tests/support/loop_watch.py: the loop and its watcher, nothing
+else.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.acceptance.conftest import ROOT, wait_for
+from tests.support.polling import wait_for
+from tests.support.processes import ROOT
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.once]
 
@@ -46,7 +48,7 @@ def watched(tmp_path) -> Iterator[Watched]:
     log = tmp_path / "loop_watch.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.loop_watch", str(BLOCKED_AFTER)],
+            [sys.executable, "-m", "tests.support.loop_watch", str(BLOCKED_AFTER)],
             cwd=ROOT,
             stdin=subprocess.PIPE,
             stdout=out,
@@ -55,7 +57,7 @@ def watched(tmp_path) -> Iterator[Watched]:
         )
     process = Watched(proc, log.read_text)
     try:
-        wait_for(lambda: "ready" in process.output(), what="the loop started")
+        wait_for(lambda: "ready" in process.output(), what="the loop started", timeout=20)
         yield process
     finally:
         proc.send_signal(signal.SIGCONT)

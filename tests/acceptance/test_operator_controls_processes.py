@@ -9,8 +9,9 @@ import pytest
 from jobs import enqueue, queue
 from jobs.models import Job
 from jobs.queue import attempts
-from tests.acceptance.conftest import read_trace, wait_for
 from tests.procapp.jobs import RetryTrace, Trace
+from tests.support.polling import wait_for
+from tests.support.processes import read_trace
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.acceptance, pytest.mark.slow]
 
@@ -69,7 +70,7 @@ def test_cancel_of_a_running_job_stops_it_and_ends_it_cancelled(spawn, tmp_path)
     path = tmp_path / "trace"
     spawn("runworker", *FAST, lease=1.5)
     job = enqueue(Trace(path=str(path), seconds=60))
-    wait_for(lambda: read_trace(path), what="the handler started")
+    wait_for(lambda: read_trace(path), what="the handler started", timeout=20)
 
     asked = time.monotonic()
     assert queue.cancel_running([job.id], by="alice") == [job.id]
@@ -89,7 +90,7 @@ def test_cancel_of_a_job_on_a_killed_worker_ends_it_cancelled_not_retried(spawn,
     path = tmp_path / "trace"
     worker = spawn("runworker", *FAST, lease=1.0)
     job = enqueue(Trace(path=str(path), seconds=60))
-    wait_for(lambda: read_trace(path), what="the handler started")
+    wait_for(lambda: read_trace(path), what="the handler started", timeout=20)
     worker.proc.kill()
     worker.wait()
     queue.cancel_running([job.id], by="alice")

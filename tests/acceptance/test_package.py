@@ -39,8 +39,8 @@ from packaging.version import Version
 from psycopg import sql
 
 import jobs
-from tests.acceptance.conftest import wait_for
-from tests.conftest import alive
+from tests.support.polling import wait_for
+from tests.support.processes import alive
 
 # The same on every Django version: scripts/test runs it in the first leg only.
 pytestmark = pytest.mark.once

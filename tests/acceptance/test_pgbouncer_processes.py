@@ -1,8 +1,8 @@
 """Real ``runworker`` processes whose DATABASE_URL points at PgBouncer in transaction mode.
 
 Two workers drain a few thousand jobs, enqueued once both poll, through the pooler
-(tests/pgbouncer.py: five server connections for everything, lent round robin); one is killed
-with SIGKILL halfway, and the other takes its jobs back once their leases expire. Neither is
+(tests/support/pgbouncer.py: five server connections for everything, lent round robin); one is
+killed with SIGKILL halfway, and the other takes its jobs back once their leases expire. Neither is
 told ``--no-listen``: each finds that LISTEN delivers nothing there, says so once, and polls.
 A trigger on the jobs table records every transition out of ``running``, so the database
 itself says how many outcomes each job got. And workers killed with SIGKILL while their
@@ -22,13 +22,13 @@ from django.db.models import Count
 
 from jobs import enqueue_many
 from jobs.models import Job
-from tests.acceptance.conftest import wait_for
-from tests.pgbouncer import (  # noqa: F401  (pgbouncer_fixture provides `pgbouncer`)
+from tests.procapp.jobs import Trace
+from tests.support.pgbouncer import (  # noqa: F401  (pgbouncer_fixture provides `pgbouncer`)
     PgBouncer,
     pgbouncer_fixture,
     skip_reason,
 )
-from tests.procapp.jobs import Trace
+from tests.support.polling import wait_for
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -84,6 +84,7 @@ def test_workers_through_pgbouncer_lose_no_job_and_double_none(
         wait_for(
             lambda: Job.objects.filter(state="running", claimed_by=b.identity).exists(),
             what="worker b holds jobs",
+            timeout=20,
         )
     except AssertionError as missed:
         states = dict(Job.objects.order_by().values_list("state").annotate(Count("id")))
@@ -171,6 +172,7 @@ def _kill_while_proving(pooler: PgBouncer, spawn) -> None:
         wait_for(
             lambda: not _pooler_clients(pooler, "jobs-worker listener"),
             what="the killed listener's client gone",
+            timeout=20,
         )
         assert pooler.leftovers() == {}, f"killed as {moment}"
     # No notice ever reached a server connection that no client held.

@@ -14,8 +14,8 @@ import pytest
 from jobs import enqueue
 from jobs.models import Job, Process
 from jobs.queue import processes
-from tests.acceptance.conftest import wait_for
 from tests.procapp.jobs import Trace
+from tests.support.polling import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.acceptance, pytest.mark.slow]
 

@@ -1,10 +1,10 @@
-"""Real ``runscheduler`` processes through PgBouncer in transaction mode (tests/pgbouncer.py).
+"""Real ``runscheduler`` processes through PgBouncer in transaction mode.
 
-The same guarantees as straight to PostgreSQL (tests/acceptance/test_scheduler_processes.py):
-one leads, ``kill -9`` hands over at once, a stopped leader is cut off by the server after the
-leader timeout (two seconds here) and stands down when it wakes, and no slot fires twice or
-goes missing. Every duty runs often, so each of them goes through the pooler too.
-"""
+The pooler is tests/support/pgbouncer.py. The same guarantees as straight to PostgreSQL
+(tests/acceptance/test_scheduler_processes.py): one leads, ``kill -9`` hands over at once, a stopped
+leader is cut off by the server after the leader timeout (two seconds here) and stands down when it
+wakes, and no slot fires twice or goes missing. Every duty runs often, so each of them goes through
+the pooler too."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import pytest
 
 from jobs.db import bounds as dbbounds
 from jobs.scheduler.leader import LOCK_KEY
-from tests.acceptance.conftest import wait_for
-from tests.acceptance.test_scheduler_processes import (
+from tests.support.pgbouncer import pgbouncer_fixture  # noqa: F401  (provides `pgbouncer`)
+from tests.support.polling import wait_for
+from tests.support.schedulers import (
     LEADS,
     SCHEDULER,
     assert_each_slot_fired_once_without_gaps,
@@ -25,7 +26,6 @@ from tests.acceptance.test_scheduler_processes import (
     metric,
     port,
 )
-from tests.pgbouncer import pgbouncer_fixture  # noqa: F401  (provides `pgbouncer`)
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -46,7 +46,7 @@ def start_pair(spawn, pgbouncer):
     url = pgbouncer.database_url()
     a, b = (spawn(*SCHEDULER, *OFTEN, DATABASE_URL=url) for _ in range(2))
     leader = wait_for(
-        lambda: next((p for p in (a, b) if LEADS in p.output()), None), what="a leader"
+        lambda: next((p for p in (a, b) if LEADS in p.output()), None), what="a leader", timeout=20
     )
     standby = b if leader is a else a
     standby.wait_for_output("stands by")
@@ -73,6 +73,7 @@ def assert_every_duty_ran_cleanly(process) -> None:
         wait_for(
             lambda labels=labels: metric(scheduler_port, "jobs_scheduler_passes_total", labels),
             what=f"a {duty} pass through the pooler",
+            timeout=20,
         )
         assert not metric(scheduler_port, "jobs_scheduler_errors_total", labels), duty
     assert "pass failed" not in process.output()
@@ -80,7 +81,7 @@ def assert_every_duty_ran_cleanly(process) -> None:
 
 def test_through_the_pooler_one_leads_and_kill_9_hands_over_at_once(spawn, pgbouncer):
     leader, standby = start_pair(spawn, pgbouncer)
-    wait_for(lambda: fired_by(leader) >= 3, what="the leader fired slots")
+    wait_for(lambda: fired_by(leader) >= 3, what="the leader fired slots", timeout=20)
     assert fired_by(standby) == 0
     # The lock lives on a pooled server connection lent to the leader's lock session.
     assert f":{leader.pid}:" in (lock_holder() or "")
@@ -91,7 +92,7 @@ def test_through_the_pooler_one_leads_and_kill_9_hands_over_at_once(spawn, pgbou
     leader.wait()
     standby.wait_for_output(LEADS, timeout=10)
     took_over = time.monotonic() - killed
-    wait_for(lambda: fired_by(standby) >= 3, what="the new leader fired slots")
+    wait_for(lambda: fired_by(standby) >= 3, what="the new leader fired slots", timeout=20)
     assert f":{standby.pid}:" in (lock_holder() or "")
     standby.signal(signal.SIGTERM)
     assert standby.wait() == 0
@@ -104,17 +105,17 @@ def test_through_the_pooler_one_leads_and_kill_9_hands_over_at_once(spawn, pgbou
 
 def test_through_the_pooler_a_stopped_leader_is_cut_off_and_stands_down(spawn, pgbouncer):
     leader, standby = start_pair(spawn, pgbouncer)
-    wait_for(lambda: fired_by(leader) >= 2, what="the leader fired slots")
+    wait_for(lambda: fired_by(leader) >= 2, what="the leader fired slots", timeout=20)
 
     leader.signal(signal.SIGSTOP)  # its term idles: the server ends it after 2 s
     stopped = time.monotonic()
     standby.wait_for_output(LEADS, timeout=10)
     took_over = time.monotonic() - stopped
-    wait_for(lambda: fired_by(standby) >= 2, what="the new leader fired slots")
+    wait_for(lambda: fired_by(standby) >= 2, what="the new leader fired slots", timeout=20)
     leader.signal(signal.SIGCONT)
     leader.wait_for_output("lost leadership")
     fired = fired_by(standby)
-    wait_for(lambda: fired_by(standby) >= fired + 2, what="the new leader carried on")
+    wait_for(lambda: fired_by(standby) >= fired + 2, what="the new leader carried on", timeout=20)
     assert f":{standby.pid}:" in (lock_holder() or "")
     for process in (leader, standby):
         process.signal(signal.SIGTERM)
@@ -133,7 +134,7 @@ def test_a_pooler_pause_waits_no_longer_than_the_leader_timeout(spawn, pgbouncer
     timeout and closes the lock session, which releases the last server connection.
     """
     leader, standby = start_pair(spawn, pgbouncer)
-    wait_for(lambda: fired_by(leader) >= 2, what="the leader fired slots")
+    wait_for(lambda: fired_by(leader) >= 2, what="the leader fired slots", timeout=20)
     with psycopg.connect(**pgbouncer.connect_kwargs("pgbouncer")) as admin:
         asked = time.monotonic()
         admin.execute("PAUSE")
@@ -141,7 +142,11 @@ def test_a_pooler_pause_waits_no_longer_than_the_leader_timeout(spawn, pgbouncer
         leader.wait_for_output("lost leadership: the scheduler loop has not moved for")
         admin.execute("RESUME")
     before = fired_by(leader) + fired_by(standby)
-    wait_for(lambda: fired_by(leader) + fired_by(standby) >= before + 3, what="slots fire again")
+    wait_for(
+        lambda: fired_by(leader) + fired_by(standby) >= before + 3,
+        what="slots fire again",
+        timeout=20,
+    )
     for process in (leader, standby):
         process.signal(signal.SIGTERM)
         assert process.wait() == 0

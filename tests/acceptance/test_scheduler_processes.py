@@ -4,96 +4,52 @@ slot ever fires twice. The schedule fires every second (tests/runapp/settings_sc
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
-import urllib.request
-from datetime import timedelta
 
 import psycopg
 import pytest
 from django.db.models.functions import Now
 
 from jobs.db import bounds as dbbounds
-from jobs.models import Job, ScheduleSlot
 from jobs.scheduler.slots import TICK_LOCK_NAMESPACE
-from tests.acceptance.conftest import Process, database_url_for_tests, wait_for
 from tests.runapp.models import QuickRun
-from tests.tcp_proxy import TcpProxy
+from tests.support.polling import wait_for
+from tests.support.processes import Process, database_url_for_tests
+from tests.support.schedulers import (
+    LEADS,
+    SCHEDULER,
+    assert_each_slot_fired_once_without_gaps,
+    fired_by,
+    get,
+    metric,
+    port,
+)
+from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.acceptance, pytest.mark.slow]
-
-SCHEDULER = [
-    "runscheduler",
-    "--settings",
-    "tests.runapp.settings_scheduler",
-    "--tick-interval",
-    "0.1",
-    "--standby-interval",
-    "0.1",
-    "--http-port",
-    "0",
-]
-LEADS = "is now the leader"
 
 
 def start_pair(spawn, *extra: str):
     """Start two schedulers at once; return (leader, standby) once each knows its role."""
     a, b = spawn(*SCHEDULER, *extra), spawn(*SCHEDULER, *extra)
     leader = wait_for(
-        lambda: next((p for p in (a, b) if LEADS in p.output()), None), what="a leader"
+        lambda: next((p for p in (a, b) if LEADS in p.output()), None), what="a leader", timeout=20
     )
     standby = b if leader is a else a
     standby.wait_for_output("stands by")
     return leader, standby
 
 
-def fired_by(process) -> int:
-    return ScheduleSlot.objects.filter(recorded_by__contains=f":{process.pid}:").count()
-
-
-def port(process) -> int:
-    return int(process.wait_for_output(r"/metrics on 127\.0\.0\.1:(\d+)").group(1))
-
-
-def get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, ""
-
-
-def metric(port: int, name: str, labels: str = "") -> float | None:
-    body = get(port, "/metrics")[1]
-    match = re.search(rf"^{name}{re.escape(labels)} ([0-9.e+-]+)$", body, re.M)
-    return float(match.group(1)) if match else None
-
-
-def assert_each_slot_fired_once_without_gaps(*processes) -> None:
-    slots = list(
-        ScheduleSlot.objects.filter(schedule="every-second")
-        .order_by("slot")
-        .values_list("slot", "kind", "job_id", "recorded_by")
-    )
-    times = [slot for slot, *_ in slots]
-    assert times == [times[0] + timedelta(seconds=i) for i in range(len(times))], "a gap"
-    assert {kind for _, kind, _, _ in slots} <= {"on_time", "catch_up"}
-    job_ids = list(Job.objects.filter(name="jobapp.ping.v1").values_list("job_id", flat=True))
-    assert sorted(job_ids) == sorted(job_id for _, _, job_id, _ in slots)
-    assert len(set(job_ids)) == len(job_ids)
-    assert {by.rsplit(":", 2)[1] for *_, by in slots} == {str(p.pid) for p in processes}
-
-
 def test_killing_the_leader_hands_over_without_a_double_fired_or_lost_slot(spawn):
     leader, standby = start_pair(spawn)
-    wait_for(lambda: fired_by(leader) >= 3, what="the leader fired slots")
+    wait_for(lambda: fired_by(leader) >= 3, what="the leader fired slots", timeout=20)
     assert fired_by(standby) == 0
 
     leader.proc.kill()  # SIGKILL: no cleanup, the lock goes with the session
     leader.wait()
     standby.wait_for_output(LEADS, timeout=10)
-    wait_for(lambda: fired_by(standby) >= 3, what="the new leader fired slots")
+    wait_for(lambda: fired_by(standby) >= 3, what="the new leader fired slots", timeout=20)
     standby.signal(signal.SIGTERM)
     assert standby.wait() == 0
 
@@ -102,15 +58,15 @@ def test_killing_the_leader_hands_over_without_a_double_fired_or_lost_slot(spawn
 
 def test_a_stalled_leader_is_replaced_and_stands_down_when_it_wakes(spawn):
     leader, standby = start_pair(spawn)
-    wait_for(lambda: fired_by(leader) >= 2, what="the leader fired slots")
+    wait_for(lambda: fired_by(leader) >= 2, what="the leader fired slots", timeout=20)
 
     leader.signal(signal.SIGSTOP)  # alive but silent: its session times out after 2 s
     standby.wait_for_output(LEADS, timeout=10)
-    wait_for(lambda: fired_by(standby) >= 2, what="the new leader fired slots")
+    wait_for(lambda: fired_by(standby) >= 2, what="the new leader fired slots", timeout=20)
     leader.signal(signal.SIGCONT)
     leader.wait_for_output("lost leadership")
     fired = fired_by(standby)
-    wait_for(lambda: fired_by(standby) >= fired + 2, what="the new leader carried on")
+    wait_for(lambda: fired_by(standby) >= fired + 2, what="the new leader carried on", timeout=20)
     for process in (leader, standby):
         process.signal(signal.SIGTERM)
         assert process.wait() == 0
@@ -129,12 +85,14 @@ def test_sigterm_hands_over_at_once_and_both_report_health(spawn):
     wait_for(
         lambda: metric(standby_port, "jobs_schedule_next_due_timestamp_seconds", labels),
         what="the standby exports schedule status too",
+        timeout=20,
     )
     # The leader exports a schedule's status once its gauges pass has run, which may come
     # after the standby's on a busy machine.
     wait_for(
         lambda: metric(leader_port, "jobs_schedule_overdue_seconds", labels) is not None,
         what="the leader exports schedule status",
+        timeout=20,
     )
     assert metric(leader_port, "jobs_schedule_overdue_seconds", labels) == 0.0
 
@@ -157,16 +115,22 @@ def test_the_watchdog_reaps_the_run_of_a_killed_worker_and_frees_its_key(spawn):
         f"    QuickRun.objects.filter(pk={run.pk}).update(heartbeat_at=Now())\n"
         "    time.sleep(0.05)\n",
     )
-    wait_for(lambda: QuickRun.objects.get(pk=run.pk).heartbeat_at, what="the run's first pulse")
+    wait_for(
+        lambda: QuickRun.objects.get(pk=run.pk).heartbeat_at,
+        what="the run's first pulse",
+        timeout=20,
+    )
     scheduler = spawn(*SCHEDULER, "--watchdog-interval", "0.2")
     scheduler_port = port(scheduler)
     watchdog = ("jobs_scheduler_passes_total", '{duty="watchdog"}')
     # Several passes over a run older than its stale_after (1 s): a live pulse keeps it.
-    wait_for(lambda: (metric(scheduler_port, *watchdog) or 0) >= 8, what="watchdog passes")
+    wait_for(
+        lambda: (metric(scheduler_port, *watchdog) or 0) >= 8, what="watchdog passes", timeout=20
+    )
     assert QuickRun.objects.get(pk=run.pk).state == "running"
 
     pulse.proc.kill()  # the worker dies; its row stays running with a stale heartbeat
-    wait_for(lambda: QuickRun.objects.get(pk=run.pk).state == "failed", what="reaped")
+    wait_for(lambda: QuickRun.objects.get(pk=run.pk).state == "failed", what="reaped", timeout=20)
     reaped = QuickRun.objects.get(pk=run.pk)
     assert reaped.last_error == "stale"
     assert f"reaped as stale 1 rows of runapp.quickrun: ids [{run.pk}]" in scheduler.output()
@@ -214,7 +178,7 @@ def test_a_leader_stuck_in_the_database_steps_down_and_the_standby_takes_over(la
     leader.wait_for_output(LEADS)
     standby = launch(*BOUNDED, **unbounded)
     standby.wait_for_output("stands by")
-    wait_for(lambda: fired_by(leader) >= 2, what="the leader fired slots")
+    wait_for(lambda: fired_by(leader) >= 2, what="the leader fired slots", timeout=20)
 
     holder = hold_tick_lock()  # the leader's next tick waits for this lock, unbounded
     blocked = time.monotonic()
@@ -229,7 +193,7 @@ def test_a_leader_stuck_in_the_database_steps_down_and_the_standby_takes_over(la
     assert "(stuck in the cron pass)" in stepped_down
     assert "aborted its database connection, stuck in the cron pass" in stepped_down
     fired = fired_by(standby)
-    wait_for(lambda: fired_by(standby) >= fired + 2, what="the new leader fired slots")
+    wait_for(lambda: fired_by(standby) >= fired + 2, what="the new leader fired slots", timeout=20)
     for process in (leader, standby):
         process.signal(signal.SIGTERM)
         assert process.wait() == 0
@@ -245,7 +209,7 @@ def test_a_leader_cut_off_by_a_silent_network_steps_down_and_the_standby_takes_o
         leader_port = port(leader)
         standby = launch(*BOUNDED)  # reaches the database directly
         standby.wait_for_output("stands by")
-        wait_for(lambda: fired_by(leader) >= 2, what="the leader fired slots")
+        wait_for(lambda: fired_by(leader) >= 2, what="the leader fired slots", timeout=20)
 
         proxy.freeze()  # no byte passes, no socket closes: every call of the leader hangs
         cut = time.monotonic()
@@ -255,7 +219,9 @@ def test_a_leader_cut_off_by_a_silent_network_steps_down_and_the_standby_takes_o
         took_over = time.monotonic() - cut
         assert metric(leader_port, "jobs_scheduler_leader") == 0.0  # it says so, too
         fired = fired_by(standby)
-        wait_for(lambda: fired_by(standby) >= fired + 2, what="the new leader fired slots")
+        wait_for(
+            lambda: fired_by(standby) >= fired + 2, what="the new leader fired slots", timeout=20
+        )
         for process in (leader, standby):
             process.signal(signal.SIGTERM)
         assert standby.wait() == 0

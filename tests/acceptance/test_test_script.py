@@ -3,7 +3,7 @@
 The test command runs in a copy of this checkout (its tracked files, sharing the venv), so the
 servers it starts under the copy's ``var/`` are its own, not the ones this test run uses: the
 default one (``var/postgres``) and the several-databases tests' second one
-(``var/postgres-other``, tests/otherdb.py). It runs one Django version and one test, which
+(``var/postgres-other``, tests/support/otherdb.py). It runs one Django version and one test, which
 needs both servers.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.acceptance.conftest import wait_for
+from tests.support.polling import wait_for
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.slow, pytest.mark.once]
 
@@ -82,7 +82,7 @@ def checkout(tmp_path) -> Iterator[Path]:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGINT)  # PostgreSQL's fast shutdown
-            wait_for(lambda d=pgdata, p=pid: _postmaster(d) != p, what="stopped")
+            wait_for(lambda d=pgdata, p=pid: _postmaster(d) != p, what="stopped", timeout=20)
 
 
 def run_tests(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -14,8 +14,9 @@ from django.db import connection
 
 from jobs import enqueue
 from jobs.models import Job
-from tests.acceptance.conftest import read_trace, wait_for
 from tests.procapp.jobs import RetryTrace, Trace
+from tests.support.polling import wait_for
+from tests.support.processes import read_trace
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.acceptance, pytest.mark.slow]
 
@@ -47,7 +48,7 @@ def test_kill_9_mid_job_runs_the_job_again_elsewhere(spawn, tmp_path):
     path = tmp_path / "trace"
     job = enqueue(Trace(path=str(path), seconds=60))
     first = spawn("runworker", *FAST, lease=1.0)
-    wait_for(lambda: starts(path, first.pid), what="first worker started the job")
+    wait_for(lambda: starts(path, first.pid), what="first worker started the job", timeout=20)
 
     first.proc.kill()  # SIGKILL: no cleanup at all
     first.wait()
@@ -55,7 +56,11 @@ def test_kill_9_mid_job_runs_the_job_again_elsewhere(spawn, tmp_path):
 
     Job.objects.filter(pk=job.id).update(payload={"path": str(path), "seconds": 0.1})
     second = spawn("runworker", *FAST, lease=1.0)
-    wait_for(lambda: job_row(job).state == "succeeded", what="job finished on the second worker")
+    wait_for(
+        lambda: job_row(job).state == "succeeded",
+        what="job finished on the second worker",
+        timeout=20,
+    )
 
     done = job_row(job)
     assert done.attempts == 2
@@ -69,9 +74,9 @@ def test_sigstopped_worker_cannot_report_over_its_successor(spawn, tmp_path, sec
     job = enqueue(Trace(path=str(path), seconds=1.5, ignore_cancel=True))
     stale = spawn("runworker", *FAST, "--http-port", "0", lease=1.0)
     port = int(stale.wait_for_output(r"/metrics on 127\.0\.0\.1:(\d+)").group(1))
-    wait_for(lambda: starts(path, stale.pid), what="stale worker started the job")
+    wait_for(lambda: starts(path, stale.pid), what="stale worker started the job", timeout=20)
     stale.signal(signal.SIGSTOP)
-    wait_for(lambda: lease_expired(job), what="the stalled worker's lease expired")
+    wait_for(lambda: lease_expired(job), what="the stalled worker's lease expired", timeout=20)
 
     successor_seconds = 30 if second_still_running else 0.1
     Job.objects.filter(pk=job.id).update(
@@ -79,13 +84,15 @@ def test_sigstopped_worker_cannot_report_over_its_successor(spawn, tmp_path, sec
     )
     successor = spawn("runworker", *FAST, lease=5.0)
     if second_still_running:
-        wait_for(lambda: starts(path, successor.pid), what="successor started the job")
+        wait_for(lambda: starts(path, successor.pid), what="successor started the job", timeout=20)
     else:
-        wait_for(lambda: job_row(job).state == "succeeded", what="successor finished the job")
+        wait_for(
+            lambda: job_row(job).state == "succeeded", what="successor finished the job", timeout=20
+        )
     before = job_row(job)
 
     stale.signal(signal.SIGCONT)
-    wait_for(lambda: _discarded(port) >= 1, what="stale worker discarded its outcome")
+    wait_for(lambda: _discarded(port) >= 1, what="stale worker discarded its outcome", timeout=20)
 
     after = job_row(job)
     assert (after.state, after.attempts, after.claim_token) == (
@@ -112,10 +119,10 @@ def test_sigterm_lets_a_short_job_finish_and_hands_a_long_one_back(spawn, tmp_pa
     long = enqueue(Trace(path=str(long_path), seconds=60))
     worker = spawn("runworker", *FAST, "--shutdown-timeout", "3", "--http-port", "0")
     port = int(worker.wait_for_output(r"/metrics on 127\.0\.0\.1:(\d+)").group(1))
-    wait_for(lambda: starts(short_path) and starts(long_path), what="both jobs started")
+    wait_for(lambda: starts(short_path) and starts(long_path), what="both jobs started", timeout=20)
 
     worker.signal(signal.SIGTERM)
-    wait_for(lambda: _status(port, "/readyz") == 503, what="not ready while draining")
+    wait_for(lambda: _status(port, "/readyz") == 503, what="not ready while draining", timeout=20)
 
     assert worker.wait(timeout=15) == 0
     assert job_row(short).state == "succeeded"
@@ -133,7 +140,7 @@ def test_drain_never_lets_two_handlers_run_one_job(spawn, tmp_path):
     first = spawn(
         "runworker", *FAST, "--shutdown-timeout", "0.3", "--cancel-timeout", "5", lease=1.0
     )
-    wait_for(lambda: starts(path, first.pid), what="first worker started the job")
+    wait_for(lambda: starts(path, first.pid), what="first worker started the job", timeout=20)
     first.signal(signal.SIGTERM)
     second = spawn("runworker", *FAST, lease=1.0)
 
@@ -155,7 +162,7 @@ def test_a_handler_still_running_at_exit_keeps_its_lease(spawn, tmp_path):
     worker = spawn(
         "runworker", *FAST, "--shutdown-timeout", "0.3", "--cancel-timeout", "0.3", lease=30.0
     )
-    wait_for(lambda: starts(path, worker.pid), what="the job started")
+    wait_for(lambda: starts(path, worker.pid), what="the job started", timeout=20)
 
     worker.signal(signal.SIGTERM)
     assert worker.wait(timeout=15) == 0
@@ -170,7 +177,7 @@ def test_second_signal_stops_at_once_without_losing_the_job(spawn, tmp_path):
     path = tmp_path / "trace"
     job = enqueue(Trace(path=str(path), seconds=60))
     worker = spawn("runworker", *FAST, "--shutdown-timeout", "60")
-    wait_for(lambda: starts(path), what="job started")
+    wait_for(lambda: starts(path), what="job started", timeout=20)
 
     worker.signal(signal.SIGTERM)
     worker.wait_for_output("draining")
@@ -183,7 +190,7 @@ def test_second_signal_stops_at_once_without_losing_the_job(spawn, tmp_path):
 def test_health_endpoints(spawn):
     worker = spawn("runworker", *FAST, "--http-port", "0")
     port = int(worker.wait_for_output(r"/metrics on 127\.0\.0\.1:(\d+)").group(1))
-    wait_for(lambda: _status(port, "/readyz") == 200, what="ready")
+    wait_for(lambda: _status(port, "/readyz") == 200, what="ready", timeout=20)
     assert _status(port, "/healthz") == 200
     assert _status(port, "/nope") == 404
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -209,6 +216,7 @@ def test_kill_9_during_in_process_retries_never_exceeds_max_attempts(spawn, tmp_
         wait_for(
             lambda w=worker: len(starts(path, w.pid)) >= 2 or job_row(job).state == "failed",
             what="two attempts in one claim, or the job failed",
+            timeout=20,
         )
         worker.proc.kill()  # during the in-process wait after the second attempt
         worker.wait()
@@ -244,7 +252,7 @@ def test_database_outage_backs_off_without_spinning(spawn):
     assert wall >= 0.6
     assert cpu < 0.25 * wall, (cpu, wall)
     assert "Traceback" not in worker.output(), "one line per retry during an outage"
-    wait_for(lambda: job_row(queued).state == "succeeded", what="work after the outage")
+    wait_for(lambda: job_row(queued).state == "succeeded", what="work after the outage", timeout=20)
 
 
 def _retries(process) -> int:

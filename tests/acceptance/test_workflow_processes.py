@@ -10,8 +10,9 @@ from django.utils import timezone
 
 from jobs import Batch, JobSpec, batch
 from jobs.models import Job
-from tests.acceptance.conftest import read_trace, wait_for
 from tests.procapp.jobs import BatchReport, GateMember
+from tests.support.polling import wait_for
+from tests.support.processes import read_trace
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.acceptance, pytest.mark.slow]
 
@@ -33,12 +34,16 @@ def test_members_finishing_at_the_same_instant_on_two_workers_fire_once(spawn, t
     wait_for(
         lambda: Job.objects.filter(name=GateMember.job_name, state="running").count() == 40,
         what="all 40 members running at once",
+        timeout=20,
     )
     gate.touch()  # every member returns now, on both workers
-    wait_for(lambda: runs(report), what="the successor ran")
+    wait_for(lambda: runs(report), what="the successor ran", timeout=20)
     state = Batch(group.id).state()
     assert (state.total, state.succeeded, state.failed, state.cancelled) == (40, 32, 8, 0)
-    wait_for(lambda: Job.objects.filter(name=BatchReport.job_name, state="succeeded").exists())
+    wait_for(
+        lambda: Job.objects.filter(name=BatchReport.job_name, state="succeeded").exists(),
+        timeout=20,
+    )
     assert Job.objects.filter(name=BatchReport.job_name).count() == 1
     [[_run, _pid, total, succeeded, failed, cancelled, listed]] = runs(report)
     assert (total, succeeded, failed, cancelled, listed) == ("40", "32", "8", "0", "8")
@@ -97,21 +102,23 @@ def test_a_worker_killed_between_the_members_outcome_and_the_successor(
     try:
         assert held.wait(10)
         first = spawn("runworker", *FAST, lease=1.0)
-        [backend] = wait_for(_waiting_backends, what="the outcome statement waiting on the key")
+        [backend] = wait_for(
+            _waiting_backends, what="the outcome statement waiting on the key", timeout=20
+        )
         first.proc.kill()
         first.wait()
         if server_noticed:
             with connection.cursor() as cur:
                 cur.execute("SELECT pg_terminate_backend(%s)", [backend])
-            wait_for(lambda: not _waiting_backends(), what="the statement aborted")
+            wait_for(lambda: not _waiting_backends(), what="the statement aborted", timeout=20)
             assert Job.objects.get(pk=member.id).state == "running"
             assert Batch(group.id).state().finished == 0
     finally:
         release.set()
         blocker.join(10)
     spawn("runworker", *FAST, lease=1.0)
-    wait_for(lambda: runs(report), what="the successor ran")
-    wait_for(lambda: Job.objects.filter(job_id="report-1", state="succeeded").exists())
+    wait_for(lambda: runs(report), what="the successor ran", timeout=20)
+    wait_for(lambda: Job.objects.filter(job_id="report-1", state="succeeded").exists(), timeout=20)
     row = Job.objects.get(pk=member.id)
     assert row.state == "succeeded"
     assert row.attempts == (2 if server_noticed else 1)

@@ -17,7 +17,7 @@ from project.harvester.models import DeadLetter, Item
 from project.mail import deliveries
 from project.mail.jobs import DeliverMailV1
 from project.mail.models import Delivery
-from tests.factories import JobFactory
+from tests.support.factories import JobFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

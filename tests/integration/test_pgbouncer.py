@@ -1,6 +1,6 @@
 """The queue, the worker and the admin through PgBouncer in transaction mode.
 
-Each test takes the ``pgbouncer`` fixture (tests/pgbouncer.py): a private pooler whose few
+Each test takes the ``pgbouncer`` fixture (tests/support/pgbouncer.py): a private pooler whose few
 server connections are lent round robin, so consecutive transactions of one client run on
 different backends and anything that leans on session state breaks here. After the work,
 every server connection of the pool is inspected: nothing may be left on one (a LISTEN, a
@@ -35,23 +35,15 @@ from jobs.worker.config import WorkerConfig
 from jobs.worker.maintenance import WorkerMaintenance
 from jobs.worker.runner import Worker
 from jobs.worker.wakeup import NotifyListener
-from tests.factories import JobFactory
-from tests.pgbouncer import PgBouncer, pgbouncer_fixture, skip_reason  # noqa: F401
-from tests.tcp_proxy import TcpProxy
-from tests.worker_support import Echo, Recorder, Step, registry
+from tests.support.factories import JobFactory
+from tests.support.pgbouncer import PgBouncer, pgbouncer_fixture, skip_reason  # noqa: F401
+from tests.support.polling import wait_for
+from tests.support.tcp_proxy import TcpProxy
+from tests.support.worker import Echo, Recorder, Step, registry
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
 NOOP = "test.noop.v1"
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"{what} not met within {timeout}s")
 
 
 def _backend(conn) -> int:
@@ -268,7 +260,8 @@ def _refused(bouncer: PgBouncer) -> bool:
 def test_after_a_database_restart_clients_are_served_again_within_a_lease():
     """A login refused while the database starts makes PgBouncer refuse every client for
     ``server_login_retry``: enqueue fails and lease renewals too, so the pause must end well
-    within a lease of the database being back (tests/pgbouncer.py sets what the docs say)."""
+    within a lease of the database being back (tests/support/pgbouncer.py sets what the docs
+    say)."""
     if skip_reason():
         pytest.skip(skip_reason())
     with TcpProxy() as server:
@@ -282,11 +275,14 @@ def test_after_a_database_restart_clients_are_served_again_within_a_lease():
             wait_for(
                 lambda: "the database system is starting up" in bouncer.log_text(),
                 what="a server login refused",
+                interval=0.01,
             )
             assert _refused(bouncer)  # from then on, every client at once
             server.up()
             back = time.monotonic()
-            wait_for(lambda: _served(bouncer), timeout=30, what="clients served again")
+            wait_for(
+                lambda: _served(bouncer), timeout=30, what="clients served again", interval=0.01
+            )
             paused = time.monotonic() - back
             waiting.join(30)
     assert paused < DEFAULTS["LEASE"].total_seconds() / 3, f"refused for {paused:.1f}s"
@@ -314,13 +310,16 @@ def test_a_worker_behind_the_pooler_finds_listen_useless_warns_and_polls(pgbounc
             wait_for(
                 lambda: worker._listener is not None and worker._listener.unproven.is_set(),
                 what="the failed proof",
+                interval=0.01,
             )
             assert not worker.listening
             assert _listening_gauge() == 0
             for count, text in enumerate(("first", "second", "third"), start=1):
                 started = time.monotonic()
                 enqueue(Echo(text=text))
-                wait_for(lambda n=count: len(recorder.calls) == n, timeout=5, what=text)
+                wait_for(
+                    lambda n=count: len(recorder.calls) == n, timeout=5, what=text, interval=0.01
+                )
                 assert time.monotonic() - started < poll + 1.0  # about a poll interval
         finally:
             worker.request_stop()
@@ -389,11 +388,13 @@ def test_a_worker_on_a_direct_connection_proves_listen_and_wakes_at_once(caplog)
     )
     thread = _run(worker)
     try:
-        wait_for(lambda: worker.listening and worker.idle, what="a listening, idle worker")
+        wait_for(
+            lambda: worker.listening and worker.idle, what="a listening, idle worker", interval=0.01
+        )
         assert _listening_gauge() == 1
         started = time.monotonic()
         enqueue(Echo(text="woken"))
-        wait_for(lambda: recorder.calls, timeout=5, what="the pickup")
+        wait_for(lambda: recorder.calls, timeout=5, what="the pickup", interval=0.01)
         assert time.monotonic() - started < 2  # a NOTIFY, not the 60 s poll
     finally:
         worker.request_stop()
@@ -412,7 +413,7 @@ def test_the_probe_is_what_decides_when_the_backend_never_changes(monkeypatch, c
         listener = NotifyListener(["x"], lambda name: None, poll_interval=2.0)
         listener.start()
         try:
-            wait_for(listener.unproven.is_set, what="the failed proof")
+            wait_for(listener.unproven.is_set, what="the failed proof", interval=0.01)
             assert not listener.listening.is_set()
         finally:
             listener.stop()
@@ -427,17 +428,17 @@ def test_a_listener_proves_again_after_losing_its_connection(caplog):
     listener = NotifyListener([Echo.job_name], woken.append)
     listener.start()
     try:
-        wait_for(listener.listening.is_set, what="the first proof")
+        wait_for(listener.listening.is_set, what="the first proof", interval=0.01)
         with connection.cursor() as cur:
             cur.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                 "WHERE application_name = 'jobs-worker listener' AND datname = current_database()"
             )
-        wait_for(lambda: not listener.listening.is_set(), what="the cut noticed")
-        wait_for(listener.listening.is_set, what="the second proof")
+        wait_for(lambda: not listener.listening.is_set(), what="the cut noticed", interval=0.01)
+        wait_for(listener.listening.is_set, what="the second proof", interval=0.01)
         with psycopg.connect(**_connect_params(), autocommit=True) as other:
             other.execute("SELECT pg_notify(%s, %s)", [NOTIFY_CHANNEL, Echo.job_name])
-        wait_for(lambda: woken == [Echo.job_name], what="the notice")
+        wait_for(lambda: woken == [Echo.job_name], what="the notice", interval=0.01)
     finally:
         listener.stop()
     assert _listener_warnings(caplog) == []

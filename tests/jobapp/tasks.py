@@ -137,7 +137,7 @@ def plain_function() -> str:
     return "not a task"
 
 
-# -- the contract of Django's task API (tests/integration/test_tasks_contract.py) -----------
+# -- the contract of Django's task API (tests/integration/api/test_tasks_contract.py) --------
 
 
 @task

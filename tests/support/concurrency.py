@@ -8,7 +8,7 @@ from typing import Any
 
 from django.db import connection, connections, transaction
 
-from tests.worker_support import wait_for
+from tests.support.polling import wait_for
 
 
 class Producer:
@@ -86,4 +86,70 @@ def until_waiting(count: int = 1, text: str = "") -> None:
     wait_for(
         lambda: sessions_waiting_for_locks(text) >= count or None,
         what=f"{count} session(s) waiting for a lock ({text or 'any statement'})",
+        interval=0.005,
     )
+
+
+def run_in_threads(count: int, target: Callable[[int], Any], timeout: float = 30) -> list[Any]:
+    """Run ``target(i)`` in ``count`` threads released together; return results in order.
+
+    Each thread uses its own database connection (Django connections are per thread) and
+    closes it when done. An exception in any thread is re-raised here.
+    """
+    barrier = threading.Barrier(count)
+    results: list[Any] = [None] * count
+    errors: list[BaseException] = []
+
+    def body(index: int) -> None:
+        try:
+            barrier.wait(timeout)
+            results[index] = target(index)
+        except BaseException as exc:  # re-raised in the calling thread
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+        assert not thread.is_alive(), "a test thread did not finish in time"
+    if errors:
+        raise errors[0]
+    return results
+
+
+class Background:
+    """Run ``target`` in a thread with its own connection; ``result()`` joins and re-raises."""
+
+    def __init__(self, target: Callable[[], Any]):
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+        def body() -> None:
+            try:
+                self._value = target()
+            except BaseException as exc:  # re-raised by result()
+                self._error = exc
+            finally:
+                connection.close()
+
+        self.thread = threading.Thread(target=body, daemon=True)
+        self.thread.start()
+
+    def result(self, timeout: float = 60.0) -> Any:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "background thread did not finish in time"
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def waiting_on_a_lock() -> bool:
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return bool(cur.fetchone()[0])

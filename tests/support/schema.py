@@ -145,7 +145,7 @@ def throwaway_database(purpose: str) -> Iterator[str]:
     dropped on exit (and any left by a run that was killed, on entry)."""
     from django.db import connections
 
-    from tests.conftest import alive
+    from tests.support.processes import alive
 
     prefix = "jobs_throwaway_"
     name = f"{prefix}{os.getpid()}_{purpose}"

@@ -12,7 +12,7 @@ from jobs.admin.actions import ACTION_LIMIT
 from jobs.control.replays import REPLAY_ALL_LIMIT
 from jobs.core.conf import DEFAULTS
 from jobs.testing import run_worker
-from tests.pgbouncer import SERVER_LOGIN_RETRY
+from tests.support.pgbouncer import SERVER_LOGIN_RETRY
 
 
 def test_admin_actions_and_replay_all_change_at_most_500_rows():

@@ -86,3 +86,14 @@ def test_policy_options_name_every_policy_field():
 def test_jobs_settings_annotate_every_setting():
     """Each JOBS setting has a declared type, and nothing else is declared."""
     assert set(JobsSettings.__annotations__) == set(DEFAULTS)
+
+
+@pytest.mark.slow
+def test_concurrency_none_passes_mypy(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    module = Path("tests") / "typing" / "concurrency_none.py"
+    stdout, stderr, status = mypy_api.run(
+        ["--config-file", str(ROOT / "pyproject.toml"), str(module)]
+    )
+    assert not stderr, stderr
+    assert status == 0, stdout

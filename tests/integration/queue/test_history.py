@@ -1,0 +1,515 @@
+"""Finished jobs leave the jobs table for the partitioned history, and nothing is lost there.
+
+The archive moves a finished row once it holds no key: a job enqueued without a job_id at once,
+a keyed one only after its idempotency window. Retention drops whole history partitions. Neither
+waits long behind a reader of the history, nor fails when two passes overlap or ``USE_TZ`` is
+off; a row is in exactly one table at every moment. The failure monitor reads across the
+boundary (replay from the history: control/test_replays.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from django.db import OperationalError, connection, transaction
+from django.test import override_settings
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jobs import queue
+from jobs.control.tables import RunTable
+from jobs.db.clock import database_now
+from jobs.models import Job, JobHistory, ScheduleSlot
+from jobs.queue import history
+from jobs.queue.history import DAY, HOUR, Partition, _floor, plan
+from jobs.scheduler.retention import Archive, Retention
+from tests.support.concurrency import Background
+from tests.support.history import MINUTE, finish, job, where
+
+pytestmark = pytest.mark.django_db
+
+SECOND = timedelta(seconds=1)
+
+
+def test_a_keyless_job_moves_whole_to_history_once_finished():
+    (pk,) = finish(job(), result={"answer": 42})
+    before = Job.objects.values().get(pk=pk)
+    assert before["key_held"] is False  # a generated job_id is let go at the finish
+
+    moved = history.archive(now=database_now() + timedelta(minutes=1))
+
+    assert moved == {"succeeded": (1, 1)}
+    assert where(pk) == "history"
+    row = JobHistory.objects.values().get(pk=pk)
+    for column in ("job_id", "name", "payload", "tenant", "queue", "attempts", "result"):
+        assert row[column] == before[column], column
+    assert row["finished_at"] == before["finished_at"]
+    assert row["keyed"] is False
+
+
+def test_nothing_moves_before_archive_after():
+    (pk,) = finish(job())
+    with override_settings(JOBS={"ARCHIVE_AFTER": 3600}):
+        assert history.archive(now=database_now() + timedelta(minutes=1)) == {}
+    assert where(pk) == "jobs"
+
+
+def test_a_keyed_job_keeps_its_window_in_the_jobs_table_across_archive_and_retention():
+    (pk,) = finish(job("order-7"))
+    now = database_now()
+    inside = now + timedelta(hours=23)  # SUCCESS_WINDOW is 24 hours
+
+    Archive().run_once(inside)
+    Retention().run_once(inside)
+
+    assert where(pk) == "jobs"
+    again = queue.enqueue(job("order-7"))
+    assert (again.id, again.created) == (pk, False)  # the window still holds: no rerun
+
+    with override_settings(JOBS={"SUCCEEDED_RETENTION": timedelta(days=3)}):
+        past = now + timedelta(hours=25)
+        Archive().run_once(past)
+        Retention().run_once(past)
+        assert where(pk) == "history"
+    fresh = queue.enqueue(job("order-7"))
+    assert fresh.created and fresh.id != pk
+
+
+def test_a_failed_keyed_job_moves_after_the_failure_window():
+    (pk,) = finish(job("report-1"), state="failed")
+    now = database_now()
+    assert history.archive(now=now + 30 * SECOND) == {}  # FAILURE_WINDOW is one minute
+    assert history.archive(now=now + 2 * timedelta(minutes=1)) == {"failed": (1, 1)}
+    assert where(pk) == "history"
+
+
+def test_rows_already_past_retention_are_deleted_not_moved():
+    (pk,) = finish(job())
+    moved = history.archive(now=database_now() + timedelta(days=2))  # retention: 24 hours
+    assert moved == {"succeeded": (1, 0)}
+    assert where(pk) == "gone"
+
+
+def test_retention_drops_whole_partitions_once_their_last_hour_is_past():
+    (old,) = finish(job())
+    now = database_now()
+    history.archive(now=now + timedelta(minutes=1))
+    (part,) = [p for p in _partitions("succeeded") if p.start <= now < p.end]
+    assert part.end - part.start == HOUR  # succeeded rows: retention 24 h, hourly partitions
+
+    with connection.cursor() as cur:  # the count of a drop is PostgreSQL's estimate
+        cur.execute(f"ANALYZE {part.name}")
+    kept = history.drop_expired(now=part.end + timedelta(hours=24) - SECOND)
+    assert kept == {} and where(old) == "history"
+
+    dropped = history.drop_expired(now=part.end + timedelta(hours=24))
+    assert dropped == {"succeeded": 1}
+    assert where(old) == "gone"
+    assert part not in _partitions("succeeded")
+
+
+def test_long_retentions_get_daily_partitions_and_widths_never_overlap():
+    finish(job(), state="failed")
+    now = database_now()
+    history.archive(now=now + timedelta(minutes=2))
+    (daily,) = [p for p in _partitions("failed") if p.start <= now < p.end]
+    assert daily.end - daily.start == DAY  # FAILED_RETENTION is 14 days
+    # Partitions outlive the tests that made them: one beside this day (an earlier test's,
+    # say, made for the next day when the suite runs late in the evening) is dropped, so the
+    # hours on both sides are uncovered. Rows never outlive a test, so it is empty.
+    hour_before = (daily.start - HOUR, daily.start)
+    hour_after = (daily.end, daily.end + HOUR)
+    with connection.cursor() as cur:
+        for p in _partitions("failed"):
+            if any(p.start < end and p.end > start for start, end in (hour_before, hour_after)):
+                cur.execute(f"DROP TABLE {p.name}")
+
+    # Retention shortened: new partitions are hourly, cut to fit beside the daily one.
+    shorter = override_settings(JOBS={"FAILED_RETENTION": timedelta(days=1)})
+    with shorter, connection.cursor() as cur:
+        created = history.ensure(cur, "failed", daily.start - HOUR, daily.end + HOUR / 2)
+    assert [(p.start, p.end) for p in created] == [
+        (daily.start - HOUR, daily.start),
+        (daily.end, daily.end + HOUR),
+    ]
+
+
+def test_a_user_who_may_view_jobs_may_view_their_history(django_user_model):
+    from django.contrib.auth.models import Permission
+
+    user = django_user_model.objects.create_user("viewer", is_staff=True)
+    user.user_permissions.add(Permission.objects.get(codename="view_job"))
+    user = django_user_model.objects.get(pk=user.pk)  # fresh permission cache
+    assert RunTable(JobHistory).can_view(user)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_archive_passes_at_once_move_each_row_once(threads):
+    ids = finish(*[job() for _ in range(300)])
+    later = database_now() + timedelta(minutes=1)
+    with connection.cursor() as cur:  # one leader creates partitions; here, before the race
+        history.ensure(cur, "succeeded", later - timedelta(hours=1), later)
+
+    results = threads(2, lambda _i: history.archive(batch_size=50, now=later))
+
+    moved = sum(r.get("succeeded", (0, 0))[0] for r in results)
+    assert moved == 300
+    assert JobHistory.objects.filter(pk__in=ids).count() == 300
+    assert not Job.objects.filter(pk__in=ids).exists()
+
+
+@given(
+    spans=st.lists(
+        st.tuples(st.integers(0, 24 * 20), st.integers(0, 24 * 3), st.sampled_from([HOUR, DAY])),
+        min_size=1,
+        max_size=6,
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_planned_partitions_never_overlap_and_cover_every_hour_asked_for(spans):
+    base = datetime(2026, 1, 1, tzinfo=UTC)
+    existing: list[Partition] = []
+    for offset, length, span in spans:
+        first = base + timedelta(hours=offset, minutes=17)
+        last = first + timedelta(hours=length)
+        existing += plan(existing, "failed", first, last, span)
+        hour = first.replace(minute=0)
+        while hour <= last:
+            assert sum(p.start <= hour < p.end for p in existing) == 1
+            hour += HOUR
+    ordered = sorted(existing, key=lambda p: p.start)
+    for a, b in itertools.pairwise(ordered):
+        assert a.end <= b.start
+    for p in existing:
+        assert p.start < p.end and Partition.parse(p.name) == p
+
+
+def _partitions(state: str) -> list[Partition]:
+    with connection.cursor() as cur:
+        return history.partitions(cur, state)
+
+
+KEPT_AND_QUEUED = """
+INSERT INTO jobs_job (job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
+                      state, attempts, last_error, error_detail, claimed_by, key_held, keyed,
+                      replayed_by, created_at, finished_at)
+SELECT 'row-' || g, 'test.noop.v1', '{}', 'default', 'default', 0, 5, now(),
+       CASE WHEN g %% 2 = 0 THEN 'queued' ELSE 'succeeded' END, g %% 2, '', '', '', TRUE, TRUE,
+       '', now(), CASE WHEN g %% 2 = 0 THEN NULL ELSE now() END
+FROM generate_series(1, %(count)s) AS g
+"""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_archive_pass_reads_only_what_it_moves():
+    """Queued rows and finished rows inside their window are never read by the pass."""
+    with connection.cursor() as cur:
+        # Earlier tests' rolled-back rows leave dead entries in the index the pass walks;
+        # how many depends on what ran before, not on the pass. Start from a vacuumed table.
+        cur.execute("VACUUM jobs_job")
+        cur.execute(KEPT_AND_QUEUED, {"count": 100000})
+        cur.execute("ANALYZE jobs_job")
+        cur.execute("SELECT statement_timestamp()")
+        (now,) = cur.fetchone()
+        plans = []
+        for held, until in ((False, now + timedelta(minutes=1)), (True, now - timedelta(days=1))):
+            params = {
+                "state": "succeeded",
+                "held": held,
+                "until": until,
+                "expired_before": now - timedelta(hours=24),
+                "batch": 5000,
+            }
+            cur.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + history._ARCHIVE, params)
+            plans.append(cur.fetchone()[0])
+        cur.execute("SELECT pg_relation_size('jobs_job') / current_setting('block_size')::int")
+        (table_pages,) = cur.fetchone()
+
+    text = str(plans)
+    # The jobs table is never scanned whole. (A small side table, such as the empty
+    # dependency table, may be: the planner's choice depends on what its statistics say
+    # after earlier tests, not on the pass.)
+    scanned = [node for plan in plans for node in plan_nodes(plan[0]["Plan"])]
+    assert not [
+        n for n in scanned if n["Node Type"] == "Seq Scan" and n["Relation Name"] == "jobs_job"
+    ], text
+    assert "jobs_job_terminal" in text, text
+    touched = sum(
+        p[0]["Plan"]["Shared Hit Blocks"] + p[0]["Plan"]["Shared Read Blocks"] for p in plans
+    )
+    # 50,000 rows inside their window: about 170 pages of the index, 1,000 of the table. The
+    # pass reads a few index pages (and dead entries other tests' rolled-back rows left).
+    assert table_pages > 1000
+    assert touched < 100, (touched, text)
+
+
+def plan_nodes(node: dict):
+    """Every node of an EXPLAIN (FORMAT JSON) plan tree."""
+    yield node
+    for child in node.get("Plans", ()):
+        yield from plan_nodes(child)
+
+
+@contextmanager
+def history_reader() -> Iterator[None]:
+    """A long read of the history (a report, pg_dump): ACCESS SHARE on every partition."""
+    ready, done = threading.Event(), threading.Event()
+
+    def body() -> None:
+        with transaction.atomic(), connection.cursor() as cur:
+            cur.execute("SELECT count(*) FROM jobs_jobhistory")
+            ready.set()
+            done.wait(120)
+
+    reader = Background(body)
+    try:
+        assert ready.wait(30), "the reader did not start"
+        yield
+    finally:
+        done.set()
+        reader.result()
+
+
+@contextmanager
+def lock_timeout(value: str) -> Iterator[None]:
+    """The scheduler's DB_LOCK_TIMEOUT bound on this test's own connection."""
+    with connection.cursor() as cur:
+        cur.execute(f"SET lock_timeout = '{value}'")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cur:
+            cur.execute("RESET lock_timeout")
+
+
+def drop_partitions_covering(state: str, moment) -> None:
+    """Make sure no partition of ``state`` covers ``moment`` (partitions outlive flushes)."""
+    with connection.cursor() as cur:
+        for part in history.partitions(cur, state):
+            if part.start <= moment < part.end:
+                cur.execute(f"DROP TABLE {part.name}")
+
+
+def finished_at(pk: int, moment) -> None:
+    Job.objects.filter(pk=pk).update(finished_at=moment)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_long_reader_of_the_history_does_not_stop_the_archive():
+    """An open read of the history does not stop the archive.
+
+    ``CREATE TABLE … PARTITION OF jobs_jobhistory_<state>`` needs ACCESS EXCLUSIVE on the
+    state's partition, which conflicts with any open read of the history (a report, the admin's
+    count, a nightly pg_dump holds ACCESS SHARE for hours). Succeeded rows need a new partition
+    every hour. Partitions are made as CREATE TABLE + ATTACH PARTITION (SHARE UPDATE EXCLUSIVE,
+    no conflict with readers), so under the scheduler's DB_LOCK_TIMEOUT the pass neither fails
+    before it reaches the failed and cancelled states, leaving nothing archived while the
+    reader runs, nor (without a lock timeout) queues every later reader behind it.
+    """
+    (failed_pk,) = finish(job(), state="failed")
+    (succeeded_pk,) = finish(job())
+    now = database_now()
+    hour_ago = now - 7 * HOUR
+    finished_at(succeeded_pk, hour_ago)  # an hour whose partition does not exist yet
+    drop_partitions_covering("succeeded", hour_ago)
+    with connection.cursor() as cur:  # the failed rows' daily partition exists already
+        history.ensure(cur, "failed", now - timedelta(days=1), now + timedelta(days=1))
+
+    error = None
+    with history_reader(), lock_timeout("1s"):
+        try:
+            history.archive(now=now + MINUTE)
+        except OperationalError as exc:
+            error = exc
+
+    assert error is None, f"the archive pass failed behind a reader: {error}"
+    assert where(failed_pk) == "history"
+    assert where(succeeded_pk) == "history"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_retention_goes_on_when_a_partition_drop_waits_behind_a_reader():
+    """One partition that cannot be dropped does not fail the whole duty.
+
+    The DROP waits behind any reader of the history; a lock timeout on one partition is left
+    for the next pass, and ``Retention.run_once`` goes on to prune the cron slots (called after
+    it) and logs what it did delete, also while a long reader (pg_dump) runs.
+    """
+    now = database_now()
+    old = now - timedelta(days=30)  # CANCELLED_RETENTION is 7 days: wholly expired
+    with connection.cursor() as cur:
+        history.ensure(cur, "cancelled", old, old)
+    for days in (60, 59):
+        ScheduleSlot.objects.create(
+            schedule="history-retention",
+            slot=now - timedelta(days=days),
+            kind="on_time",
+            job_id=f"cron:history-retention:{days}",
+        )
+
+    error = None
+    with history_reader(), lock_timeout("1s"):
+        try:
+            Retention().run_once()
+        except OperationalError as exc:
+            error = exc
+
+    assert error is None, f"retention failed behind a reader: {error}"
+    assert ScheduleSlot.objects.filter(schedule="history-retention").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_archive_passes_needing_the_same_new_partition_both_succeed():
+    """Two archive passes that need the same new partition both succeed.
+
+    Both find the partition missing before either takes the parent's lock; without a lock the
+    second would create it again and fail with "relation already exists". Two passes overlap
+    when leadership moves while the old leader is mid-pass, or when someone calls
+    ``history.archive()`` by hand. (The other concurrency test creates the partitions before
+    the race, so it does not cover this.)
+    """
+    (pk,) = finish(job())
+    now = database_now()
+    moment = now - 9 * HOUR
+    finished_at(pk, moment)
+    drop_partitions_covering("succeeded", moment)
+
+    # Partitions are attached under an advisory lock, so the passes take turns (and a
+    # reader of the history holds neither up). Both start together behind a reader.
+    with history_reader():
+        passes = [Background(lambda: history.archive(now=now + MINUTE)) for _ in range(2)]
+
+    results = []
+    errors = []
+    for p in passes:
+        try:
+            results.append(p.result())
+        except Exception as exc:  # the finding itself
+            errors.append(exc)
+    assert not errors, errors
+    assert where(pk) == "history"
+
+
+@pytest.mark.django_db
+def test_archive_and_retention_work_with_use_tz_false():
+    """With ``USE_TZ = False`` the archive and retention duties run.
+
+    Django then returns naive datetimes, while ``plan()`` and ``drop_expired`` compare them
+    with aware partition hours and bounds; neither duty raises TypeError on a pass (which would
+    stop retention before it prunes cron slots, and archive nothing ever).
+    """
+    finish(job())
+    with connection.cursor() as cur:  # a partition for retention to look at
+        history.ensure(cur, "cancelled", database_now(), database_now())
+    with override_settings(USE_TZ=False):
+        now = database_now()
+        assert now.tzinfo is None  # naive, as Django promises with USE_TZ = False
+        errors = {}
+        for duty in (Archive(), Retention()):
+            try:
+                duty.run_once(now + MINUTE)
+            except TypeError as exc:
+                errors[type(duty).__name__] = str(exc)
+    assert not errors, errors
+
+
+@pytest.mark.django_db
+def test_an_archive_pass_makes_at_most_max_batches_statements_per_state():
+    """ "At most 20 statements of 5,000 rows per state", as docs/queue.md says.
+
+    The pass shares one batch count per state between rows that let go of their key and key
+    holders whose window passed, so a state moves no more than the ArchiveConfig comment
+    ("statements per state and pass") promises, not twice that.
+    """
+    for _ in range(2):
+        finish(job(), state="failed")  # keyless: let go at the finish
+    for key in ("doc-a", "doc-b"):
+        finish(job(key), state="failed")  # keyed: hold through FAILURE_WINDOW (1 minute)
+
+    moved = history.archive(batch_size=1, max_batches=1, now=database_now() + 2 * MINUTE)
+
+    assert moved["failed"][0] <= 1, moved
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_racing_the_archive_of_its_expired_key_holder_makes_one_job(threads):
+    """Enqueues of a key whose old holder the archive is moving agree on one new row."""
+    with override_settings(JOBS={"FAILURE_WINDOW": 0}):
+        (old,) = finish(job("race-key"), state="failed")
+        later = database_now() + MINUTE
+        with connection.cursor() as cur:
+            history.ensure(cur, "failed", later - timedelta(days=1), later + timedelta(days=1))
+
+        def body(i: int) -> Any:
+            if i == 0:
+                return history.archive(batch_size=1, now=later)
+            return queue.enqueue(job("race-key")).id
+
+        results = threads(9, body)
+
+    ids = set(results[1:])
+    assert len(ids) == 1 and old not in ids, results
+    live = Job.objects.filter(job_id="race-key", key_held=True)
+    assert [row.pk for row in live] == list(ids)
+    assert where(old) in ("history", "jobs")  # moved now or at the next pass, never lost
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_row_is_always_in_exactly_one_table_while_the_archive_runs(threads):
+    """Readers never see a moving row in both tables or in neither (one statement).
+
+    Read at one snapshot (REPEATABLE READ), the row count of jobs plus history is constant
+    while the archive moves everything in small batches.
+    """
+    ids = finish(*[job() for _ in range(200)])
+    later = database_now() + MINUTE
+    with connection.cursor() as cur:
+        history.ensure(cur, "succeeded", later - HOUR, later)
+    stop = threading.Event()
+
+    def body(i: int) -> Any:
+        if i == 0:
+            try:
+                while history.archive(batch_size=7, max_batches=1, now=later):
+                    pass
+            finally:
+                stop.set()
+            return None
+        seen = []
+        while not stop.is_set():
+            with transaction.atomic(), connection.cursor() as cur:
+                cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                cur.execute(
+                    "SELECT (SELECT count(*) FROM jobs_job WHERE id = ANY(%s)) + "
+                    "(SELECT count(*) FROM jobs_jobhistory WHERE id = ANY(%s))",
+                    [ids, ids],
+                )
+                seen.append(cur.fetchone()[0])
+        return seen
+
+    results = threads(3, body, timeout=120)
+    counts = {n for seen in results[1:] for n in seen}
+    assert counts == {200}, counts
+    assert JobHistory.objects.filter(pk__in=ids).count() == 200
+
+
+@pytest.mark.django_db
+def test_retention_never_drops_a_partition_holding_a_row_inside_its_retention():
+    """A kept row survives every drop until its own retention has passed."""
+    (pk,) = finish(job(), state="failed")
+    now = database_now()
+    history.archive(now=now + 2 * MINUTE)
+    row = JobHistory.objects.get(pk=pk)
+    retention = timedelta(days=14)
+    for offset in (timedelta(0), timedelta(days=13), retention - timedelta(seconds=1)):
+        history.drop_expired(now=row.finished_at + offset)
+        assert where(pk) == "history", offset
+    # once the partition's end is past, it goes (a day at most after the row's retention)
+    history.drop_expired(now=_floor(row.finished_at, timedelta(days=1)) + timedelta(days=15))
+    assert where(pk) == "gone"
