@@ -123,7 +123,7 @@ def _released(raw: _BoundCursor) -> bool:
     this psycopg cannot, and the cursor is closed instead.
 
     psycopg offers no public call for it short of ``close()``: these are the steps close
-    takes first (``tests/integration/test_bound_cursor.py`` holds them to it).
+    takes first (``tests/integration/queue/test_bound_cursor.py`` holds them to it).
     """
     try:
         raw._reset()
