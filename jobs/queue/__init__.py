@@ -27,6 +27,7 @@ them writes the jobs table itself.
 from jobs.queue import (
     attempts,
     batches,
+    bound,
     dependencies,
     flow,
     history,
@@ -101,6 +102,7 @@ __all__ = [
     "attempts",
     "backlog",
     "batches",
+    "bound",
     "cancel",
     "cancel_active",
     "cancel_running",

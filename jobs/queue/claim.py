@@ -30,8 +30,9 @@ from django.db import DEFAULT_DB_ALIAS
 
 from jobs.core.conf import jobs_settings
 from jobs.core.progress import Progress
-from jobs.queue import _db, attempts, flow, pauses, processes, rollup, text
+from jobs.queue import _db, attempts, bound, flow, pauses, processes, rollup, text
 from jobs.queue._arrays import array
+from jobs.queue.bound import RunRows
 from jobs.queue.outcomes import report_json
 from jobs.queue.types import (
     AllTenants,
@@ -481,6 +482,7 @@ def renew_leases(
     lease: timedelta | None = None,
     beat: ProcessBeat | None = None,
     progress: Mapping[UUID, Progress] | None = None,
+    runs: RunRows | None = None,
     using: str = DEFAULT_DB_ALIAS,
 ) -> Renewal:
     """Extend the leases of held jobs and refresh the process's row, in one statement.
@@ -490,6 +492,10 @@ def renew_leases(
     ``progress`` holds the handlers' reports not written yet (:mod:`jobs.core.progress`), by
     claim token: each goes to its row in the same UPDATE, which stays a HOT update (the
     column is in no index); ``Renewal.unsent`` names those that were not written.
+
+    ``runs`` names the bound run rows of the jobs, by claim token: those of the leases not
+    lost get their heartbeat after the renewal (:func:`jobs.queue.bound.beat`; a table whose
+    update fails is in ``Renewal.runs_failed``).
     """
     if not jobs and beat is None:
         return Renewal()
@@ -550,12 +556,14 @@ def renew_leases(
         rows = cur.fetchall()
     lost = frozenset(token for token, lost, _, _ in rows if lost)
     unrenewed = frozenset(token for token, _, _, flag in rows if flag)
+    kept = [row for token, row in (runs or {}).items() if token not in lost]
     return Renewal(
         lost=lost,
         cancel_requested=frozenset(token for token, lost, asked, _ in rows if asked and not lost),
         beat_missed=any(token is None for token, _, _, _ in rows),
         unsent=unrenewed & frozenset(progress or ()),
         skipped=unrenewed - lost,
+        runs_failed=tuple(bound.beat(kept, using=using)) if kept else (),
     )
 
 

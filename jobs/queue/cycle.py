@@ -22,11 +22,13 @@ import re
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
-from django.db import DEFAULT_DB_ALIAS
+from django.db import DEFAULT_DB_ALIAS, transaction
 
-from jobs.queue import _db, flow, rollup
+from jobs.queue import _db, bound, flow, rollup
+from jobs.queue.bound import RunRows
 from jobs.queue.claim import (
     TIERED_FORM,
+    claim,
     claim_parts,
     claim_update,
     claimed_jobs,
@@ -251,14 +253,33 @@ def record_and_claim(
     count: bool = True,
     limits: Mapping[str, FlowLimits] | None = None,
     after: Mapping[str, str] | None = None,
+    runs: RunRows | None = None,
     using: str = DEFAULT_DB_ALIAS,
 ) -> tuple[OutcomeReport, list[ClaimedJob]]:
     """Write ``outcomes`` and claim as :func:`~jobs.queue.claim` would, in one statement.
 
     Outside a transaction the statement is its own (autocommit); inside one it joins it. The
     report and the claimed jobs are what :func:`~jobs.queue.record` and
-    :func:`~jobs.queue.claim` would return; ``count`` is :func:`~jobs.queue.record`'s.
+    :func:`~jobs.queue.claim` would return; ``count`` and ``runs`` are
+    :func:`~jobs.queue.record`'s.
+
+    Outcomes that drive bound run rows (``runs``) move those rows in the same transaction
+    (:mod:`jobs.queue.bound`): such a pass is the outcome write, the rows' updates and the
+    claim, three statements in one transaction.
     """
+    if bound.involved(outcomes, runs):
+        with transaction.atomic(using=using):
+            report = record(outcomes, count=count, wait=False, runs=runs, using=using)
+            return report, claim(
+                requests,
+                scope=scope,
+                limit=limit,
+                lease=lease,
+                worker=worker,
+                limits=limits,
+                after=after,
+                using=using,
+            )
     parts = claim_parts(
         requests,
         scope=scope,

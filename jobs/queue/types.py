@@ -336,6 +336,8 @@ class Renewal:
     unsent: frozenset[UUID] = frozenset()
     # Held rows another session had locked: not renewed this time, nor lost.
     skipped: frozenset[UUID] = frozenset()
+    # Bound run tables whose heartbeat update failed after the renewal: (label, error).
+    runs_failed: tuple[tuple[str, Exception], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

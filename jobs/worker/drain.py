@@ -13,12 +13,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from django.db import transaction
-
 from jobs import queue
 from jobs.queue import Outcome
 from jobs.worker import metrics
-from jobs.worker.execution import Running, sync_run_rows
+from jobs.worker.execution import Running, run_rows
 
 if TYPE_CHECKING:
     import threading
@@ -152,16 +150,9 @@ class Draining:
         if not handed:
             return
         try:
-            using = self.config.database
-            with transaction.atomic(using=using):
-                report = queue.release([r.job for r in handed], using=using)
-                sync_run_rows(
-                    [
-                        (r, report.as_written(Outcome.released(r.job)))
-                        for r in handed
-                        if r.job.claim_token in report.applied_tokens
-                    ]
-                )
+            report = queue.release(
+                [r.job for r in handed], runs=run_rows(handed), using=self.config.database
+            )
         except Exception:
             logger.exception("could not release jobs at shutdown; their leases will expire")
             return

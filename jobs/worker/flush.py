@@ -20,14 +20,12 @@ import logging
 from uuid import UUID
 
 from django.db import Error as DjangoDbError
-from django.db import transaction
 
 from jobs import queue
-from jobs.db import bounds as dbbounds
 from jobs.db.sqlstate import one_line, refused_data, transient, unreachable
 from jobs.queue import Outcome, OutcomeReport
 from jobs.runs import ErrorCode
-from jobs.worker.execution import Running, sync_run_rows
+from jobs.worker.execution import Running, run_rows
 
 logger = logging.getLogger("jobs.worker")
 
@@ -153,10 +151,7 @@ def _write_one_retrying(running: Running, outcome: Outcome) -> str:
 
 def _write_one(running: Running, outcome: Outcome) -> str:
     """``applied``, ``fenced`` or ``busy`` (the row is locked by another session)."""
-    using = running.ctx.using
-    with transaction.atomic(using=using):
-        dbbounds.wait_for_locks(LOCK_WAIT, using=using)
-        report = queue.record([outcome], using=using)
-        if report.applied:
-            sync_run_rows([(running, report.as_written(outcome))])
+    report = queue.record(
+        [outcome], lock_wait=LOCK_WAIT, runs=run_rows([running]), using=running.ctx.using
+    )
     return "applied" if report.applied else "busy" if report.busy else "fenced"

@@ -31,7 +31,7 @@ from functools import partial
 from uuid import UUID
 
 from django.db import Error as DbError
-from django.db import connections, transaction
+from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from jobs import queue
@@ -51,7 +51,7 @@ from jobs.worker.execution import (
     execute,
     failure_outcome,
     make_context,
-    sync_run_rows,
+    run_rows,
 )
 from jobs.worker.flush import write_one_by_one
 from jobs.worker.history import History
@@ -163,6 +163,8 @@ class Worker(Draining):
         self._on_terminal = on_terminal_failure
         # The types bound to this worker's database and the unbound ones (jobs.catalogue.routing).
         self._names = list(databases.served(registry, self.config.database))
+        # Whether any of them drives a bound run row (the queue moves it with the outcome).
+        self._bound = any(registry[name].policy.run_model is not None for name in self._names)
         # Flow controls held by the claim (jobs.queue.flow): each type's limits, its gate row
         # made once, each tenant-ordered type's cursor, and when a type held back by its
         # limits is worth another try (with the streak of empty tries that set it).
@@ -482,23 +484,9 @@ class Worker(Draining):
     def _write_and_claim(
         self, outcomes: list[tuple[Running, Outcome]], requests: list[ClaimRequest]
     ) -> tuple[OutcomeReport | None, list[ClaimedJob]]:
-        """Outcomes and the next claim together: one commit per loop pass.
-
-        Usually one statement (:func:`jobs.queue.record_and_claim`). Outcomes of job types
-        with a bound run table also update their run rows in the same transaction, so such a
-        pass runs its statements inside one instead.
-        """
-        if any(r.job_type.policy.run_model is not None for r, _ in outcomes):
-            with transaction.atomic(using=self.config.database):
-                report = queue.record(
-                    [o for _, o in outcomes], count=False, wait=False, using=self.config.database
-                )
-                sync_run_rows(
-                    [(r, report.as_written(o)) for r, o in outcomes if report.was_applied(o)]
-                )
-                claimed = self._claim(requests) if requests else []
-            self._history.count(outcomes, report)  # committed
-            return report, claimed
+        """Outcomes and the next claim together: one commit per loop pass
+        (:func:`jobs.queue.record_and_claim`; the bound run rows of the outcomes move with
+        them, in the same transaction)."""
         with self._lock:
             free = self._capacity() - self._in_flight
         report, claimed = queue.record_and_claim(
@@ -511,6 +499,7 @@ class Worker(Draining):
             count=False,
             limits=self._limits,
             after=self._cursors,
+            runs=run_rows(r for r, _ in outcomes) if self._bound else None,
             using=self.config.database,
         )
         self._history.count(outcomes, report)

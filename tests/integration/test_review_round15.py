@@ -18,7 +18,7 @@ from django.core.management import CommandError, call_command
 from django.db import connection, transaction
 
 from jobs import JobContext, Payload, RetryAfter, enqueue, queue
-from jobs.catalogue.registry import Backoff, JobType, Policy, Registry, get_registry
+from jobs.catalogue.registry import Backoff, JobType, Policy, Registry
 from jobs.control import cancels
 from jobs.models import Job, Pause, TenantOverride
 from jobs.queue import (
@@ -30,12 +30,12 @@ from jobs.queue import (
     Outcome,
     ProcessBeat,
     attempts,
+    bound,
     processes,
 )
-from jobs.runs import mark_running
+from jobs.queue.bound import RunRow
 from jobs.scheduler.watchdog import Watchdog
 from jobs.worker.config import WorkerConfig
-from jobs.worker.execution import Running, make_context, sync_run_rows
 from jobs.worker.runner import Worker
 from tests.acceptance.conftest import wait_for
 from tests.integration.test_admin_factories import operator
@@ -242,7 +242,7 @@ def test_bug_a_cancelled_bound_job_whose_lease_expired_leaves_its_run_row_runnin
     row = Delivery.objects.create(job_id="expired-cancel")
     done = enqueue(DeliverV1(run_id=row.pk))
     [job] = claim((DeliverV1.job_name,))
-    mark_running(Delivery, row.pk, attempt=1)  # the handler thread's first step
+    bound.started(RunRow(Delivery, row.pk), attempt=1)  # the handler thread's first step
     queue.cancel_running([job.id], by="alice")
     expire(job.id)  # the worker died
 
@@ -254,22 +254,15 @@ def test_bug_a_cancelled_bound_job_whose_lease_expired_leaves_its_run_row_runnin
     assert (row.state, row.last_error) == ("cancelled", "cancelled")
 
 
-def _held(job, run_pk) -> Running:
-    job_type = get_registry()[job.name]
-    held = Running(job, job_type, make_context(job, job_type))
-    held.run_pk = run_pk
-    return held
-
-
 @pytest.mark.django_db
 @pytest.mark.parametrize("outcome", ["retry", "released"])
 def test_bug_a_cancelled_bound_job_leaves_its_run_row_queued(outcome):
-    """The worker's own sequence (runner._write_and_claim, drain._release): write the outcomes,
-    then move the run rows of those applied, as they were written."""
+    """The worker's own sequence (the pass, the drain's hand-back): the queue writes the
+    outcomes, then moves the run rows of those applied, as they were written."""
     row = Delivery.objects.create(job_id=f"cancel-{outcome}")
     enqueue(DeliverV1(run_id=row.pk))
     [job] = claim((DeliverV1.job_name,))
-    mark_running(Delivery, row.pk, attempt=1)
+    bound.started(RunRow(Delivery, row.pk), attempt=1)
     queue.cancel_running([job.id], by="alice")  # before the worker's next renewal
     made = (
         Outcome.retry(job, code="handler_error", delay=60)
@@ -277,11 +270,8 @@ def test_bug_a_cancelled_bound_job_leaves_its_run_row_queued(outcome):
         else Outcome.released(job)
     )
 
-    with transaction.atomic():
-        report = queue.record([made])
-        # As the worker does: the run row follows the outcome as written (report.as_written).
-        written = report.as_written(made)
-        sync_run_rows([(_held(job, row.pk), written)] if report.was_applied(made) else [])
+    # As the worker does: the run row follows the outcome as written (report.as_written).
+    queue.record([made], runs={job.claim_token: RunRow(Delivery, row.pk)})
 
     assert row_of(job.id).state == "cancelled"
     row.refresh_from_db()

@@ -12,12 +12,11 @@ import pytest
 from django.utils import timezone
 
 from jobs import enqueue, queue
-from jobs.catalogue.registry import get_registry
 from jobs.models import Job
 from jobs.queue import AllTenants, ClaimRequest, Outcome
+from jobs.queue.bound import RunRow
 from jobs.scheduler.watchdog import Watchdog
 from jobs.testing import run_worker
-from jobs.worker.execution import Running, make_context, sync_run_rows
 from tests.runapp.jobs import DeliverV1
 from tests.runapp.models import Delivery
 
@@ -38,11 +37,9 @@ def claim_one() -> queue.ClaimedJob:
     return job
 
 
-def running_for(job: queue.ClaimedJob, row: Delivery) -> Running:
-    job_type = get_registry()[job.name]
-    held = Running(job, job_type, make_context(job, job_type))
-    held.run_pk = row.pk
-    return held
+def runs_of(job: queue.ClaimedJob, row: Delivery) -> dict:
+    """The run row the worker names for ``job``, as it passes it to the queue's writes."""
+    return {job.claim_token: RunRow(Delivery, row.pk)}
 
 
 def test_success_retry_and_failure_move_the_row():
@@ -72,13 +69,12 @@ def test_a_fenced_release_leaves_the_new_owners_row_alone():
     queue.requeue_expired()
     owner = claim_one()
 
-    report = queue.release([stale])  # the stale worker hands back what it no longer holds
-    sync_run_rows([(running_for(stale, row), Outcome.released(stale)) for _ in report.applied])
+    # The stale worker hands back what it no longer holds.
+    report = queue.release([stale], runs=runs_of(stale, row))
     assert report.fenced == (stale.id,)
     assert state(row) == ("running", "")
 
-    assert queue.complete(owner)
-    sync_run_rows([(running_for(owner, row), Outcome.succeeded(owner))])
+    assert queue.record([Outcome.succeeded(owner)], runs=runs_of(owner, row)).applied
     assert state(row) == ("succeeded", "")
 
 
@@ -147,8 +143,7 @@ def test_a_shutdown_hand_back_queues_the_row():
     job = claim_one() if enqueue(DeliverV1(run_id=row.pk)) else None
     Delivery.objects.filter(pk=row.pk).update(state="running")
 
-    report = queue.release([job])
-    sync_run_rows([(running_for(job, row), Outcome.released(job))])
+    report = queue.release([job], runs=runs_of(job, row))
 
     assert report.applied == (job.id,)
     assert state(row)[0] == "queued"
