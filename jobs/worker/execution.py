@@ -1,5 +1,7 @@
 """Run one claimed job and decide its outcome (the outcome table).
 
+Over 400 lines: the outcome table and every step that decides it are read in one place.
+
 =================================  =========================================  =================
 what happened                      next state                                 last_error
 =================================  =========================================  =================
@@ -97,7 +99,7 @@ class Running:
     # worker's, usually for a moment; a long transaction on jobs_job, if it goes on).
     busy_passes: int = 0
     # Its outcome met a lock or statement timeout: it is written alone from then on
-    # (jobs.worker.flush), never again in a pass statement it could hold up.
+    # (jobs.worker.completer), never again in a pass statement it could hold up.
     contended: bool = False
 
 

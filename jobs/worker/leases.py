@@ -144,7 +144,7 @@ class LeaseKeeper:
         for running in self._held():
             ctx = running.ctx
             try:  # a handler may have assigned nonsense to its context's fields
-                # A held job's clock starts with its handler (Worker._start), not its claim.
+                # A held job's clock starts with its handler (jobs.worker.slots), not its claim.
                 overran = (
                     running.started
                     and not running.finished

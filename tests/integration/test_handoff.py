@@ -23,11 +23,13 @@ from hypothesis import strategies as st
 from jobs import enqueue
 from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job
+from jobs.worker import handoff
 from jobs.worker import pool as pool_module
 from jobs.worker import runner as runner_module
 from jobs.worker.config import WorkerConfig
+from jobs.worker.handoff import BLOCKED, thread_held
 from jobs.worker.pool import HandlerPool
-from jobs.worker.runner import BLOCKED, Worker, thread_held
+from jobs.worker.runner import Worker
 from tests.acceptance.conftest import wait_for
 from tests.worker_support import Recorder, Step, registry
 
@@ -130,21 +132,23 @@ def test_a_freed_slot_is_claimed_with_the_outcomes_waiting_not_before(monkeypatc
         ),
     )
     took_at = [0.0]
-    take_acks = worker._take_acks
+    take_acks = worker.completer.take
 
     def timed_take(now):
         took_at[0] = time.monotonic()
         return take_acks(now)
 
-    monkeypatch.setattr(worker, "_take_acks", timed_take)
+    monkeypatch.setattr(worker.completer, "take", timed_take)
     alone: list[int] = []
     passes: list[tuple[int, int]] = []
     record_and_claim = runner_module.queue.record_and_claim
 
     def watched(outcomes, requests, **kwargs):
         asked = sum(r.limit for r in requests)
-        with worker._lock:
-            waited = worker._first_ack_at is not None and worker._first_ack_at < took_at[0]
+        with worker.slots.lock:
+            waited = (
+                worker.completer.first_at is not None and worker.completer.first_at < took_at[0]
+            )
         if asked and not outcomes and waited:
             alone.append(asked)
         passes.append((len(outcomes), asked))
@@ -381,7 +385,7 @@ def test_a_handlers_cpu_time_is_read_at_most_once_a_job(monkeypatch):
 
     threads = set(reads)
     assert len(reads) <= jobs_run + len(threads), (len(reads), threads)
-    assert worker._held_run is not None  # and the hand-off still has its figure
+    assert worker.slots.times.shortest is not None  # and the hand-off still has its figure
 
 
 def _drain_steps(count: int, seconds: float, concurrency: int) -> Worker:
@@ -408,7 +412,7 @@ def test_short_handlers_read_their_threads_cpu_clock_once_an_interval_not_once_a
     first job, then only once ``CPU_SAMPLE_INTERVAL`` has passed since it last did, or after
     a job that ran that long. With the interval made a minute, each thread reads it for its
     first job only (twice: at its start and end)."""
-    monkeypatch.setattr(runner_module, "CPU_SAMPLE_INTERVAL", 60.0)
+    monkeypatch.setattr(handoff, "CPU_SAMPLE_INTERVAL", 60.0)
     reads = _count_cpu_clock_reads(monkeypatch)
     _drain_steps(200, 0.0, concurrency=4)
     assert len(reads) <= 2 * 4, len(reads)
@@ -418,9 +422,9 @@ def test_short_handlers_read_their_threads_cpu_clock_once_an_interval_not_once_a
 def test_handlers_that_run_longer_than_the_interval_are_each_measured(monkeypatch):
     """A job that ran at least ``CPU_SAMPLE_INTERVAL`` makes its thread measure the next one:
     handlers waiting on I/O keep teaching the hand-off how long they hold their thread."""
-    monkeypatch.setattr(runner_module, "CPU_SAMPLE_INTERVAL", 0.002)
+    monkeypatch.setattr(handoff, "CPU_SAMPLE_INTERVAL", 0.002)
     worker = _drain_steps(12, 0.008, concurrency=1)
     # One thread, one job at a time: every job measured (the first as the thread's first),
     # each holding its thread for its whole wait (longer than BLOCKED).
-    assert len(worker._recent_held) == 12, list(worker._recent_held)
-    assert min(worker._recent_held) >= 0.008
+    assert len(worker.slots.times.recent) == 12, list(worker.slots.times.recent)
+    assert min(worker.slots.times.recent) >= 0.008

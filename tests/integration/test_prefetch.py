@@ -22,7 +22,8 @@ from jobs.models import Job
 from jobs.queue import ClaimedJob
 from jobs.worker.config import WorkerConfig
 from jobs.worker.execution import Running, make_context
-from jobs.worker.runner import PREFETCH_HORIZON, Worker
+from jobs.worker.handoff import PREFETCH_HORIZON
+from jobs.worker.runner import Worker
 from tests.worker_support import Echo, Recorder, Step, registry, scripted
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -275,7 +276,7 @@ def test_async_jobs_waiting_for_a_slot_end_in_turn_when_the_loop_is_gone():
         def call_soon_threadsafe(self, *args):
             raise RuntimeError("Event loop is closed")
 
-    worker._pool = type("Pool", (), {"event_loop": type("L", (), {"loop": GoneLoop()})()})()
+    worker.executor.pool = type("Pool", (), {"event_loop": type("L", (), {"loop": GoneLoop()})()})()
     token = uuid.uuid4()
     waiting = [
         Running(
@@ -288,16 +289,16 @@ def test_async_jobs_waiting_for_a_slot_end_in_turn_when_the_loop_is_gone():
         for n in range(3_001)
     ]
     running, *rest = waiting
-    with worker._lock:
-        worker._in_flight = len(waiting)
-        worker._in_flight_by_name[echo.name] = len(waiting)
-        assert worker._slot_taken(running)
+    with worker.slots.lock:
+        worker.slots.in_flight = len(waiting)
+        worker.slots.by_name[echo.name] = len(waiting)
+        assert worker.slots.take(running)
         for job in rest:
-            assert not worker._slot_taken(job)
+            assert not worker.slots.take(job)
 
-    worker._finished(running, None)
+    worker.executor.finished(running, None)
 
-    assert worker._in_flight == 0 and worker.handlers_running == 0 and not worker._waiting
-    failed = [outcome for _, outcome in worker._acks if outcome is not None]
+    assert worker.slots.in_flight == 0 and worker.handlers_running == 0 and not worker.slots.waiting
+    failed = [outcome for _, outcome in worker.completer.acks if outcome is not None]
     assert len(failed) == len(rest)
     assert {o.code for o in failed} == {"handler_error"}

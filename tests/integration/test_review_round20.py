@@ -22,6 +22,8 @@ from tests.worker_support import fake_held_job
 
 enqueue_module = importlib.import_module("jobs.queue.enqueue")
 runner_module = importlib.import_module("jobs.worker.runner")
+executor_module = importlib.import_module("jobs.worker.executor")
+handoff_module = importlib.import_module("jobs.worker.handoff")
 COPY_AT_LEAST = enqueue_module.COPY_AT_LEAST
 NAME = "hostile.a.v1"
 
@@ -64,17 +66,17 @@ def test_a_handlers_held_time_does_not_count_the_threads_cpu_between_jobs(monkey
     from jobs.catalogue.registry import Registry
 
     worker = runner_module.Worker(Registry())
-    monkeypatch.setattr(runner_module, "execute", lambda running, **kwargs: None)
+    monkeypatch.setattr(executor_module, "execute", lambda running, **kwargs: None)
 
     def on_handler_thread() -> None:
-        worker._execute(_fake_running(1))
+        worker.executor.run_on_thread(_fake_running(1))
         _burn(0.3)  # the pool thread serves something else between the two jobs
-        worker._execute(_fake_running(2))
+        worker.executor.run_on_thread(_fake_running(2))
 
     thread = threading.Thread(target=on_handler_thread)
     thread.start()
     thread.join()
-    _first, second = list(worker._recent_held)
+    _first, second = list(worker.slots.times.recent)
     assert second < 0.1, f"an instant handler counted as holding its thread {second:.3f}s"
 
 
@@ -175,25 +177,25 @@ def test_cpu_a_pool_thread_spends_on_another_task_is_not_a_jobs(monkeypatch):
     from jobs.worker.pool import HandlerPool
 
     worker = runner_module.Worker(Registry())
-    monkeypatch.setattr(runner_module, "execute", lambda running, **kwargs: None)
+    monkeypatch.setattr(executor_module, "execute", lambda running, **kwargs: None)
     # Every job measured (a thread now reads its CPU clock once per CPU_SAMPLE_INTERVAL):
     # what is pinned here is the chained read of the jobs that are.
-    monkeypatch.setattr(runner_module, "CPU_SAMPLE_INTERVAL", 0.0)
-    pool = worker._pool = HandlerPool(1)
+    monkeypatch.setattr(handoff_module, "CPU_SAMPLE_INTERVAL", 0.0)
+    pool = worker.executor.pool = HandlerPool(1)
     done = threading.Event()
     try:
         pool.submit_many(
             [
-                lambda: worker._execute(_fake_running(1)),
-                lambda: worker._execute(_fake_running(2)),
+                lambda: worker.executor.run_on_thread(_fake_running(1)),
+                lambda: worker.executor.run_on_thread(_fake_running(2)),
                 lambda: _burn(0.3),
-                lambda: worker._execute(_fake_running(3)),
+                lambda: worker.executor.run_on_thread(_fake_running(3)),
                 done.set,
             ]
         )
         assert done.wait(10)
     finally:
         assert pool.shutdown(timeout=5)
-    _first, back_to_back, after_other_task = worker._recent_held
+    _first, back_to_back, after_other_task = worker.slots.times.recent
     assert after_other_task < 0.1, f"an instant handler held its thread {after_other_task:.3f}s"
     assert back_to_back < 0.1

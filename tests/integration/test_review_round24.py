@@ -43,11 +43,13 @@ from hypothesis import strategies as st
 from jobs import Payload, enqueue
 from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job
+from jobs.worker import executor as executor_module
+from jobs.worker import handoff
 from jobs.worker import pool as pool_module
-from jobs.worker import runner as runner_module
 from jobs.worker.config import WorkerConfig
+from jobs.worker.handoff import CPU_SAMPLE_INTERVAL
 from jobs.worker.pool import STALL_AFTER, HandlerPool
-from jobs.worker.runner import CPU_SAMPLE_INTERVAL, Worker
+from jobs.worker.runner import Worker
 from tests.integration.test_handoff import draw_batches, run_batches
 from tests.worker_support import Step, fake_held_job, running_worker, wait_for
 
@@ -371,21 +373,23 @@ def bare_worker() -> Worker:
 
 
 def fake_running(work) -> SimpleNamespace:
-    """What ``_execute`` and ``_finished`` read of a held job; ``work`` is its handler."""
+    """What ``run_on_thread`` and ``finished`` read of a held job; ``work`` is its handler."""
     return fake_held_job("test.step.v1", work=work)
 
 
 def recorded(worker: Worker, monkeypatch) -> list[tuple[float | None, float | None]]:
-    """(ran, held) of each job ``_execute`` finishes; the handler is ``running.work``."""
-    monkeypatch.setattr(runner_module, "execute", lambda running, **kwargs: running.work() and None)
+    """(ran, held) of each job ``run_on_thread`` finishes; the handler is ``running.work``."""
+    monkeypatch.setattr(
+        executor_module, "execute", lambda running, **kwargs: running.work() and None
+    )
     seen: list[tuple[float | None, float | None]] = []
-    finished = worker._finished
+    finished = worker.executor.finished
 
     def record(running, outcome, *, ran=None, held=None) -> None:
         seen.append((ran, held))
         finished(running, outcome, ran=ran, held=held)
 
-    worker._finished = record  # type: ignore[method-assign]
+    worker.executor.finished = record  # type: ignore[method-assign]
     return seen
 
 
@@ -401,24 +405,24 @@ def test_execute_outside_run_has_no_pool_and_measures_by_the_interval(monkeypatc
     no exception; the thread's first job is measured, the next ones within the interval are
     not, the one after a job that ran the interval is; every job counts in the mean run
     time prefetch goes by; a second thread keeps its own state."""
-    monkeypatch.setattr(runner_module, "CPU_SAMPLE_INTERVAL", 0.1)  # ample on a busy machine
+    monkeypatch.setattr(handoff, "CPU_SAMPLE_INTERVAL", 0.1)  # ample on a busy machine
     worker = bare_worker()
     assert not hasattr(worker, "_pool")
     seen = recorded(worker, monkeypatch)
-    worker._execute(fake_running(lambda: None))
-    worker._execute(fake_running(lambda: None))
-    worker._execute(fake_running(lambda: time.sleep(0.1)))
-    worker._execute(fake_running(lambda: None))
+    worker.executor.run_on_thread(fake_running(lambda: None))
+    worker.executor.run_on_thread(fake_running(lambda: None))
+    worker.executor.run_on_thread(fake_running(lambda: time.sleep(0.1)))
+    worker.executor.run_on_thread(fake_running(lambda: None))
     measured = [held is not None for _, held in seen]
     assert measured[0] and not measured[1] and measured[3], seen
     assert all(ran is not None for ran, _ in seen)
-    assert worker._mean_run is not None and worker._mean_run > 0.0005
+    assert worker.slots.times.mean is not None and worker.slots.times.mean > 0.0005
 
     other: list[BaseException] = []
 
     def on_another_thread() -> None:
         try:
-            worker._execute(fake_running(lambda: None))
+            worker.executor.run_on_thread(fake_running(lambda: None))
         except BaseException as exc:  # pragma: no cover - the failure reported below
             other.append(exc)
 
@@ -434,7 +438,7 @@ def test_a_handed_back_job_leaves_the_threads_measuring_state_alone(monkeypatch)
     still reads the clock afresh (the task number moved on) and nothing raises."""
     worker = bare_worker()
     seen = recorded(worker, monkeypatch)
-    pool = worker._pool = HandlerPool(1)
+    pool = worker.executor.pool = HandlerPool(1)
     try:
         long_job = fake_running(lambda: time.sleep(CPU_SAMPLE_INTERVAL + 0.002))
         handed = fake_running(lambda: burn(0.05))
@@ -442,9 +446,9 @@ def test_a_handed_back_job_leaves_the_threads_measuring_state_alone(monkeypatch)
         after = fake_running(lambda: None)
         pool.submit_many(
             [
-                lambda: worker._execute(long_job),
-                lambda: worker._execute(handed),
-                lambda: worker._execute(after),
+                lambda: worker.executor.run_on_thread(long_job),
+                lambda: worker.executor.run_on_thread(handed),
+                lambda: worker.executor.run_on_thread(after),
             ]
         )
         wait_for(lambda: len(seen) == 2, what="two jobs finished")
@@ -481,10 +485,10 @@ def test_a_measured_job_never_counts_another_tasks_cpu_and_long_ones_are_followe
     CPU time is read from the previous task's end only when that task was a measured job,
     so no measured job counts more CPU than it ran; the thread's first job and every job
     after one that ran the interval are measured; every job counts in the mean."""
-    monkeypatch.setattr(runner_module, "CPU_SAMPLE_INTERVAL", 0.003)
+    monkeypatch.setattr(handoff, "CPU_SAMPLE_INTERVAL", 0.003)
     worker = bare_worker()
     seen = recorded(worker, monkeypatch)
-    pool = worker._pool = HandlerPool(1)
+    pool = worker.executor.pool = HandlerPool(1)
     work = {
         "quick": lambda: None,
         "burn": lambda: burn(0.002),
@@ -501,7 +505,7 @@ def test_a_measured_job_never_counts_another_tasks_cpu_and_long_ones_are_followe
                 pool.submit(lambda: (burn(0.006), steps.append(1)))
             else:
                 running = fake_running(work[kind])
-                pool.submit(lambda running=running: worker._execute(running))
+                pool.submit(lambda running=running: worker.executor.run_on_thread(running))
                 jobs += 1
         wait_for(lambda: len(seen) == jobs and pool.busy == 0, what="every task run")
     finally:
@@ -511,7 +515,7 @@ def test_a_measured_job_never_counts_another_tasks_cpu_and_long_ones_are_followe
         assert held is None or held <= ran + 0.001, seen
     if seen:
         assert seen[0][1] is not None, seen  # the thread's first job
-        assert worker._mean_run is not None
+        assert worker.slots.times.mean is not None
     for (ran, _), (_, held_next) in itertools.pairwise(seen):
         if ran >= 0.003:
             assert held_next is not None, seen
@@ -552,8 +556,8 @@ def test_a_long_handler_after_a_burst_of_short_ones_is_learned(caplog):
         WorkerConfig(install_signal_handlers=False, concurrency=2, poll_interval=0.05),
     )
     worker.run(until=lambda w: w.idle and all_done())
-    assert len(worker._recent_held) == runner_module.RECENT_RUNS
-    assert min(worker._recent_held) >= 0.012, sorted(worker._recent_held)[:5]
+    assert len(worker.slots.times.recent) == handoff.RECENT_RUNS
+    assert min(worker.slots.times.recent) >= 0.012, sorted(worker.slots.times.recent)[:5]
     assert "worker error" not in caplog.text
 
 
@@ -577,18 +581,18 @@ def test_async_jobs_borrowing_threads_between_sync_ones_break_no_measurement(cap
         WorkerConfig(install_signal_handlers=False, concurrency=3, poll_interval=0.05),
     )
     seen: list[tuple[float | None, float | None]] = []
-    finished = worker._finished
+    finished = worker.executor.finished
 
     def record(running, outcome, *, ran=None, held=None) -> None:
         seen.append((ran, held))
         finished(running, outcome, ran=ran, held=held)
 
-    monkeypatch.setattr(worker, "_finished", record)
+    monkeypatch.setattr(worker.executor, "finished", record)
     worker.run(until=lambda w: w.idle and all_done())
     measured = [(ran, held) for ran, held in seen if held is not None]
     assert measured and len(seen) == 60
     assert all(held <= ran + 0.001 for ran, held in measured), measured
-    assert worker.handlers_running == 0 and worker._in_flight == 0
+    assert worker.handlers_running == 0 and worker.slots.in_flight == 0
     assert "worker error" not in caplog.text
     assert "handler task crashed" not in caplog.text
 
@@ -598,7 +602,7 @@ def test_prefetch_goes_by_every_jobs_run_time_measured_or_not(monkeypatch):
     """With the interval made a minute, only each thread's first job is measured; prefetch's
     mean run time still takes every job: short handlers get prefetch, and once handlers run
     50 ms it is gone (the worker holds no job beyond its threads)."""
-    monkeypatch.setattr(runner_module, "CPU_SAMPLE_INTERVAL", 60.0)
+    monkeypatch.setattr(handoff, "CPU_SAMPLE_INTERVAL", 60.0)
     worker = Worker(
         Registry([JobType(Step, sync_step, Policy(concurrency=None))]),
         WorkerConfig(install_signal_handlers=False, concurrency=2, poll_interval=0.05, prefetch=20),
@@ -610,16 +614,16 @@ def test_prefetch_goes_by_every_jobs_run_time_measured_or_not(monkeypatch):
     capacities: list[tuple[int, int]] = []  # (capacity, jobs succeeded) after each pass
 
     def until(w: Worker) -> bool:
-        with w._lock:
-            capacity = w._capacity()
+        with w.slots.lock:
+            capacity = w.slots.capacity()
         capacities.append((capacity, Job.objects.filter(state="succeeded").count()))
         return w.idle and all_done()
 
     worker.run(until=until)
-    assert len(worker._recent_held) <= 2  # each thread's first job only
+    assert len(worker.slots.times.recent) <= 2  # each thread's first job only
     assert max(c for c, done in capacities if done < 80) > 2  # short handlers: prefetched
-    with worker._lock:
-        assert worker._capacity() == 2, worker._mean_run  # long ones: no prefetch
+    with worker.slots.lock:
+        assert worker.slots.capacity() == 2, worker.slots.times.mean  # long ones: no prefetch
 
 
 @pytest.mark.django_db(transaction=True)
@@ -635,7 +639,7 @@ def test_a_drain_of_a_prefetching_worker_leaks_no_slot():
     assert time.monotonic() - began < 5
     states = set(Job.objects.filter(pk__in=[j.id for j in jobs]).values_list("state", flat=True))
     assert states <= {"succeeded", "queued"}, states
-    assert worker._in_flight == 0 and worker.handlers_running == 0
+    assert worker.slots.in_flight == 0 and worker.handlers_running == 0
     assert worker.idle
 
 
@@ -649,7 +653,7 @@ def test_an_idle_workers_watch_sleeps_through_an_idle_second():
         enqueue(Step(plan=("ok",)))
     with running_worker(registry, concurrency=4) as worker:
         wait_for(lambda: all_done() and worker.idle, what="the jobs done")
-        pool = wait_for(lambda: getattr(worker, "_pool", None), what="the pool")
+        pool = wait_for(lambda: getattr(worker.executor, "pool", None), what="the pool")
         wait_for(lambda: pool._watch_idle, what="the watch asleep", timeout=5)
         waits = count_watch_waits(pool)
         cpu = thread_cpu(pool._watch)
