@@ -33,7 +33,7 @@ from jobs.queue import (
     flow,
 )
 from jobs.queue.cycle import fair_pass_function, pass_function
-from jobs.queue.enqueue import enqueue_function
+from jobs.queue.enqueue_one import enqueue_function
 from jobs.queue.flow import FlowLimits
 
 pytestmark = pytest.mark.django_db
