@@ -28,12 +28,15 @@ from jobs.queue import (
     attempts,
     batches,
     bound,
+    counts,
     dependencies,
     flow,
     history,
     pauses,
     processes,
     rollup,
+    rollup_compaction,
+    rollup_reads,
 )
 from jobs.queue.claim import claim, claim_sql, next_attempt, renew, renew_leases, renew_tokens
 from jobs.queue.cycle import record_and_claim
@@ -109,6 +112,7 @@ __all__ = [
     "claim",
     "claim_sql",
     "complete",
+    "counts",
     "dependencies",
     "enqueue",
     "enqueue_many",
@@ -134,6 +138,8 @@ __all__ = [
     "resume",
     "retry",
     "rollup",
+    "rollup_compaction",
+    "rollup_reads",
     "run_now",
     "table_health",
     "throttle",

@@ -28,7 +28,16 @@ from jobs import JobContext, Payload, RetryAfter, enqueue, queue
 from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.db.clock import database_now
 from jobs.models import Job, Rollup
-from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, attempts, rollup
+from jobs.queue import (
+    AllTenants,
+    ClaimRequest,
+    NewJob,
+    Outcome,
+    attempts,
+    rollup,
+    rollup_compaction,
+    rollup_reads,
+)
 from jobs.testing import run_worker
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
@@ -58,7 +67,7 @@ def totals() -> Counter[tuple[str, str, str]]:
 
 def every_bin(step=timedelta(hours=1)) -> list[rollup.Bin]:
     now = database_now()
-    return rollup.bins(now - timedelta(days=40), now + timedelta(hours=2), step)
+    return rollup_reads.bins(now - timedelta(days=40), now + timedelta(hours=2), step)
 
 
 def row_of(pk: int) -> Job:
@@ -618,7 +627,7 @@ def test_guard_compaction_keeps_codes_and_merges_split_hours_into_present_hour_r
         pytest.skip("cut-offs overlap")
     insert_row(cut_shards, shard=33, count=100)  # at the shard cut-off: not yet folded
     now = cut_shards + rollup.SHARD_FOLD_AFTER  # exactly the cut-off
-    rollup.compact(now, batch_size=2, max_batches=50)
+    rollup_compaction.compact(now, batch_size=2, max_batches=50)
     rows = epoch_rows()
     assert (int(cut_shards.timestamp()), rollup.MINUTE, "succeeded", "", 33, 100) in rows
     folded = {(o, c): n for p, w, o, c, s, n in rows if p == hour and w == rollup.HOUR}
@@ -642,7 +651,7 @@ def test_the_hour_fold_keeps_utc_hours_outside_utc():
     it in 10:00, the day chart after compaction in 09:00. date_trunc(…, 'UTC') would not."""
     hour = utc_hour_back(4)
     insert_row(at_epoch(hour + 5 * 60), shard=7, count=3)
-    rollup.compact(database_now())
+    rollup_compaction.compact(database_now())
     [(period, width, *_rest)] = epoch_rows()
     assert width == rollup.HOUR
     assert period == hour, f"folded into the hour of {at_epoch(period):%H:%M} UTC"
@@ -655,8 +664,8 @@ def test_guard_backlog_fold_keeps_each_hours_largest_across_batches():
     for minute, queued, due, oldest in samples:
         rollup.record_backlog([(NOOP, queued, due, oldest)], at=at_epoch(hour + 60 * minute))
     rollup.record_backlog([(NOOP, 99, 99, 99.0)], at=at_epoch(hour + 3600))  # the next hour
-    rollup.compact(database_now(), batch_size=1, max_batches=50)
-    points = rollup.backlog_points(at_epoch(hour), at_epoch(hour + 7200), timedelta(hours=1))
+    rollup_compaction.compact(database_now(), batch_size=1, max_batches=50)
+    points = rollup_reads.backlog_points(at_epoch(hour), at_epoch(hour + 7200), timedelta(hours=1))
     assert [(p.queued, p.due, p.oldest_due_seconds) for p in points] == [
         (10, 9, 30.0),
         (99, 99, 99.0),
@@ -713,7 +722,7 @@ def test_a_steady_state_fold_reads_only_minute_rows():
 
     now = database_now()
     with connection.execute_wrapper(explain):  # each fold runs twice: explained, then as is
-        rollup.compact(now)
+        rollup_compaction.compact(now)
     # Some per-session rows were old enough to fold; this minute's were not.
     assert 40 <= Rollup.objects.filter(width=rollup.MINUTE, shard=4242).count() < 3 * 40
     assert len(plans) == 2  # the shard fold and the hour fold, one statement each
@@ -746,7 +755,7 @@ def test_guard_an_open_fold_and_an_outcome_write_never_wait_on_each_other():
         with transaction.atomic():
             with connection.cursor() as cur:
                 cur.execute("SET LOCAL lock_timeout = '1s'")
-            rollup.compact(database_now())
+            rollup_compaction.compact(database_now())
             folded.set()
             assert release.wait(15)
 
@@ -774,7 +783,7 @@ def test_guard_an_open_fold_and_an_outcome_write_never_wait_on_each_other():
     holder.start()
     try:
         assert written.wait(15)
-        rollup.compact(database_now() + timedelta(minutes=5))  # folds every minute row
+        rollup_compaction.compact(database_now() + timedelta(minutes=5))  # folds every minute row
     finally:
         release.set()
         holder.result()
@@ -795,14 +804,14 @@ def test_guard_quantiles_of_degenerate_histograms():
     assert rollup.BOUNDS[23] <= one.quantile(0.5) <= one.quantile(1.0) <= rollup.BOUNDS[24]
     with pytest.raises(ValueError):
         one.quantile(0)
-    merged = rollup.summed(
+    merged = rollup_reads.summed(
         [
             rollup.Bin(at_epoch(0), NOOP, "succeeded", "", 2, 1.0, 1.0, fast, fast),
             rollup.Bin(at_epoch(60), NOOP, "succeeded", "", 1, 3.0, 0.0, one, empty),
         ]
     )
     assert (merged.count, merged.run_seconds, merged.run.n, merged.wait.n) == (3, 4.0, 5, 4)
-    assert rollup.summed([]) is None
+    assert rollup_reads.summed([]) is None
 
 
 def test_quantiles_of_runs_of_hours_stay_within_a_bucket():

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from jobs import queue
 from jobs.db.clock import database_now
 from jobs.models import BacklogSample, Job, Rollup
-from jobs.queue import AllTenants, ClaimRequest, Outcome, rollup
+from jobs.queue import AllTenants, ClaimRequest, Outcome, rollup, rollup_compaction, rollup_reads
 from jobs.scheduler.retention import Retention
 from tests.factories import JobFactory
 
@@ -32,7 +32,7 @@ def claim(count: int = 1):
 def totals(since=None) -> Counter[tuple[str, str, str]]:
     """Attempts per (name, outcome, code) in every row of the rollup."""
     now = database_now()
-    found = rollup.bins(
+    found = rollup_reads.bins(
         since or now - timedelta(days=60), now + timedelta(minutes=1), timedelta(days=1)
     )
     counted: Counter[tuple[str, str, str]] = Counter()
@@ -78,7 +78,7 @@ def test_each_written_outcome_counts_once_per_type_outcome_and_code():
         (NAME, "retried", "timeout"): 1,
     }
     [succeeded] = [
-        b for b in rollup.bins(*_window(), timedelta(hours=1)) if b.outcome == "succeeded"
+        b for b in rollup_reads.bins(*_window(), timedelta(hours=1)) if b.outcome == "succeeded"
     ]
     assert succeeded.run.n == succeeded.wait.n == 2
     assert succeeded.run_seconds == pytest.approx(6.0, abs=0.5)
@@ -124,7 +124,7 @@ def test_sweeps_and_cancels_count_as_the_attempts_they_end():
         (NAME, "cancelled", "cancelled"): 1,
     }
     # An expired attempt's run time is unknown: only its queue latency is in the histograms.
-    for item in rollup.bins(*_window(), timedelta(hours=1)):
+    for item in rollup_reads.bins(*_window(), timedelta(hours=1)):
         assert item.run.n == 0
         assert item.wait.n == (0 if item.outcome == "cancelled" else 1)
 
@@ -182,7 +182,7 @@ def test_the_statement_buckets_values_as_the_reader_does(values):
             + f" SELECT 1 WHERE {rollup.reads()}",
             [NAME, values],
         )
-    found = rollup.bins(*_window(), timedelta(hours=1))
+    found = rollup_reads.bins(*_window(), timedelta(hours=1))
     if not values:
         assert found == []
         return
@@ -245,21 +245,23 @@ def test_compaction_keeps_every_count_and_histogram(rows):
     )
 
     def figures():
-        found = rollup.bins(now - timedelta(days=1), now + timedelta(hours=1), timedelta(hours=1))
+        found = rollup_reads.bins(
+            now - timedelta(days=1), now + timedelta(hours=1), timedelta(hours=1)
+        )
         return {
             (b.start, b.name, b.outcome): (b.count, b.run, b.wait, round(b.wait_seconds, 6))
             for b in found
         }
 
     before = figures()
-    rollup.compact(now, batch_size=7, max_batches=100)
+    rollup_compaction.compact(now, batch_size=7, max_batches=100)
     assert figures() == before
     left = list(Rollup.objects.values_list("period", "width", "shard"))
     assert all(
         width == rollup.HOUR or period >= now - rollup.MINUTES_KEPT for period, width, _ in left
     )
     assert all(shard == 0 or period >= now - rollup.SHARD_FOLD_AFTER for period, _, shard in left)
-    rollup.compact(now, batch_size=7, max_batches=100)  # a second pass changes nothing
+    rollup_compaction.compact(now, batch_size=7, max_batches=100)  # a second pass changes nothing
     assert figures() == before
 
 
@@ -298,7 +300,7 @@ def test_a_later_backlog_sample_in_the_same_minute_replaces_the_earlier():
     now = database_now().replace(second=5)
     rollup.record_backlog([(NAME, 10, 5, 3.0), ("other.v1", 0, 0, None)], at=now)
     rollup.record_backlog([(NAME, 8, 2, 4.0)], at=now + timedelta(seconds=20))
-    points = rollup.backlog_points(
+    points = rollup_reads.backlog_points(
         now - timedelta(hours=1), now + timedelta(hours=1), timedelta(hours=1)
     )
     assert [(p.name, p.queued, p.due, p.oldest_due_seconds) for p in points] == [
@@ -329,7 +331,7 @@ def test_a_quantile_read_from_the_histogram_is_within_a_bucket_of_the_true_one(v
 
 def test_bins_refuse_a_step_that_is_not_whole_minutes():
     with pytest.raises(ValueError, match="whole number of minutes"):
-        rollup.bins(*_window(), timedelta(seconds=90))
+        rollup_reads.bins(*_window(), timedelta(seconds=90))
 
 
 def test_the_migrations_bounds_are_the_readers():
@@ -380,7 +382,9 @@ def test_a_running_worker_adds_its_attempts_about_once_a_second_and_the_rest_at_
     }
     # The last attempt is added at the clean stop if not before.
     assert totals()[(Step.job_name, "succeeded", "")] == 6
-    [item] = [b for b in rollup.bins(*_window(), timedelta(hours=1)) if b.outcome == "succeeded"]
+    [item] = [
+        b for b in rollup_reads.bins(*_window(), timedelta(hours=1)) if b.outcome == "succeeded"
+    ]
     assert item.run.n == item.wait.n == 6
 
 
@@ -404,7 +408,7 @@ def test_a_writers_tally_adds_up_as_the_statement_would(items):
     the same attempts) leave the same figures."""
 
     def figures():
-        found = rollup.bins(*_window(), timedelta(hours=1))
+        found = rollup_reads.bins(*_window(), timedelta(hours=1))
         return {
             (b.outcome, b.code): (b.count, b.run, b.wait, round(b.run_seconds, 3)) for b in found
         }
