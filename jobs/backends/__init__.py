@@ -12,7 +12,8 @@ A task's own exceptions retry like any handler's (``Reject`` ends at once); what
 cannot fix fails at once as ``rejected``: a task that cannot be imported or is not a
 ``Task``, a return value that is not JSON, a ``BaseException`` that is not an ``Exception``,
 a backend alias no longer configured. Arguments that are not JSON are refused at enqueue.
-docs/tasks.md has the table of every case and what ``get_result()`` then reports.
+docs/tasks.md has the table of every case and what ``get_result()`` then reports. How a task
+is stored as a job row, and read back, is :mod:`jobs.backends.records`.
 
 OPTIONS (all optional): ``DATABASE`` (alias, default ``JOBS["DATABASE"]``), ``MAX_ATTEMPTS``
 (default ``JOBS["DEFAULT_MAX_ATTEMPTS"]``), ``CONCURRENCY`` (tasks run at once per worker,
@@ -21,16 +22,10 @@ default: as many as the worker's ``--concurrency``) and ``TIMEOUT`` (seconds, de
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-import re
-import sys
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import timedelta
 from traceback import format_exception
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error
@@ -42,7 +37,15 @@ from django.tasks.signals import task_enqueued, task_finished, task_started
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from jobs.catalogue.payloads import InvalidPayload, Payload
+from jobs.backends.records import DjangoTaskV1 as DjangoTaskV1
+from jobs.backends.records import (
+    class_path,
+    errors,
+    stored_payload,
+    stored_task,
+    to_json,
+    worker_ids,
+)
 from jobs.catalogue.policy import Policy
 from jobs.core.conf import jobs_settings
 from jobs.core.context import JobContext
@@ -51,9 +54,6 @@ from jobs.core.progress import Progress
 from jobs.core.progress import read as read_progress
 from jobs.errors import Reject, fail_now
 
-if TYPE_CHECKING:
-    from jobs.queue.attempts import Attempt
-
 _STATUS = {
     "queued": TaskResultStatus.READY,
     "running": TaskResultStatus.RUNNING,
@@ -61,32 +61,6 @@ _STATUS = {
     "failed": TaskResultStatus.FAILED,
     "cancelled": TaskResultStatus.FAILED,
 }
-# The exception line of a formatted traceback: "pkg.mod.Error: message" or "KeyError"; a
-# class defined in a function has "<locals>" in its path.
-_EXCEPTION_LINE = re.compile(r"^(?P<path>[A-Za-z_][\w.<>]*)(?::|$)")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class DjangoTaskV1(Payload, name="django.task.v1"):
-    """A call of a ``@task`` function: its import path and JSON arguments.
-
-    ``run_after`` is the task's own, as enqueued: the job row's ``run_after`` is when the
-    next attempt is due, which a retry moves. Left out of the stored object when None, so a
-    worker of a version without the field still runs the tasks enqueued without one.
-    """
-
-    path: str
-    args: list[Any]
-    kwargs: dict[str, Any]
-    takes_context: bool = False
-    backend: str = "default"
-    run_after: datetime | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        data = super().to_json()
-        if data.get("run_after") is None:
-            del data["run_after"]
-        return data
 
 
 # django-stubs declare these generic and not frozen; Django's own are frozen and take no type
@@ -207,8 +181,8 @@ class PostgresBackend(BaseTaskBackend):
         raise TaskResultDoesNotExist(result_id)
 
     def _result(self, job: Any) -> TaskResult[..., Any]:
-        payload = _stored_payload(job.payload)
-        task = _stored_task(
+        payload = stored_payload(job.payload)
+        task = stored_task(
             payload.path,
             priority=job.priority,
             backend=self.alias,
@@ -232,8 +206,8 @@ class PostgresBackend(BaseTaskBackend):
             args=list(payload.args),
             kwargs=dict(payload.kwargs),
             backend=self.alias,
-            errors=_errors(job, listed),
-            worker_ids=_worker_ids(job, listed),
+            errors=errors(job, listed),
+            worker_ids=worker_ids(job, listed),
             progress=read_progress(job.progress),
         )
         object.__setattr__(result, "_return_value", job.result)
@@ -284,7 +258,7 @@ def run_task(payload: DjangoTaskV1, ctx: JobContext) -> Any:
         if not isinstance(exc, Exception):
             # These exceptions mean "stop", never "try later".
             exc.add_note(
-                f"{payload.path} raised {_class_path(type(exc))}, which is not an Exception: "
+                f"{payload.path} raised {class_path(type(exc))}, which is not an Exception: "
                 "the task fails without a retry"
             )
             fail_now(exc)
@@ -331,7 +305,7 @@ def _backend(alias: str) -> PostgresBackend:
     except InvalidTaskBackend as exc:
         raise Reject(f"TASKS has no backend {alias!r}, the one that enqueued this task") from exc
     if not isinstance(backend, PostgresBackend):
-        raise Reject(f"TASKS[{alias!r}] is {_class_path(type(backend))}, not {BACKEND_PATH}")
+        raise Reject(f"TASKS[{alias!r}] is {class_path(type(backend))}, not {BACKEND_PATH}")
     return backend
 
 
@@ -348,12 +322,8 @@ def _import_task(path: str) -> Task[..., Any]:
 
 def _error(exc: BaseException) -> TaskError:
     return TaskError(
-        exception_class_path=_class_path(type(exc)), traceback="".join(format_exception(exc))
+        exception_class_path=class_path(type(exc)), traceback="".join(format_exception(exc))
     )
-
-
-def _class_path(kind: type) -> str:
-    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 BACKEND_PATH = "jobs.backends.PostgresBackend"
@@ -370,225 +340,6 @@ def task_policy() -> Policy | None:
                 max_attempts=options.get("MAX_ATTEMPTS", jobs_settings.DEFAULT_MAX_ATTEMPTS),
             )
     return None
-
-
-def to_json(value: Any, where: str) -> Any:
-    """``value`` as the JSON the jobs table stores and reads back, or an error naming ``where``.
-
-    Django's ``normalize_json`` first (mappings, sequences, UTF-8 bytes; a ``TypeError`` for
-    other types), then what ``jsonb`` and ``json.dumps`` would do or refuse: non-string keys
-    become strings as ``json.dumps`` writes them, and NaN, infinities, NUL characters and
-    lone surrogates raise ``ValueError``, so the problem surfaces here, named, instead of as
-    a database error.
-    """
-    return _json(value, where, set())
-
-
-def _json(value: Any, where: str, open_: set[int]) -> Any:
-    match value:
-        case str():
-            _check_text(value, where)
-            return value
-        case bool() | int() | None:
-            return value
-        case float():
-            if not math.isfinite(value):
-                raise ValueError(f"{where}: {value!r} is not a JSON number")
-            return value
-        case bytes():
-            try:
-                text = value.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ValueError(f"{where}: bytes that are not UTF-8") from None
-            _check_text(text, where)
-            return text
-        case Mapping() | Sequence():
-            if id(value) in open_:
-                raise ValueError(f"{where}: a container that contains itself")
-            open_.add(id(value))
-            try:
-                if isinstance(value, Mapping):
-                    return {
-                        _json_key(key, where): _json(item, f"{where}[{key!r}]", open_)
-                        for key, item in value.items()
-                    }
-                return [_json(item, f"{where}[{i}]", open_) for i, item in enumerate(value)]
-            finally:
-                open_.discard(id(value))
-    raise TypeError(
-        f"{where}: {_class_path(type(value)).removeprefix('builtins.')} is not a JSON type"
-    )
-
-
-def _json_key(key: object, where: str) -> str:
-    """A mapping key as ``json.dumps`` writes it (``1`` → ``"1"``, ``None`` → ``"null"``)."""
-    if isinstance(key, bytes):
-        key = _json(key, f"{where} (a key)", set())
-    if isinstance(key, float) and not math.isfinite(key):
-        raise ValueError(f"{where}: the key {key!r} is not a JSON number")
-    if isinstance(key, str):
-        _check_text(key, f"{where} (a key)")
-        return key
-    if key is None or isinstance(key, bool | int | float):
-        return json.dumps(key)
-    raise TypeError(f"{where}: a key of type {type(key).__qualname__} (JSON keys are strings)")
-
-
-def _check_text(text: str, where: str) -> None:
-    if "\x00" in text:
-        raise ValueError(f"{where}: a NUL character (\\x00), which PostgreSQL cannot store")
-    if _SURROGATE.search(text):
-        raise ValueError(f"{where}: a lone surrogate, which is not valid UTF-8")
-
-
-def _stored_payload(data: Any) -> DjangoTaskV1:
-    """The job's payload; one that does not decode (the worker fails it as
-    ``invalid_payload``) is read field by field, so its result can still be shown."""
-    try:
-        return DjangoTaskV1.from_json(data)
-    except InvalidPayload:
-        data = data if isinstance(data, dict) else {}
-
-    def field(name: str, kind: type, default: Any) -> Any:
-        value = data.get(name)
-        return value if isinstance(value, kind) else default
-
-    return DjangoTaskV1(
-        path=field("path", str, ""),
-        args=field("args", list, []),
-        kwargs=field("kwargs", dict, {}),
-        takes_context=field("takes_context", bool, False),
-        backend=field("backend", str, "default"),
-        run_after=_stored_time(data.get("run_after")),
-    )
-
-
-def _stored_time(value: Any) -> datetime | None:
-    """An aware datetime written as ISO 8601, else None."""
-    try:
-        when = datetime.fromisoformat(value) if isinstance(value, str) else None
-    except ValueError:
-        return None
-    return when if when is not None and timezone.is_aware(when) else None
-
-
-def _stored_task(path: str, **fields: Any) -> Task[..., Any]:
-    """The ``Task`` a stored job names, found without importing anything.
-
-    The function is the real one when its module is already loaded (as it is wherever the
-    task was enqueued or run), else a stand-in that imports the task when called, so a
-    result stays readable after its task was removed. Django's ``Task`` validates itself
-    against the current settings; a stored record is built without that check, because
-    queues or priorities allowed when it was enqueued may have changed since.
-    """
-    module_name, _, name = path.rpartition(".")
-    found = getattr(sys.modules.get(module_name), name, None)
-    func = found.func if isinstance(found, Task) else _stand_in(path, module_name, name)
-    task = object.__new__(Task)
-    for field in dataclasses.fields(Task):
-        default = None if field.default is dataclasses.MISSING else field.default
-        object.__setattr__(task, field.name, fields.get(field.name, default))
-    object.__setattr__(task, "func", func)
-    return task
-
-
-def _stand_in(path: str, module_name: str, name: str) -> Callable[..., Any]:
-    def stand_in(*args: Any, **kwargs: Any) -> Any:
-        task = import_string(path)
-        if not isinstance(task, Task):
-            raise ImportError(f"{path} is a {type(task).__qualname__}, not a django.tasks Task")
-        return task.call(*args, **kwargs)
-
-    stand_in.__module__, stand_in.__name__, stand_in.__qualname__ = module_name, name, name
-    stand_in.__doc__ = f"Stands for the task {path}, which this process has not imported."
-    return stand_in
-
-
-# get_result's exception class when the job's error is not a traceback, by last_error (the
-# codes of jobs.runs.ErrorCode, which this module does not import: it loads before the models).
-_CODE_CLASSES = {
-    "deadline_exceeded": "builtins.TimeoutError",
-    "invalid_payload": "jobs.catalogue.payloads.InvalidPayload",
-    "cancelled": "jobs.errors.Cancelled",
-}
-_TRACEBACK_HEADER = "Traceback (most recent call last):"
-_CHAIN_SEPARATORS = (
-    "The above exception was the direct cause of the following exception:",
-    "During handling of the above exception, another exception occurred:",
-)
-# An exception group's header starts "  + "; the worker strips the detail's leading spaces.
-_GROUP_HEADERS = (
-    "  + Exception Group " + _TRACEBACK_HEADER,
-    "+ Exception Group " + _TRACEBACK_HEADER,
-)
-
-
-def _errors(job: Any, listed: Sequence[Attempt]) -> list[TaskError]:
-    """An error per failed attempt, oldest first (``listed``: :func:`jobs.queue.attempts.of`).
-
-    The last attempt's error is the row's own detail, which also explains a retry that is
-    waiting. A row whose attempts were not recorded (written before the attempt log, or by
-    hand) reports its last error alone.
-    """
-    errors = [_task_error(a.code, a.error) for a in listed if a.code]
-    if not errors and job.last_error:
-        errors = [_task_error(job.last_error, job.error_detail or "")]
-    return errors
-
-
-def _task_error(code: str, detail: str) -> TaskError:
-    """One error as Django's ``TaskError``: the exception class read from the traceback.
-
-    Details that are not a traceback (a deadline, an expired lease, a cancellation) are
-    reported as ``"<code>: <detail>"`` with a class chosen by ``_CODE_CLASSES``.
-    """
-    path = _raised_class(detail)
-    if path is None:
-        path = _CODE_CLASSES.get(code, "builtins.Exception")
-        detail = f"{code}: {detail}" if detail else code
-    return TaskError(exception_class_path=path, traceback=detail)
-
-
-def _worker_ids(job: Any, listed: Sequence[Attempt]) -> list[str]:
-    """The worker of each attempt, the running one included."""
-    if not listed:  # attempts not recorded: the last worker, once per attempt
-        return [job.claimed_by or "unknown"] * job.attempts
-    return [a.worker or "unknown" for a in listed]
-
-
-def _raised_class(detail: str) -> str | None:
-    """The class of the exception a formatted traceback ends with; None if it is no traceback.
-
-    Chained exceptions come first, each ended by a separator line; the last block's exception
-    line is the first unindented line after its header (so a message quoting another
-    traceback does not mislead), and the lines after it are the rest of its message and its
-    notes. An exception group's lines carry a ``"  | "`` margin.
-    """
-    lines = detail.splitlines()
-    last_block = max((i for i, line in enumerate(lines) if line in _CHAIN_SEPARATORS), default=-1)
-    start = next(
-        (
-            i
-            for i in range(last_block + 1, len(lines))
-            if lines[i] == _TRACEBACK_HEADER or lines[i] in _GROUP_HEADERS
-        ),
-        None,
-    )
-    if start is None:
-        return None
-    margin = "" if lines[start] == _TRACEBACK_HEADER else "  | "
-    for line in lines[start + 1 :]:
-        if not line.startswith(margin):
-            break
-        line = line.removeprefix(margin)
-        if line and not line[0].isspace():
-            match = _EXCEPTION_LINE.match(line)
-            if match is None:
-                break
-            found = match.group("path")
-            # format_exception leaves out the module of builtins (and of __main__).
-            return found if "." in found else f"builtins.{found}"
-    return "builtins.Exception"  # cut short before the exception line (long details are)
 
 
 def check_task_backend(alias: str) -> list[CheckMessage]:
