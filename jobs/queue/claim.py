@@ -30,7 +30,18 @@ from django.db import DEFAULT_DB_ALIAS
 
 from jobs.core.conf import jobs_settings
 from jobs.core.progress import Progress
-from jobs.queue import _db, attempts, bound, flow, pauses, processes, rollup, text
+from jobs.queue import (
+    _db,
+    attempts,
+    bound,
+    flow,
+    flow_claim,
+    flow_fair,
+    pauses,
+    processes,
+    rollup,
+    text,
+)
 from jobs.queue._arrays import array
 from jobs.queue.bound import RunRows
 from jobs.queue.outcomes import report_json
@@ -107,7 +118,7 @@ _DUE_WALK = (
 -- The priorities this name has queued rows at, highest first: one hop down the claim index
 -- each, evaluated only as far as the claim below asks.
 WITH RECURSIVE """
-    + flow.LEVELS
+    + flow_fair.LEVELS
     + """
 SELECT due.id FROM levels l
 CROSS JOIN LATERAL ("""
@@ -137,7 +148,7 @@ _PLAIN_BRANCH = """
         ) d WHERE NOT w.ordered"""
 # A fair name without tenant limits: its rows come from the function, whose plans each
 # connection keeps (planning the statement inline cost more than running it), with the
-# accounts its tenants' starts go to (flow.FAIR_ROWS), written after the claim.
+# accounts its tenants' starts go to (flow_fair.FAIR_ROWS), written after the claim.
 _FAIR_PICK = """,
 fair_pick AS MATERIALIZED (
     SELECT w.name, f.id, f.tenant, f.base, f.top
@@ -163,8 +174,10 @@ _RESERVED_BRANCH = """
 
 def _top_and_kept(due: str, scope_sql: str) -> str:
     """The CTEs of the top class (``top``) and of the places kept below it (``low``)."""
-    top_level = flow.TOP_LEVEL.replace("{scope}", scope_sql).replace("{paused}", pauses.PAUSED_ROWS)
-    return top_level + flow.LOW.replace("{due}", flow.below_top(due))
+    top_level = flow_fair.TOP_LEVEL.replace("{scope}", scope_sql).replace(
+        "{paused}", pauses.PAUSED_ROWS
+    )
+    return top_level + flow_fair.LOW.replace("{due}", flow_fair.below_top(due))
 
 
 def _tiered_rows(due: str, scope_sql: str) -> str:
@@ -172,16 +185,18 @@ def _tiered_rows(due: str, scope_sql: str) -> str:
     the classes below first and the room its tenants leave filled from them, then its
     tenants' accounts to write (``w`` is its room row, the rows read within ``scope_sql``);
     :func:`fair_pick_function` makes it a function."""
-    fill = flow.FILL.replace("{due}", flow.below_top(flow.narrowed(due, flow.NOT_LOW)))
+    fill = flow_fair.FILL.replace(
+        "{due}", flow_fair.below_top(flow_fair.narrowed(due, flow_fair.NOT_LOW))
+    )
     return (
-        flow.FAIR_ROWS.replace("{scope}", scope_sql)
+        flow_fair.FAIR_ROWS.replace("{scope}", scope_sql)
         .replace("{paused}", pauses.PAUSED_ROWS)
         .replace("{tenant_scope}", pick_scope_sql("c"))
         .replace("{account_scope}", pick_scope_sql("s"))
         .replace("{top}", _top_and_kept(due, scope_sql))
-        .replace("{budget}", flow.LOW_BUDGET)
-        .replace("{level}", flow.TOP_LEVEL_ROWS)
-        .replace("{low_rows}", flow.LOW_ROWS)
+        .replace("{budget}", flow_fair.LOW_BUDGET)
+        .replace("{level}", flow_fair.TOP_LEVEL_ROWS)
+        .replace("{low_rows}", flow_fair.LOW_ROWS)
         .replace("{fill}", fill)
     )
 
@@ -244,9 +259,9 @@ def _flow_ctes(due: str, flows: flow.FlowForm, scope: Scope) -> str:
             "\nWITH RECURSIVE "
             + _top_and_kept(due, scope_sql).rstrip().rstrip(",")
             + "\n"
-            + flow.LOW_ROWS
+            + flow_fair.LOW_ROWS
             + "SELECT p.id FROM ("
-            + flow.narrowed(due, flow.NOT_LOW)
+            + flow_fair.narrowed(due, flow_fair.NOT_LOW)
             + "\n) p"
         )
         branches.append(_RESERVED_BRANCH.replace("{reserved}", reserved))
@@ -256,7 +271,7 @@ def _flow_ctes(due: str, flows: flow.FlowForm, scope: Scope) -> str:
         branches.append(_TIERED_BRANCH)
     if flows.capped:
         rows = (
-            flow.tenant_rows(limited=True, releasing=flows.releasing)
+            flow_claim.tenant_rows(limited=True, releasing=flows.releasing)
             .replace("{scope}", scope_sql)
             .replace("{paused}", pauses.PAUSED_ROWS)
             .replace("{tenant_scope}", scope.sql("c")[0])
@@ -270,9 +285,9 @@ def _flow_ctes(due: str, flows: flow.FlowForm, scope: Scope) -> str:
     return (
         pauses.PAUSED_CTE
         + ","
-        + flow.WANTED.format(paused_names=pauses.PAUSED_NAMES)
+        + flow_claim.WANTED.format(paused_names=pauses.PAUSED_NAMES)
         + ","
-        + flow.gate(flows)
+        + flow_claim.gate(flows)
         + (_FAIR_PICK if flows.tiered else "")
         + _FLOW_PICKED.replace("{branches}", "\n        UNION ALL".join(branches))
     )
@@ -375,7 +390,7 @@ def claim_parts(
     params.update(flow.request_params(requests, limits or {}, after or {}))
     if flows.tiered:
         params.update(scope.pick_params())
-    return ctes, _CLAIM_UPDATE, params, flow.after_claim(flows)
+    return ctes, _CLAIM_UPDATE, params, flow_claim.after_claim(flows)
 
 
 def claimed_jobs(rows: Sequence[Sequence[Any]]) -> list[ClaimedJob]:

@@ -24,7 +24,7 @@ from datetime import timedelta
 
 from django.db import DEFAULT_DB_ALIAS, transaction
 
-from jobs.queue import _db, bound, flow, rollup
+from jobs.queue import _db, bound, flow, flow_claim, rollup
 from jobs.queue.bound import RunRows
 from jobs.queue.claim import (
     TIERED_FORM,
@@ -99,7 +99,7 @@ _PASS_ARGUMENTS = {
 }
 # The pass for names that are all fair with no limit (jobs.queue.claim.TIERED_FORM), as
 # jobs_worker_fair_pass_v2: the same outcome write, the fair claim; its arguments are the flow
-# claim's (jobs.queue.flow.WANTED), most of them unused by this form but kept so the claim's
+# claim's (jobs.queue.flow_claim.WANTED), most of them unused by this form but kept so the claim's
 # text is the flow claim's own.
 _FAIR_PASS_ARGUMENTS = {
     **_OUTCOME_ARGUMENTS,
@@ -217,7 +217,7 @@ def fair_pass_function() -> str:
     PostgreSQL CPU a job more than the plain one (bench/fairness.py). A migration holds it too.
     """
     # The claimed rows' columns are named c_<column> here (the function's own are r_<column>).
-    after = flow.after_claim(TIERED_FORM, {c: f"c_{c}" for c in flow.CLAIMED_COLUMNS})
+    after = flow_claim.after_claim(TIERED_FORM, {c: f"c_{c}" for c in flow_claim.CLAIMED_COLUMNS})
     return _function(
         FAIR_PASS_FUNCTION,
         _FAIR_PASS_ARGUMENTS,
