@@ -38,7 +38,7 @@ from jobs.queue import (
     rollup_compaction,
     rollup_reads,
 )
-from jobs.queue.claim import claim, claim_sql, next_attempt, renew, renew_leases, renew_tokens
+from jobs.queue.claim import claim, claim_sql
 from jobs.queue.cycle import record_and_claim
 from jobs.queue.enqueue import enqueue, enqueue_many
 from jobs.queue.maintenance import (
@@ -52,6 +52,7 @@ from jobs.queue.maintenance import (
 from jobs.queue.operations import cancel, cancel_active, cancel_running, replay, run_now
 from jobs.queue.outcomes import complete, fail, record, release, retry
 from jobs.queue.pauses import pause, paused, resume, throttle
+from jobs.queue.renewal import next_attempt, renew, renew_leases, renew_tokens
 from jobs.queue.types import (
     BACKLOG_CAP,
     RESULT_MAX,

@@ -19,7 +19,7 @@ from django.db import connection, transaction
 from jobs import queue
 from jobs.models import Job
 from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, effects, history, keys
-from jobs.queue.claim import next_attempt
+from jobs.queue.renewal import next_attempt
 from tests.integration.test_pass_scale import BACKLOG, NAME, _scans, mine_among_others
 from tests.integration.test_review_round22 import explained_nested_statements
 from tests.support.workflows import settle

@@ -83,7 +83,7 @@ from jobs.queue import (
     keys,
     operations,
 )
-from jobs.queue.claim import next_attempt
+from jobs.queue.renewal import next_attempt
 from tests.integration.test_pgbouncer import wait_for
 from tests.integration.test_review_round22 import explained_nested_statements
 from tests.support.workflows import settle
