@@ -1,5 +1,7 @@
 """Fenced outcome writes: complete, retry, fail, release.
 
+Over 400 lines: the outcome write's CTEs and the functions that send them are read together.
+
 Every write is conditional on the claim token the worker got at claim time::
 
     UPDATE … WHERE id = $id AND claim_token = $token AND state = 'running'
