@@ -5,6 +5,10 @@ A worker renews the leases of every job it holds in one statement, every third o
 and the heartbeat of bound run rows, and tells the worker which leases it lost and which
 attempts an operator asked to stop. A short ``RetryAfter`` waited out in the worker counts
 its next attempt here first (:func:`next_attempt`), fenced by the claim token.
+
+Both run on the calling thread's connection. A handler thread's connection keeps the
+project's plain settings, so the worker asks for ``local_bounds`` there: the statement and
+lock bounds (:func:`jobs.db.bounds.local`) then hold for that one call's transaction only.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from django.db import DEFAULT_DB_ALIAS
 
 from jobs.core.conf import jobs_settings
 from jobs.core.progress import Progress
+from jobs.db import bounds as dbbounds
 from jobs.queue import _db, attempts, bound, processes, rollup, text
 from jobs.queue.bound import RunRows
 from jobs.queue.outcomes import report_json
@@ -60,6 +65,7 @@ def renew_leases(
     beat: ProcessBeat | None = None,
     progress: Mapping[UUID, Progress] | None = None,
     runs: RunRows | None = None,
+    local_bounds: bool = False,
     using: str = DEFAULT_DB_ALIAS,
 ) -> Renewal:
     """Extend the leases of held jobs and refresh the process's row, in one statement.
@@ -73,7 +79,15 @@ def renew_leases(
     ``runs`` names the bound run rows of the jobs, by claim token: those of the leases not
     lost get their heartbeat after the renewal (:func:`jobs.queue.bound.beat`; a table whose
     update fails is in ``Renewal.runs_failed``).
+
+    With ``local_bounds`` the statement bounds hold for this call only (see the module
+    docstring).
     """
+    if local_bounds:
+        with dbbounds.local(using):
+            return renew_leases(
+                jobs, lease=lease, beat=beat, progress=progress, runs=runs, using=using
+            )
     if not jobs and beat is None:
         return Renewal()
     reports = [progress.get(job.claim_token) for job in jobs] if progress else []
@@ -154,6 +168,7 @@ def next_attempt(
     lease: timedelta | None = None,
     code: str = "",
     detail: str = "",
+    local_bounds: bool = False,
     using: str = DEFAULT_DB_ALIAS,
 ) -> int | None:
     """Count another attempt of a held job before it runs again in the same claim.
@@ -163,8 +178,11 @@ def next_attempt(
     wait cannot let the job run past its ``max_attempts``. The attempt that ended is logged
     as a retry with ``code`` and ``detail``. Returns the job's attempts now, or None when the
     lease was lost or an operator asked the job to stop (the handler must not run again; a
-    renewal tells the two apart).
+    renewal tells the two apart). ``local_bounds``: as for :func:`renew_leases`.
     """
+    if local_bounds:
+        with dbbounds.local(using):
+            return next_attempt(job, lease=lease, code=code, detail=detail, using=using)
     # The row by key (``state || ''``), as renew_leases finds its rows.
     with _db.bound_cursor(using) as cur:
         cur.execute(

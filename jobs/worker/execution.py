@@ -54,7 +54,6 @@ from jobs.api.effects import completed_by_handler
 from jobs.catalogue.payloads import InvalidPayload
 from jobs.catalogue.registry import JobType, classify
 from jobs.core.context import JobContext
-from jobs.db import bounds as dbbounds
 from jobs.errors import RetryAfter, fails_now
 from jobs.queue import ClaimedJob, InvalidResult, Outcome, bound
 from jobs.queue.bound import RunRow
@@ -353,14 +352,14 @@ def count_next_attempt(running: Running, lease: timedelta | None, ended: Outcome
     """
     ctx = running.ctx
     try:
-        with dbbounds.local(ctx.using):
-            attempt = queue.next_attempt(
-                running.job,
-                lease=lease,
-                code=ended.code or "",
-                detail=ended.detail or "",
-                using=ctx.using,
-            )
+        attempt = queue.next_attempt(
+            running.job,
+            lease=lease,
+            code=ended.code or "",
+            detail=ended.detail or "",
+            local_bounds=True,  # the worker's write on the handler's connection
+            using=ctx.using,
+        )
     except Exception:
         logger.warning(
             "could not record the next attempt of job %s; retrying it through the queue",
@@ -383,8 +382,9 @@ def count_next_attempt(running: Running, lease: timedelta | None, ended: Outcome
 def _cancel_asked(running: Running, lease: timedelta | None) -> bool:
     """Whether the job, refused its next attempt, is still ours and was asked to stop."""
     try:
-        with dbbounds.local(running.ctx.using):
-            renewal = queue.renew_leases([running.job], lease=lease, using=running.ctx.using)
+        renewal = queue.renew_leases(
+            [running.job], lease=lease, local_bounds=True, using=running.ctx.using
+        )
     except Exception:  # unknown: treat it as lost, as a refused attempt always was
         return False
     return running.job.claim_token in renewal.cancel_requested
