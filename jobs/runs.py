@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from django.apps import apps
 from django.db import DEFAULT_DB_ALIAS, models, transaction
-from django.db.models import DateTimeField, ExpressionWrapper, Q
+from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
 from django.utils.functional import Promise
@@ -241,55 +241,3 @@ def _no_active_job(model: type[RunContract], bindings: int) -> str:
 
 def connection_quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
-
-
-# -- rows bound to a job type ---------------------------------------------------------------
-# A job type whose policy names a ``run_model`` has the worker keep the row in step: running
-# with a fresh heartbeat when an attempt starts, a heartbeat on every lease renewal, and the
-# attempt's outcome when it ends. Each update only moves a row that is where the job thinks
-# it is (active), so a row the domain already finished, or a replayed one, is left alone.
-
-
-def _has(model: type[RunContract], name: str) -> bool:
-    return any(field.name == name for field in model._meta.concrete_fields)
-
-
-def mark_running(
-    model: type[RunContract], pk: object, *, attempt: int, using: str = DEFAULT_DB_ALIAS
-) -> bool:
-    """An attempt of the bound job started; False when the row is missing or not active."""
-    values: dict[str, object] = {"state": RunState.RUNNING, "heartbeat_at": Now()}
-    if _has(model, "attempts"):
-        values["attempts"] = attempt
-    if _has(model, "next_retry_at"):
-        values["next_retry_at"] = None
-    rows = model._default_manager.using(using).filter(pk=pk, state__in=ACTIVE_STATES)
-    return bool(rows.update(**values))
-
-
-def beat(model: type[RunContract], pks: Iterable[object], using: str = DEFAULT_DB_ALIAS) -> int:
-    """Stamp the heartbeat of running rows (one statement for all of them)."""
-    rows = model._default_manager.using(using).filter(pk__in=list(pks), state=RunState.RUNNING)
-    return rows.update(heartbeat_at=Now())
-
-
-def mark_outcome(
-    model: type[RunContract],
-    pk: object,
-    *,
-    state: str,
-    code: str = "",
-    detail: str = "",
-    retry_in: float | None = None,
-    using: str = DEFAULT_DB_ALIAS,
-) -> bool:
-    """The attempt ended: succeeded, failed (with its code) or queued again for a retry."""
-    values: dict[str, object] = {"state": state, "last_error": code, "error_detail": detail}
-    if state in TERMINAL_STATES:
-        values["finished_at"] = Now()
-    if state == RunState.QUEUED and retry_in is not None and _has(model, "next_retry_at"):
-        values["next_retry_at"] = ExpressionWrapper(
-            Now() + timedelta(seconds=retry_in), output_field=DateTimeField()
-        )
-    rows = model._default_manager.using(using).filter(pk=pk, state=RunState.RUNNING)
-    return bool(rows.update(**values))

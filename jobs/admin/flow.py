@@ -45,8 +45,9 @@ from jobs.control.tables import RunTable
 from jobs.core.limits import validate_key
 from jobs.db.clock import database_now
 from jobs.models import Job, PauseKind, TenantWeight
-from jobs.queue import flow
-from jobs.queue.flow import FlowLimits, FlowState, TenantFlow
+from jobs.queue import flow, flow_state
+from jobs.queue.flow import FlowLimits
+from jobs.queue.flow_state import FlowState, TenantFlow
 from jobs.queue.pauses import PauseRow
 from jobs.scheduler import gauges
 from jobs.scheduler.gauges import TENANT_ROWS
@@ -99,16 +100,16 @@ def flow_data(
     pauses = {p.value: p for p in queue.paused() if p.kind == PauseKind.JOB_TYPE}
     names = sorted(set(limits) | {name for name, p in pauses.items() if p.until is not None})
     none = FlowLimits()
-    states = flow.state({name: limits.get(name, none) for name in names})
+    states = flow_state.state({name: limits.get(name, none) for name in names})
     tenants: dict[str, list[TenantFlow]] = {}
     tokens: dict[str, dict[str, float]] = {}
     for name in names:
         found = limits.get(name)
         if found is None or not found.tenant_ordered:
             continue
-        tenants[name] = flow.tenant_backlog(name, limit=TENANT_ROWS)
+        tenants[name] = flow_state.tenant_backlog(name, limit=TENANT_ROWS)
         if found.tenant_rate is not None and tenants[name]:
-            tokens[name] = flow.tenant_tokens(name, [t.tenant for t in tenants[name]], found)
+            tokens[name] = flow_state.tenant_tokens(name, [t.tenant for t in tenants[name]], found)
     weighted = _weighted({t.tenant for rows in tenants.values() for t in rows})
     types = []
     for name in names:

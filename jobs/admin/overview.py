@@ -1,6 +1,6 @@
 """The jobs overview: counts per state and per type, the oldest due job, unsupported names.
 
-A job's row is in one of two homes (:data:`jobs.queue.history.HOMES`): the jobs table, while
+A job's row is in one of two homes (:data:`jobs.queue.counts.HOMES`): the jobs table, while
 it is active or holds its key, then the history (the admin's *finished jobs*), for its state's
 retention. Every count here counts both homes, and links to the lists that hold exactly the
 rows it counts. So "Jobs per state" has a column per home, each count linking to that home's
@@ -10,10 +10,10 @@ Every count is bounded, whatever the tables hold. Queued jobs are counted by
 :func:`jobs.queue.backlog`: exact up to :data:`jobs.queue.BACKLOG_CAP` per type, shown as
 ``≈N`` (the planner's estimate) above it, and due jobs as ``1,000+``; the oldest due job comes
 from the same statement. Running and finished rows per home and state come from
-:func:`jobs.queue.history.state_counts` (one statement, each count stopping at
-:data:`~jobs.queue.history.COUNT_CAP` rows of one index or one state's partitions; past it
+:func:`jobs.queue.counts.state_counts` (one statement, each count stopping at
+:data:`~jobs.queue.counts.COUNT_CAP` rows of one index or one state's partitions; past it
 ``≈N`` from PostgreSQL's statistics), failed rows per type from
-:func:`jobs.queue.history.failed_by_type` (at most the cap's rows per home; past it the counts
+:func:`jobs.queue.counts.failed_by_type` (at most the cap's rows per home; past it the counts
 are floors, ``N+``), running jobs per type from the jobs table's index of running rows.
 Overdue schedules come from :func:`jobs.scheduler.status`
 when the scheduler is there. What is paused comes from the small pauses table (a throttle's
@@ -56,11 +56,11 @@ from jobs.control.tables import RunTable
 from jobs.db.clock import database_now
 from jobs.models import Job, Pause, PauseKind
 from jobs.queue import BacklogRow
-from jobs.queue.history import HOMES, Counted
+from jobs.queue.counts import HOMES, Counted
 from jobs.runs import TERMINAL_STATES, RunState
 
 SCHEDULER_MODULE = "jobs.scheduler"
-#: The admin list of each home of a job's row (:data:`jobs.queue.history.HOMES`).
+#: The admin list of each home of a job's row (:data:`jobs.queue.counts.HOMES`).
 LISTS = {"jobs": "jobs_job_changelist", "history": "jobs_jobhistory_changelist"}
 OVERVIEW_WINDOWS = ("hour", "day", "week")
 
@@ -81,7 +81,7 @@ def overview_data(
     frame = windows.frame(window or windows.WINDOWS[windows.DEFAULT], now)
     registry = get_registry()
     backlog = {row.name: row for row in queue.backlog(supported=registry.names())}
-    failed = queue.history.failed_by_type()
+    failed = queue.counts.failed_by_type()
     running: dict[str, int] = dict(
         Job.objects.filter(state=RunState.RUNNING)
         .order_by()
@@ -153,7 +153,7 @@ def per_state(backlog: Iterable[BacklogRow], site_name: str = "admin") -> dict[s
 
     A job is in one home or the other, never both, so a state's total counts each job once.
     """
-    counts = dict(queue.history.state_counts())
+    counts = dict(queue.counts.state_counts())
     rows = list(backlog)
     counts["jobs", RunState.QUEUED] = Counted(
         sum(row.queued for row in rows), estimate=not all(row.queued_exact for row in rows)
@@ -186,7 +186,7 @@ def per_state(backlog: Iterable[BacklogRow], site_name: str = "admin") -> dict[s
 
 
 def counted_text(counted: Counted) -> str:
-    """A :class:`~jobs.queue.history.Counted` as the page shows it (see :func:`shown`)."""
+    """A :class:`~jobs.queue.counts.Counted` as the page shows it (see :func:`shown`)."""
     return shown(counted.n, estimate=counted.estimate, more_than=counted.floor)
 
 

@@ -8,8 +8,8 @@
   start, read from the histograms of the attempts that ended in the bin.
 * **Failures by cause**: failed attempts (terminal, not retried) per bin, stacked by error code.
 
-Two reads, both bounded by the window: :func:`jobs.queue.rollup.bins` and
-:func:`jobs.queue.rollup.backlog_points`. Each chart links to the list it summarises, and each
+Two reads, both bounded by the window: :func:`jobs.queue.rollup_reads.bins` and
+:func:`jobs.queue.rollup_reads.backlog_points`. Each chart links to the list it summarises, and each
 series where a list filters on it (failure monitor: state, error, job type and an age that
 covers the window; jobs list: state and type). The lists hold job rows, which are kept for
 their state's retention, the charts' history for longer: a chart whose window is longer than
@@ -31,7 +31,7 @@ from jobs.admin import charts
 from jobs.admin.display import duration, second
 from jobs.admin.windows import Frame
 from jobs.core.conf import jobs_settings
-from jobs.queue import history, rollup
+from jobs.queue import history, rollup, rollup_reads
 from jobs.runs import ErrorCode
 
 OUTCOMES = ("succeeded", "failed", "cancelled", "retried")
@@ -47,8 +47,8 @@ def link(view: str, site_name: str = "admin", **params: str) -> str:
 
 def history_charts(frame: Frame, *, site_name: str = "admin") -> dict[str, Any]:
     """The overview's charts for ``frame`` as safe markup, with the notes they need."""
-    ended = rollup.bins(frame.since, frame.until, frame.step)
-    samples = rollup.backlog_points(frame.since, frame.until, frame.step)
+    ended = rollup_reads.bins(frame.since, frame.until, frame.step)
+    samples = rollup_reads.backlog_points(frame.since, frame.until, frame.step)
     pruned = sum(1 for start in frame.starts if start + frame.step <= frame.kept_since)
     note = ""
     if frame.beyond_retention:

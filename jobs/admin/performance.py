@@ -1,7 +1,7 @@
 """The per-type performance page: how each job type ran over a window, from the history.
 
-Figures per job type, over the attempts that ended in the window (:func:`jobs.queue.rollup.bins`,
-one read bounded by the window's bins):
+Figures per job type, over the attempts that ended in the window
+(:func:`jobs.queue.rollup_reads.bins`, one read bounded by the window's bins):
 
 * **attempts**: every attempt that ended: succeeded, failed, cancelled or retried;
 * **success rate**: succeeded / (succeeded + failed + cancelled), the jobs that ended for good;
@@ -37,7 +37,7 @@ from jobs.catalogue.registry import get_registry
 from jobs.control.tables import RunTable
 from jobs.db.clock import database_now
 from jobs.models import Job
-from jobs.queue import rollup
+from jobs.queue import rollup, rollup_reads
 from jobs.queue.rollup import Distribution
 
 PERFORMANCE_WINDOWS = ("hour", "day", "week", "30d")
@@ -138,7 +138,7 @@ def performance_data(
     """A row per job type (registered, or seen in the window) with its figures and sparklines."""
     whole: dict[str, Tally] = defaultdict(Tally)
     binned: dict[str, list[Tally]] = defaultdict(lambda: [Tally() for _s in frame.starts])
-    for item in rollup.bins(frame.since, frame.until, frame.step):
+    for item in rollup_reads.bins(frame.since, frame.until, frame.step):
         index = frame.index(item.start)
         if index is None:
             continue

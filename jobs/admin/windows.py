@@ -1,7 +1,7 @@
 """The time windows the console's charts and performance page offer, and the bins of each.
 
 A window ends with the bin "now" falls in (still filling) and is cut into whole bins aligned
-to the epoch in UTC, as :func:`jobs.queue.rollup.bins` groups them. Minute rows exist only for
+to the epoch in UTC, as :func:`jobs.queue.rollup_reads.bins` groups them. Minute rows exist only for
 the last :data:`jobs.queue.rollup.MINUTES_KEPT`, so only the hour window uses minute bins;
 older data is hourly, and a bin finer than an hour would show a whole hour in its first bin.
 

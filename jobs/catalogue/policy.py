@@ -154,7 +154,7 @@ class Policy:
     permanent_errors: tuple[type[BaseException], ...] = ()
     classify: Callable[[BaseException], str | None] | None = None
     # A run table this type drives: the payload field ``run_field`` holds the row's primary
-    # key, and the worker keeps that row in step with the job (see jobs.runs.bound).
+    # key, and the queue keeps that row in step with the job (see jobs.queue.bound).
     run_model: type[RunContract] | None = None
     run_field: str = "run_id"
     # Flow control, held by the claim across every worker (jobs.queue.flow): at most this

@@ -27,14 +27,18 @@ them writes the jobs table itself.
 from jobs.queue import (
     attempts,
     batches,
+    bound,
+    counts,
     dependencies,
     flow,
     history,
     pauses,
     processes,
     rollup,
+    rollup_compaction,
+    rollup_reads,
 )
-from jobs.queue.claim import claim, claim_sql, next_attempt, renew, renew_leases, renew_tokens
+from jobs.queue.claim import claim, claim_sql
 from jobs.queue.cycle import record_and_claim
 from jobs.queue.enqueue import enqueue, enqueue_many
 from jobs.queue.maintenance import (
@@ -48,6 +52,7 @@ from jobs.queue.maintenance import (
 from jobs.queue.operations import cancel, cancel_active, cancel_running, replay, run_now
 from jobs.queue.outcomes import complete, fail, record, release, retry
 from jobs.queue.pauses import pause, paused, resume, throttle
+from jobs.queue.renewal import next_attempt, renew, renew_leases, renew_tokens
 from jobs.queue.types import (
     BACKLOG_CAP,
     RESULT_MAX,
@@ -101,12 +106,14 @@ __all__ = [
     "attempts",
     "backlog",
     "batches",
+    "bound",
     "cancel",
     "cancel_active",
     "cancel_running",
     "claim",
     "claim_sql",
     "complete",
+    "counts",
     "dependencies",
     "enqueue",
     "enqueue_many",
@@ -132,6 +139,8 @@ __all__ = [
     "resume",
     "retry",
     "rollup",
+    "rollup_compaction",
+    "rollup_reads",
     "run_now",
     "table_health",
     "throttle",

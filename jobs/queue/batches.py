@@ -31,7 +31,7 @@ from django.db import DEFAULT_DB_ALIAS, transaction
 from django.db.backends.utils import CursorWrapper
 
 from jobs.core.limits import validate_key
-from jobs.queue import _db, enqueue, keys
+from jobs.queue import _db, enqueue, job_rows, keys
 from jobs.queue.types import BatchFailure, BatchState, Enqueued, InvalidJob, NewJob
 
 _STATE_COLUMNS = (
@@ -66,7 +66,7 @@ def open(
                 "a batch's successor runs when the batch finishes: "
                 "it takes no after, run_after, delay or batch_id"
             )
-        template = enqueue.validated_row(successor)
+        template = job_rows.validated_row(successor)
     values: dict[str, Any] = template or {}
     with _db.cursor(using) as cur:
         cur.execute(

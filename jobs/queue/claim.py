@@ -1,4 +1,7 @@
-"""Claim and lease renewal.
+"""The claim. (Lease renewal and the next attempt are :mod:`jobs.queue.renewal`.)
+
+Over 400 lines: the claim's statement fragments and the forms that assemble them are read
+together.
 
 A claim is one statement: for each requested name, in the order given (the worker rotates it),
 take up to that name's limit of due queued rows with ``FOR UPDATE SKIP LOCKED``, stopping at
@@ -24,21 +27,22 @@ import re
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
-from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
 from jobs.core.conf import jobs_settings
-from jobs.core.progress import Progress
-from jobs.queue import _db, attempts, flow, pauses, processes, rollup, text
+from jobs.queue import (
+    _db,
+    flow,
+    flow_claim,
+    flow_fair,
+    pauses,
+)
 from jobs.queue._arrays import array
-from jobs.queue.outcomes import report_json
 from jobs.queue.types import (
     AllTenants,
     ClaimedJob,
     ClaimRequest,
-    ProcessBeat,
-    Renewal,
     Scope,
     pick_scope_sql,
 )
@@ -106,7 +110,7 @@ _DUE_WALK = (
 -- The priorities this name has queued rows at, highest first: one hop down the claim index
 -- each, evaluated only as far as the claim below asks.
 WITH RECURSIVE """
-    + flow.LEVELS
+    + flow_fair.LEVELS
     + """
 SELECT due.id FROM levels l
 CROSS JOIN LATERAL ("""
@@ -136,7 +140,7 @@ _PLAIN_BRANCH = """
         ) d WHERE NOT w.ordered"""
 # A fair name without tenant limits: its rows come from the function, whose plans each
 # connection keeps (planning the statement inline cost more than running it), with the
-# accounts its tenants' starts go to (flow.FAIR_ROWS), written after the claim.
+# accounts its tenants' starts go to (flow_fair.FAIR_ROWS), written after the claim.
 _FAIR_PICK = """,
 fair_pick AS MATERIALIZED (
     SELECT w.name, f.id, f.tenant, f.base, f.top
@@ -162,8 +166,10 @@ _RESERVED_BRANCH = """
 
 def _top_and_kept(due: str, scope_sql: str) -> str:
     """The CTEs of the top class (``top``) and of the places kept below it (``low``)."""
-    top_level = flow.TOP_LEVEL.replace("{scope}", scope_sql).replace("{paused}", pauses.PAUSED_ROWS)
-    return top_level + flow.LOW.replace("{due}", flow.below_top(due))
+    top_level = flow_fair.TOP_LEVEL.replace("{scope}", scope_sql).replace(
+        "{paused}", pauses.PAUSED_ROWS
+    )
+    return top_level + flow_fair.LOW.replace("{due}", flow_fair.below_top(due))
 
 
 def _tiered_rows(due: str, scope_sql: str) -> str:
@@ -171,16 +177,18 @@ def _tiered_rows(due: str, scope_sql: str) -> str:
     the classes below first and the room its tenants leave filled from them, then its
     tenants' accounts to write (``w`` is its room row, the rows read within ``scope_sql``);
     :func:`fair_pick_function` makes it a function."""
-    fill = flow.FILL.replace("{due}", flow.below_top(flow.narrowed(due, flow.NOT_LOW)))
+    fill = flow_fair.FILL.replace(
+        "{due}", flow_fair.below_top(flow_fair.narrowed(due, flow_fair.NOT_LOW))
+    )
     return (
-        flow.FAIR_ROWS.replace("{scope}", scope_sql)
+        flow_fair.FAIR_ROWS.replace("{scope}", scope_sql)
         .replace("{paused}", pauses.PAUSED_ROWS)
         .replace("{tenant_scope}", pick_scope_sql("c"))
         .replace("{account_scope}", pick_scope_sql("s"))
         .replace("{top}", _top_and_kept(due, scope_sql))
-        .replace("{budget}", flow.LOW_BUDGET)
-        .replace("{level}", flow.TOP_LEVEL_ROWS)
-        .replace("{low_rows}", flow.LOW_ROWS)
+        .replace("{budget}", flow_fair.LOW_BUDGET)
+        .replace("{level}", flow_fair.TOP_LEVEL_ROWS)
+        .replace("{low_rows}", flow_fair.LOW_ROWS)
         .replace("{fill}", fill)
     )
 
@@ -243,9 +251,9 @@ def _flow_ctes(due: str, flows: flow.FlowForm, scope: Scope) -> str:
             "\nWITH RECURSIVE "
             + _top_and_kept(due, scope_sql).rstrip().rstrip(",")
             + "\n"
-            + flow.LOW_ROWS
+            + flow_fair.LOW_ROWS
             + "SELECT p.id FROM ("
-            + flow.narrowed(due, flow.NOT_LOW)
+            + flow_fair.narrowed(due, flow_fair.NOT_LOW)
             + "\n) p"
         )
         branches.append(_RESERVED_BRANCH.replace("{reserved}", reserved))
@@ -255,7 +263,7 @@ def _flow_ctes(due: str, flows: flow.FlowForm, scope: Scope) -> str:
         branches.append(_TIERED_BRANCH)
     if flows.capped:
         rows = (
-            flow.tenant_rows(limited=True, releasing=flows.releasing)
+            flow_claim.tenant_rows(limited=True, releasing=flows.releasing)
             .replace("{scope}", scope_sql)
             .replace("{paused}", pauses.PAUSED_ROWS)
             .replace("{tenant_scope}", scope.sql("c")[0])
@@ -269,9 +277,9 @@ def _flow_ctes(due: str, flows: flow.FlowForm, scope: Scope) -> str:
     return (
         pauses.PAUSED_CTE
         + ","
-        + flow.WANTED.format(paused_names=pauses.PAUSED_NAMES)
+        + flow_claim.WANTED.format(paused_names=pauses.PAUSED_NAMES)
         + ","
-        + flow.gate(flows)
+        + flow_claim.gate(flows)
         + (_FAIR_PICK if flows.tiered else "")
         + _FLOW_PICKED.replace("{branches}", "\n        UNION ALL".join(branches))
     )
@@ -316,7 +324,7 @@ def claim_sql(
     claim's form (None: the claim of names without flow controls).
     """
     ctes, scope_params = _claim_ctes(scope, walk, using, flows)
-    post = "" if flows is None else flow.after_claim(flows)
+    post = "" if flows is None else flow_claim.after_claim(flows)
     return claim_statement(ctes, _CLAIM_UPDATE, post), scope_params
 
 
@@ -388,7 +396,7 @@ def claim_parts(
     params.update(flow.request_params(requests, limits or {}, after or {}))
     if flows.tiered:
         params.update(scope.pick_params())
-    return ctes, _CLAIM_UPDATE, params, flow.after_claim(flows)
+    return ctes, _CLAIM_UPDATE, params, flow_claim.after_claim(flows)
 
 
 def claimed_jobs(rows: Sequence[Sequence[Any]]) -> list[ClaimedJob]:
@@ -452,177 +460,3 @@ def run_claim(parts: tuple[str, str, dict[str, Any], str], using: str) -> list[C
     with _db.bound_cursor(using) as cur:
         cur.execute(claim_statement(ctes, update, post), params)
         return claimed_jobs(cur.fetchall())
-
-
-def renew(
-    jobs: Sequence[ClaimedJob],
-    *,
-    lease: timedelta | None = None,
-    using: str = DEFAULT_DB_ALIAS,
-) -> set[int]:
-    """Extend the leases of jobs this worker still holds, in one statement.
-
-    Stamps ``heartbeat_at``. Returns the ids whose lease was lost (token no longer matches or
-    the job left ``running``): their handlers must stop and write no outcome. Rows another
-    session holds locked are skipped this time, and not reported lost.
-    """
-    lost = renew_tokens(jobs, lease=lease, using=using)
-    return {job.id for job in jobs if job.claim_token in lost}
-
-
-def renew_tokens(
-    jobs: Sequence[ClaimedJob],
-    *,
-    lease: timedelta | None = None,
-    using: str = DEFAULT_DB_ALIAS,
-) -> set[UUID]:
-    """Extend the leases of jobs this worker still holds; returns the lost claim tokens.
-
-    Like :func:`renew`, by token: one worker can briefly hold two claims of one job (its
-    stale attempt and a fresh one after the lease expired), and only the stale one is lost.
-    """
-    return set(renew_leases(jobs, lease=lease, using=using).lost)
-
-
-def renew_leases(
-    jobs: Sequence[ClaimedJob],
-    *,
-    lease: timedelta | None = None,
-    beat: ProcessBeat | None = None,
-    progress: Mapping[UUID, Progress] | None = None,
-    using: str = DEFAULT_DB_ALIAS,
-) -> Renewal:
-    """Extend the leases of held jobs and refresh the process's row, in one statement.
-
-    Reports, by claim token, the leases lost and the attempts an operator asked to stop
-    (:func:`jobs.queue.cancel`). With no jobs, only the beat is written (an idle worker).
-    ``progress`` holds the handlers' reports not written yet (:mod:`jobs.core.progress`), by
-    claim token: each goes to its row in the same UPDATE, which stays a HOT update (the
-    column is in no index); ``Renewal.unsent`` names those that were not written.
-    """
-    if not jobs and beat is None:
-        return Renewal()
-    reports = [progress.get(job.claim_token) for job in jobs] if progress else []
-    # Rows another session has locked (an operator's open transaction) are skipped, not
-    # waited for: their renewal waits for the next round, and they are not reported lost
-    # (``Renewal.skipped``: their leases run on from the last renewal that wrote them).
-    # Rows are found by key: ``state || ''`` keeps the planner off the running index, which,
-    # under statistics taken with few rows running, it read whole, every job the fleet holds
-    # (as the outcome write did, jobs.queue.outcomes). The comment stays out of the SQL, whose
-    # first 1,024 bytes are all pg_stat_activity shows.
-    with _db.bound_cursor(using) as cur:
-        cur.execute(
-            f"""
-            WITH held AS (
-                -- A NULL array of reports (none to write) reads as NULL for every job.
-                SELECT * FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[], %(reports)b::jsonb[])
-                    AS l(id, token, report)
-            ),
-            free AS (
-                SELECT j.id, held.token, held.report FROM jobs_job j JOIN held ON j.id = held.id
-                WHERE j.claim_token = held.token AND j.state || '' = 'running'
-                FOR UPDATE OF j SKIP LOCKED
-            ),
-            renewed AS (
-                UPDATE jobs_job j
-                SET lease_expires_at = statement_timestamp() + make_interval(secs => %(lease)s),
-                    heartbeat_at = statement_timestamp(),
-                    progress = COALESCE(free.report, j.progress)
-                FROM free WHERE j.id = free.id
-                RETURNING free.token
-            ),
-            {processes.BEAT_CTE}
-            -- (A data-modifying CTE runs whether or not the query reads it.)
-            SELECT held.token, j.id IS NULL, j.cancel_requested_at IS NOT NULL, FALSE
-            FROM held
-            LEFT JOIN jobs_job j
-              ON j.id = held.id AND j.claim_token = held.token AND j.state || '' = 'running'
-            WHERE j.id IS NULL OR j.cancel_requested_at IS NOT NULL
-            -- A beat that found no row: one row with no token says so.
-            UNION ALL
-            SELECT NULL, FALSE, FALSE, FALSE FROM beat_missed WHERE missed
-            -- Held rows not renewed: lost (above), or locked by another session (skipped).
-            UNION ALL
-            SELECT held.token, FALSE, FALSE, TRUE FROM held
-            WHERE NOT EXISTS (SELECT 1 FROM renewed r WHERE r.token = held.token)
-            """,
-            {
-                "ids": [job.id for job in jobs],
-                "tokens": [job.claim_token for job in jobs],
-                "reports": [None if r is None else report_json(r) for r in reports]
-                if any(r is not None for r in reports)
-                else None,
-                "lease": _db.seconds(lease or jobs_settings.LEASE),
-                **processes.beat_params(beat),
-            },
-        )
-        rows = cur.fetchall()
-    lost = frozenset(token for token, lost, _, _ in rows if lost)
-    unrenewed = frozenset(token for token, _, _, flag in rows if flag)
-    return Renewal(
-        lost=lost,
-        cancel_requested=frozenset(token for token, lost, asked, _ in rows if asked and not lost),
-        beat_missed=any(token is None for token, _, _, _ in rows),
-        unsent=unrenewed & frozenset(progress or ()),
-        skipped=unrenewed - lost,
-    )
-
-
-# An attempt waited out in the worker ended as a retry: the console's history counts it.
-_RETRIED = rollup.cte("SELECT name, 'retried', %(code)s, ran, waited FROM bumped")
-
-
-def next_attempt(
-    job: ClaimedJob,
-    *,
-    lease: timedelta | None = None,
-    code: str = "",
-    detail: str = "",
-    using: str = DEFAULT_DB_ALIAS,
-) -> int | None:
-    """Count another attempt of a held job before it runs again in the same claim.
-
-    A short ``RetryAfter`` is waited out in the worker; the attempt after it is recorded
-    here, fenced by the claim token and renewing the lease, so a worker that dies during the
-    wait cannot let the job run past its ``max_attempts``. The attempt that ended is logged
-    as a retry with ``code`` and ``detail``. Returns the job's attempts now, or None when the
-    lease was lost or an operator asked the job to stop (the handler must not run again; a
-    renewal tells the two apart).
-    """
-    # The row by key (``state || ''``), as renew_leases finds its rows.
-    with _db.bound_cursor(using) as cur:
-        cur.execute(
-            f"""
-            WITH bumped AS (
-            UPDATE jobs_job j
-            SET attempts = j.attempts + 1,
-                lease_expires_at = statement_timestamp() + make_interval(secs => %(lease)s),
-                heartbeat_at = statement_timestamp(),
-                started_at = statement_timestamp(),
-                -- The next attempt is due now: its queue latency is not the wait just done.
-                run_after = statement_timestamp(),
-                attempt_log = j.attempt_log || {
-                attempts.entry_sql(row="j", outcome="'retry'", code="%(code)s", error="%(detail)s")
-            }
-            -- The row before the update, for the ended attempt's figures in the rollup.
-            FROM jobs_job was
-            WHERE j.id = %(id)s AND j.claim_token = %(token)s AND j.state || '' = 'running'
-              AND j.cancel_requested_at IS NULL AND was.id = j.id
-            RETURNING j.attempts, j.name,
-                GREATEST(0, EXTRACT(EPOCH FROM statement_timestamp() - was.started_at))::float8
-                    AS ran,
-                GREATEST(0, EXTRACT(EPOCH FROM was.started_at - was.run_after))::float8 AS waited
-            ),
-            {_RETRIED}
-            SELECT attempts FROM bumped WHERE {rollup.reads()}
-            """,
-            {
-                "id": job.id,
-                "token": job.claim_token,
-                "lease": _db.seconds(lease or jobs_settings.LEASE),
-                "code": text.clean(code)[:32],
-                "detail": text.clean(detail),
-            },
-        )
-        row = cur.fetchone()
-    return None if row is None else row[0]

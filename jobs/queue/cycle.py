@@ -22,11 +22,13 @@ import re
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
-from django.db import DEFAULT_DB_ALIAS
+from django.db import DEFAULT_DB_ALIAS, transaction
 
-from jobs.queue import _db, flow, rollup
+from jobs.queue import _db, bound, flow, flow_claim, rollup
+from jobs.queue.bound import RunRows
 from jobs.queue.claim import (
     TIERED_FORM,
+    claim,
     claim_parts,
     claim_update,
     claimed_jobs,
@@ -97,7 +99,7 @@ _PASS_ARGUMENTS = {
 }
 # The pass for names that are all fair with no limit (jobs.queue.claim.TIERED_FORM), as
 # jobs_worker_fair_pass_v2: the same outcome write, the fair claim; its arguments are the flow
-# claim's (jobs.queue.flow.WANTED), most of them unused by this form but kept so the claim's
+# claim's (jobs.queue.flow_claim.WANTED), most of them unused by this form but kept so the claim's
 # text is the flow claim's own.
 _FAIR_PASS_ARGUMENTS = {
     **_OUTCOME_ARGUMENTS,
@@ -216,7 +218,7 @@ def fair_pass_function() -> str:
     as :func:`pass_function` is.
     """
     # The claimed rows' columns are named c_<column> here (the function's own are r_<column>).
-    after = flow.after_claim(TIERED_FORM, {c: f"c_{c}" for c in flow.CLAIMED_COLUMNS})
+    after = flow_claim.after_claim(TIERED_FORM, {c: f"c_{c}" for c in flow_claim.CLAIMED_COLUMNS})
     return _function(
         FAIR_PASS_FUNCTION,
         _FAIR_PASS_ARGUMENTS,
@@ -266,14 +268,33 @@ def record_and_claim(
     count: bool = True,
     limits: Mapping[str, FlowLimits] | None = None,
     after: Mapping[str, str] | None = None,
+    runs: RunRows | None = None,
     using: str = DEFAULT_DB_ALIAS,
 ) -> tuple[OutcomeReport, list[ClaimedJob]]:
     """Write ``outcomes`` and claim as :func:`~jobs.queue.claim` would, in one statement.
 
     Outside a transaction the statement is its own (autocommit); inside one it joins it. The
     report and the claimed jobs are what :func:`~jobs.queue.record` and
-    :func:`~jobs.queue.claim` would return; ``count`` is :func:`~jobs.queue.record`'s.
+    :func:`~jobs.queue.claim` would return; ``count`` and ``runs`` are
+    :func:`~jobs.queue.record`'s.
+
+    Outcomes that drive bound run rows (``runs``) move those rows in the same transaction
+    (:mod:`jobs.queue.bound`): such a pass is the outcome write, the rows' updates and the
+    claim, three statements in one transaction.
     """
+    if bound.involved(outcomes, runs):
+        with transaction.atomic(using=using):
+            report = record(outcomes, count=count, wait=False, runs=runs, using=using)
+            return report, claim(
+                requests,
+                scope=scope,
+                limit=limit,
+                lease=lease,
+                worker=worker,
+                limits=limits,
+                after=after,
+                using=using,
+            )
     parts = claim_parts(
         requests,
         scope=scope,

@@ -5,29 +5,27 @@ against the partial UNIQUE index over key-holding rows (``jobs_job_key_lock``); 
 means another row holds ``(tenant, job_id)`` and that row is returned instead. A terminal row
 whose window has passed still holds its key until someone needs it: enqueue then releases it
 (a conditional UPDATE, so concurrent enqueuers agree on one winner) and inserts again.
+
+Each job's row is built and checked in :mod:`jobs.queue.job_rows`; a single job goes in
+through a database function (:mod:`jobs.queue.enqueue_one`), a large keyless batch by
+``COPY`` (:mod:`jobs.queue.copying`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from datetime import UTC, datetime, timedelta
-from functools import lru_cache
+from collections.abc import Iterable, Sequence
+from datetime import datetime
 from typing import Any
 
 from django.db import OperationalError, connections, transaction
 from django.db.backends.utils import CursorWrapper
-from django.utils import timezone
 
 from jobs.core.conf import NOTIFY_CHANNEL, jobs_settings
-from jobs.core.limits import MAX_ATTEMPTS_MAX, PRIORITY_MAX, PRIORITY_MIN, validate_key
-from jobs.models import new_job_id, new_job_ids
-from jobs.queue import _db, dependencies, flow, keys, text
+from jobs.models import new_job_ids
+from jobs.queue import _db, copying, dependencies, enqueue_one, job_rows, keys
 from jobs.queue.flow import FAIR_AT_ENQUEUE as _FAIR
-from jobs.queue.flow import FAIR_OF_ONE as _FAIR_OF_ONE
-from jobs.queue.types import Enqueued, InvalidJob, NewJob
-
-#: The furthest ahead ``delay`` may put a job; ``run_after`` is bounded by datetime itself.
-DELAY_MAX = timedelta(days=100 * 365)
+from jobs.queue.job_rows import DELAY_MAX as DELAY_MAX
+from jobs.queue.types import Enqueued, NewJob
 
 # Rounds of "insert, find the key holders, release the expired ones" before giving up. Each
 # round only repeats for rows whose key holder vanished or expired in the meantime.
@@ -69,9 +67,9 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str | None = None) -> list[En
         jobs = list(jobs)  # any iterable: it is read more than once
     if len(jobs) >= COPY_AT_LEAST and all(map(_copyable, jobs)):
         return _enqueue_by_copy(jobs, using or jobs_settings.DATABASE)
-    defaults = _defaults()
+    defaults = job_rows.job_defaults()
     new_id = iter(new_job_ids(sum(getattr(job, "job_id", "") is None for job in jobs))).__next__
-    rows = [_row(job, index, defaults, new_id) for index, job in enumerate(jobs)]
+    rows = [job_rows.job_row(job, index, defaults, new_id) for index, job in enumerate(jobs)]
     if not rows:
         return []
     using = using or jobs_settings.DATABASE
@@ -125,15 +123,15 @@ def _enqueue_by_copy(jobs: Sequence[NewJob], using: str) -> list[Enqueued]:
     caller's, to leave it usable after a refused job.
     """
     connection = connections[using]
-    defaults = _defaults()
+    defaults = job_rows.job_defaults()
     new_id = iter(new_job_ids(len(jobs))).__next__  # every job is keyless (_copyable)
     checked: Iterable[dict[str, Any]] = (
-        _row(job, index, defaults, new_id) for index, job in enumerate(jobs)
+        job_rows.job_row(job, index, defaults, new_id) for index, job in enumerate(jobs)
     )
     if connection.in_atomic_block or not connection.get_autocommit():
         checked = list(checked)
     with transaction.atomic(using=using, savepoint=False), _db.bound_cursor(using) as cur:
-        _base, rows = _copy(cur, checked, len(jobs))
+        _base, rows = copying.copy_jobs(cur, checked, len(jobs))
     return [
         Enqueued(row["id"], row["job_id"], row["tenant"], row["name"], "queued", True, using)
         for row in rows
@@ -148,7 +146,7 @@ def _insert_alone(row: dict[str, Any], using: str) -> dict[tuple[str, str], Enqu
     nothing.
     """
     with _db.bound_cursor(using) as cur:
-        id_ = _insert_one(cur, row)
+        id_ = enqueue_one.insert_one(cur, row)
     if id_ is None:
         return None
     key = (row["tenant"], row["job_id"])
@@ -176,145 +174,13 @@ def _insert_in_transaction(
                 done = _insert_or_find(cur, rows)
                 if waiting:
                     dependencies.link(
-                        cur, [row for row in waiting if done[_key(row)].created], done
+                        cur, [row for row in waiting if done[job_rows.row_key(row)].created], done
                     )
                 return done
         except OperationalError as exc:
             if not (owned and attempt < _DEADLOCK_RETRIES and _deadlock(exc)):
                 raise
     raise AssertionError("unreachable: the last attempt returns or raises")
-
-
-def validated_row(job: NewJob) -> dict[str, Any]:
-    """The column values enqueue would insert for ``job`` (raises :class:`InvalidJob`)."""
-    return _row(job, None)
-
-
-def _key(row: dict[str, Any]) -> tuple[str, str]:
-    return (row["tenant"], row["job_id"])
-
-
-# Names, tenants and queues repeat from job to job: each is checked once (a refused one
-# raises every time, as exceptions are not kept).
-_name_problem = lru_cache(maxsize=1024)(text.problem)
-_valid_key = lru_cache(maxsize=1024)(validate_key)
-
-
-def _checked_key(value: object, what: str) -> str:
-    return _valid_key(value, what) if isinstance(value, str) else validate_key(value, what)
-
-
-def _defaults() -> tuple[str, str, int]:
-    """The ``JOBS`` defaults a job without its own takes: tenant, queue and max_attempts
-    (read once a batch, not once a job)."""
-    return (
-        jobs_settings.DEFAULT_TENANT,
-        jobs_settings.DEFAULT_QUEUE,
-        jobs_settings.DEFAULT_MAX_ATTEMPTS,
-    )
-
-
-def _row(
-    job: NewJob,
-    index: int | None,
-    defaults: tuple[str, str, int] | None = None,
-    new_id: Callable[[], str] = new_job_id,
-) -> dict[str, Any]:
-    """Validate one job and turn it into column values (raises InvalidJob). A keyless job
-    takes ``new_id()``: a batch's ids are drawn together (:func:`jobs.models.new_job_ids`)."""
-    default_tenant, default_queue, default_max_attempts = defaults or _defaults()
-    if not isinstance(job, NewJob):
-        raise InvalidJob(f"expected a NewJob, got {type(job).__name__}", index=index)
-    if not isinstance(job.name, str) or not job.name or len(job.name) > 200:
-        raise InvalidJob(
-            f"name must be a non-empty string of at most 200 characters, got {job.name!r}",
-            index=index,
-        )
-    if job.job_id is None:
-        job_id = new_id()  # hex digits: nothing to check
-    else:
-        job_id = job.job_id
-        if not isinstance(job_id, str) or not job_id or len(job_id) > 255:
-            raise InvalidJob(
-                f"job_id must be a non-empty string of at most 255 characters, got {job_id!r}",
-                index=index,
-            )
-        bad = text.problem(job_id)
-        if bad:
-            raise InvalidJob(f"job_id {bad}: {job_id!r}", index=index)
-    bad = _name_problem(job.name)
-    if bad:
-        raise InvalidJob(f"name {bad}: {job.name!r}", index=index)
-    try:
-        tenant = _checked_key(job.tenant or default_tenant, "tenant")
-        queue = _checked_key(job.queue or default_queue, "queue")
-    except ValueError as exc:
-        raise InvalidJob(str(exc), index=index) from None
-    if (
-        isinstance(job.priority, bool)
-        or not isinstance(job.priority, int)
-        or not PRIORITY_MIN <= job.priority <= PRIORITY_MAX
-    ):
-        raise InvalidJob(
-            f"priority must be a whole number from {PRIORITY_MIN} to {PRIORITY_MAX}, "
-            f"got {job.priority!r}",
-            index=index,
-        )
-    max_attempts = default_max_attempts if job.max_attempts is None else job.max_attempts
-    if (
-        isinstance(max_attempts, bool)
-        or not isinstance(max_attempts, int)
-        or not 1 <= max_attempts <= MAX_ATTEMPTS_MAX
-    ):
-        raise InvalidJob(
-            f"max_attempts must be a whole number from 1 to {MAX_ATTEMPTS_MAX:,}, "
-            f"got {max_attempts!r}",
-            index=index,
-        )
-    if job.run_after is not None and job.delay is not None:
-        raise InvalidJob("give run_after or delay, not both", index=index)
-    if job.run_after is not None and (
-        not isinstance(job.run_after, datetime) or timezone.is_naive(job.run_after)
-    ):
-        raise InvalidJob(f"run_after must be an aware datetime, got {job.run_after!r}", index=index)
-    if job.delay is not None and (
-        not isinstance(job.delay, timedelta) or abs(job.delay) > DELAY_MAX
-    ):
-        raise InvalidJob(
-            f"delay must be a timedelta of at most {DELAY_MAX.days} days, got {job.delay!r}",
-            index=index,
-        )
-    delay = 0.0 if job.delay is None else _db.seconds(job.delay)
-    # Most jobs wait for nothing: the empty tuple NewJob gives needs no checking.
-    after = () if type(job.after) is tuple and not job.after else dependencies.validate(job, index)
-    if job.batch_id is not None and (
-        isinstance(job.batch_id, bool) or not isinstance(job.batch_id, int)
-    ):
-        raise InvalidJob(f"batch_id must be a batch's id, got {job.batch_id!r}", index=index)
-    if not isinstance(job.payload, dict):
-        raise InvalidJob(
-            f"payload must be a dict (a JSON object), got {type(job.payload).__name__}", index=index
-        )
-    try:
-        payload = text.dumps(job.payload)
-    except ValueError as exc:
-        raise InvalidJob(f"payload is not JSON-serializable: {exc}", index=index) from None
-    return {
-        "job_id": job_id,
-        "keyed": job.job_id is not None,
-        "name": job.name,
-        "payload": payload,
-        "tenant": tenant,
-        "queue": queue,
-        "priority": job.priority,
-        "max_attempts": max_attempts,
-        "run_after": job.run_after,
-        "delay": delay,
-        "batch_id": job.batch_id,
-        "waiting_on": 0,
-        "after": after,
-        "on_dependency_failure": job.on_dependency_failure,
-    }
 
 
 def _insert_or_find(
@@ -331,7 +197,7 @@ def _insert_or_find(
             and len(pending) >= COPY_AT_LEAST
             and not any(row["keyed"] for row in pending)
         ):
-            copied_at, _rows = _copy(cur, pending, len(pending))
+            copied_at, _rows = copying.copy_jobs(cur, pending, len(pending))
             inserts: list[Inserted] = [(row["id"], True, copied_at) for row in pending]
         else:
             inserts = _insert(cur, pending, base)
@@ -389,11 +255,11 @@ def _insert(
     if len(rows) == 1 and rows[0].get("id") is None:
         # A single row (a row of a batch keeps the id it drew) is never inserted beside
         # others, so each round may read its own clock.
-        id_ = _insert_one(cur, rows[0])
+        id_ = enqueue_one.insert_one(cur, rows[0])
         return [(id_, id_ is not None, base)]
     fresh = [row for row in rows if row.get("id") is None]
     if fresh or base is None:
-        ids, (now,) = _draw_ids(cur, len(fresh))
+        ids, (now,) = copying.draw_ids(cur, len(fresh))
         for row, id_ in zip(fresh, ids, strict=False):
             row["id"] = id_
         base = base or now
@@ -444,124 +310,11 @@ def _insert(
     return [(row["id"], row["id"] in inserted, base) for row in rows]
 
 
-def _draw_ids(cur: CursorWrapper, count: int, also: str = "") -> tuple[list[int], tuple[Any, ...]]:
-    """``count`` new ids, drawn in one statement, in ascending order (rows take them in the
-    order they are given); and the statement's clock (and the value of the SQL ``also``)."""
-    # The sequence is looked up once (a materialized CTE): left in nextval's argument, the
-    # lookup ran for every id, six times the cost of drawing them (10,000 ids: 20 → 3.5 ms).
-    cur.execute(
-        "WITH s AS MATERIALIZED ("
-        "SELECT pg_get_serial_sequence('jobs_job', 'id')::regclass AS seq) "
-        "SELECT array_agg(nextval(s.seq)), "
-        f"statement_timestamp(){', ' + also if also else ''} "
-        "FROM s, generate_series(1, %s)",
-        [max(count, 1)],
-    )
-    drawn, *values = cur.fetchone()
-    return sorted(drawn), tuple(values)
-
-
-def _copy(
-    cur: CursorWrapper, rows: Iterable[dict[str, Any]], count: int
-) -> tuple[datetime, list[dict[str, Any]]]:
-    """Insert ``count`` keyless rows by COPY, each given its id as it goes: ``(base, rows)``.
-
-    A keyless job's key is a random UUID, so no row holds it and nothing is skipped: what
-    ``ON CONFLICT`` decides per row is not needed, and COPY writes rows faster than ``INSERT
-    … SELECT`` does while the client is still sending them. What the statement computes per
-    row (its due time from one clock, whether its type is tenant-ordered) is computed here
-    from one read of the clock and of the tenant-ordered types, in the statement that draws
-    the ids; the jobs due now are announced with one NOTIFY per name after the COPY. ``rows``
-    may be a generator that validates each job as the COPY asks for it: what it raises ends
-    the COPY, and the caller's transaction (or savepoint) drops what was sent.
-    """
-    # The clock read in UTC: COPY sends timestamptz in binary, which takes only aware times,
-    # and with USE_TZ = False the statement's own clock comes back naive.
-    ids, (_now, ordered, utc) = _draw_ids(
-        cur, count, also=f"{flow.TENANT_ORDERED_NAMES}, statement_timestamp() AT TIME ZONE 'UTC'"
-    )
-    base = utc.replace(tzinfo=UTC)
-    fair = frozenset(ordered)
-    due: set[str] = set()
-    copied: list[dict[str, Any]] = []
-    due_in = {0.0: base}  # due times by delay: most jobs of a batch share one
-    jsonb = _db.JSONB_VERSION
-
-    def values() -> Iterator[tuple[Any, ...]]:
-        for row, id_ in zip(rows, ids, strict=True):
-            row["id"] = id_
-            copied.append(row)
-            run_after = row["run_after"]
-            if run_after is None:
-                delay = row["delay"]
-                run_after = due_in.get(delay)
-                if run_after is None:
-                    run_after = due_in[delay] = base + timedelta(seconds=delay)
-            if run_after <= base:
-                due.add(row["name"])
-            yield (
-                id_,
-                row["job_id"],
-                row["name"],
-                jsonb + row["payload"],
-                row["tenant"],
-                row["queue"],
-                row["priority"],
-                row["max_attempts"],
-                run_after,
-                row["batch_id"],
-                row["waiting_on"],
-                row["name"] in fair,
-                base,
-                *_COPY_CONSTANTS,
-            )
-
-    _db.copy_rows(cur, _COPY, _COPY_TYPES, values())
-    if due and jobs_settings.NOTIFY:
-        cur.execute(
-            "SELECT count(pg_notify(%s, n)) FROM unnest(%s::text[]) AS n",
-            [NOTIFY_CHANNEL, sorted(due)],
-        )
-    return base, copied
-
-
 #: Batches of at least this many jobs, none with an idempotency key, are inserted by COPY
-#: (:func:`_copy`): PostgreSQL CPU 11 → 7 µs a job in a batch of 10,000, and the rows are
-#: written while the client sends them. A smaller batch pays less for the plainer statement.
+#: (:func:`jobs.queue.copying.copy_jobs`): PostgreSQL CPU 11 → 7 µs a job in a batch of
+#: 10,000, and the rows are written while the client sends them. A smaller batch pays less
+#: for the plainer statement.
 COPY_AT_LEAST = 64
-
-# The columns COPY writes (the rest take their defaults), as _copy's rows give them, then
-# those every new job has alike.
-_COPY_COLUMNS = (
-    ("id", "int8"),
-    ("job_id", "text"),
-    ("name", "text"),
-    ("payload", _db.JSONB_AS_TEXT),
-    ("tenant", "text"),
-    ("queue", "text"),
-    ("priority", "int2"),
-    ("max_attempts", "int4"),
-    ("run_after", "timestamptz"),
-    ("batch_id", "int8"),
-    ("waiting_on", "int4"),
-    ("fair", "bool"),
-    ("created_at", "timestamptz"),
-    ("state", "text"),
-    ("attempts", "int4"),
-    ("last_error", "text"),
-    ("error_detail", "text"),
-    ("claimed_by", "text"),
-    ("key_held", "bool"),
-    ("keyed", "bool"),
-    ("replayed_by", "text"),
-)
-_COPY_CONSTANTS = ("queued", 0, "", "", "", True, False, "")
-_COPY = (
-    "COPY jobs_job ("
-    + ", ".join(name for name, _ in _COPY_COLUMNS)
-    + ") FROM STDIN (FORMAT BINARY)"
-)
-_COPY_TYPES = [kind for _, kind in _COPY_COLUMNS]
 
 
 _COLUMNS = (
@@ -579,103 +332,3 @@ _COLUMNS = (
     "batch_id",
     "waiting_on",
 )
-
-
-# The arguments of jobs_enqueue_job, in order, with their types.
-_ONE_ARGUMENTS = {
-    "job_id": "text",
-    "name": "text",
-    "payload": "jsonb",
-    "tenant": "text",
-    "queue": "text",
-    "priority": "integer",
-    "max_attempts": "integer",
-    "run_after": "timestamptz",
-    "delay": "float8",
-    "keyed": "boolean",
-    "batch_id": "bigint",
-    "waiting_on": "integer",
-    "channel": "text",
-}
-
-# The one-row insert in the function's body, ``{conflict}`` left to fill in.
-_INSERT_ONE = (
-    """INSERT INTO jobs_job (
-            job_id, name, payload, tenant, queue, priority, max_attempts, run_after,
-            state, attempts, last_error, error_detail, claimed_by, key_held, keyed,
-            replayed_by, created_at, fair, batch_id, waiting_on
-        )
-        VALUES (
-            p_job_id, p_name, p_payload, p_tenant, p_queue, p_priority, p_max_attempts,
-            v_run_after, 'queued', 0, '', '', '', TRUE, p_keyed, '', v_at,
-            """
-    + _FAIR_OF_ONE.format(name="p_name")
-    + """,
-            p_batch_id, p_waiting_on
-        ){conflict}
-        RETURNING id INTO v_id;"""
-)
-
-# A call of jobs_enqueue_job, whose plans each connection keeps (behind a transaction pooler
-# too): parsing and planning the insert cost PostgreSQL more than running it.
-_INSERT_ONE_CALL = (
-    "SELECT jobs_enqueue_job("
-    + ", ".join(f"%({name})s::{kind}" for name, kind in _ONE_ARGUMENTS.items())
-    + ")"
-)
-
-
-def enqueue_function() -> str:
-    """``CREATE OR REPLACE FUNCTION jobs_enqueue_job``: the one-row insert with kept plans.
-
-    It inserts the job and returns its id, or NULL when a live row holds the job's key; once
-    the job is due it sends ``p_name`` on ``p_channel`` (nothing when that is NULL). Only a
-    key the caller chose can be taken: a keyless job's new key is inserted without the
-    ``ON CONFLICT`` look-up, which cost the server 10 µs a job. Returning one value, not a
-    table, saves PostgreSQL the set-returning call's 30 µs.
-
-    Rendered into jobs/queue/sql/functions/, whose file the migrations install: a change to
-    the insert needs a migration that installs it again.
-    """
-    return _ONE_FUNCTION.format(
-        arguments=",\n".join(f"    p_{name} {kind}" for name, kind in _ONE_ARGUMENTS.items()),
-        keyed=_INSERT_ONE.format(
-            conflict="\n        ON CONFLICT (tenant, job_id) WHERE key_held DO NOTHING"
-        ),
-        keyless=_INSERT_ONE.format(conflict=""),
-    )
-
-
-# The function around the inserts. No SET clause: a function's settings are set and reset on
-# every call, which cost more than a plan; its plans are the same for any arguments, so they
-# are kept anyway.
-_ONE_FUNCTION = """CREATE OR REPLACE FUNCTION jobs_enqueue_job(
-{arguments}
-) RETURNS bigint
-LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    v_id bigint;
-    v_at timestamptz := statement_timestamp();
-    v_run_after timestamptz := COALESCE(p_run_after, v_at + make_interval(secs => p_delay));
-BEGIN
-    IF p_keyed THEN
-        {keyed}
-    ELSE
-        {keyless}
-    END IF;
-    IF v_id IS NOT NULL AND p_channel IS NOT NULL AND v_run_after <= v_at THEN
-        PERFORM pg_notify(p_channel, p_name);
-    END IF;
-    RETURN v_id;
-END
-$$;
-"""
-
-
-def _insert_one(cur: CursorWrapper, row: dict[str, Any]) -> int | None:
-    """One row (every ``enqueue()``): its id, or None when its key is held."""
-    params = {key: row.get(key) for key in _ONE_ARGUMENTS}
-    params["channel"] = NOTIFY_CHANNEL if jobs_settings.NOTIFY else None
-    cur.execute(_INSERT_ONE_CALL, params)
-    id_: int | None = cur.fetchone()[0]
-    return id_

@@ -1,5 +1,7 @@
 """Fenced outcome writes: complete, retry, fail, release.
 
+Over 400 lines: the outcome write's CTEs and the functions that send them are read together.
+
 Every write is conditional on the claim token the worker got at claim time::
 
     UPDATE … WHERE id = $id AND claim_token = $token AND state = 'running'
@@ -18,12 +20,14 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.utils import timezone
 
 from jobs.core.progress import Progress
-from jobs.queue import _db, attempts, flow, rollup, text
+from jobs.db import bounds as dbbounds
+from jobs.queue import _db, attempts, bound, flow, rollup, text
 from jobs.queue._arrays import Array, array
+from jobs.queue.bound import RunRows
 from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay
 
 # What a stopped attempt's error says (the row's columns before the write).
@@ -213,6 +217,8 @@ def record(
     *,
     count: bool = True,
     wait: bool = True,
+    runs: RunRows | None = None,
+    lock_wait: float | None = None,
     using: str = DEFAULT_DB_ALIAS,
 ) -> OutcomeReport:
     """Write many outcomes in one statement; report which were applied, fenced or busy.
@@ -222,9 +228,22 @@ def record(
     the attempts written are added to the console's history in the same statement; a caller
     that counts them itself (the worker) passes False. An ending batch member waits for its
     batch's row, unless ``wait`` is False: then it is busy while another session holds it.
+
+    ``runs`` names the bound run rows of the outcomes' jobs, by claim token: those of the
+    outcomes applied follow them in the same transaction (:mod:`jobs.queue.bound`). With
+    ``lock_wait`` (seconds) the write waits at most that long for a lock, in a transaction
+    of its own (or the caller's).
     """
     if not outcomes:
         return OutcomeReport((), ())
+    if lock_wait is not None or bound.involved(outcomes, runs):
+        with transaction.atomic(using=using):
+            if lock_wait is not None:
+                dbbounds.wait_for_locks(lock_wait, using=using)
+            report = record(outcomes, count=count, wait=wait, using=using)
+            if runs:
+                bound.settle(outcomes, report, runs, using=using)
+        return report
     statement = (_RECORD if wait else _RECORD_SKIPPING)[count]
     with _db.bound_cursor(using) as cur:
         cur.execute(statement, outcome_params(outcomes, using))
@@ -373,9 +392,13 @@ def fail(job: ClaimedJob, *, code: str, detail: str = "", using: str = DEFAULT_D
     return _one(Outcome.failed(job, code=code, detail=detail), using)
 
 
-def release(jobs: Sequence[ClaimedJob], *, using: str = DEFAULT_DB_ALIAS) -> OutcomeReport:
-    """Hand claimed jobs back untried (graceful shutdown): due at once, attempt returned."""
-    return record([Outcome.released(job) for job in jobs], using=using)
+def release(
+    jobs: Sequence[ClaimedJob], *, runs: RunRows | None = None, using: str = DEFAULT_DB_ALIAS
+) -> OutcomeReport:
+    """Hand claimed jobs back untried (graceful shutdown): due at once, attempt returned.
+
+    Their bound run rows (``runs``, as for :func:`record`) are queued again with them."""
+    return record([Outcome.released(job) for job in jobs], runs=runs, using=using)
 
 
 def _one(outcome: Outcome, using: str) -> bool:

@@ -2,7 +2,8 @@
 
 Job rows are pruned within hours; an operator asking "what happened last week" needs counts
 that outlive them. Two small tables keep them (``jobs_rollup``, ``jobs_backlogsample``), and
-this module owns every statement on both.
+this module and its two neighbours own every statement on both: this one writes,
+:mod:`jobs.queue.rollup_compaction` folds, :mod:`jobs.queue.rollup_reads` reads.
 
 **Writing.** The statement that writes outcomes adds to the rollup in the same statement
 (:func:`cte`, over the rows it wrote): one upsert per job type, outcome and error code of the
@@ -22,10 +23,11 @@ from them is within about ±20 % (:meth:`Distribution.quantile`; above the last 
 that bound, a floor). Queue latency is the attempt's start minus the time it became due, as
 the claim computes it.
 
-**Compaction** (:func:`compact`, the scheduler's retention pass): minute rows older than
-:data:`SHARD_FOLD_AFTER` are folded into one row per minute (shard 0); minute rows older than
-:data:`MINUTES_KEPT` into hour rows; hour rows are deleted after ``ROLLUP_RETENTION``. A read
-adds up whatever rows exist, so every stage of folding gives the same answers.
+**Compaction** (:func:`jobs.queue.rollup_compaction.compact`, the scheduler's retention
+pass): minute rows older than :data:`SHARD_FOLD_AFTER` are folded into one row per minute
+(shard 0); minute rows older than :data:`MINUTES_KEPT` into hour rows; hour rows are deleted
+after ``ROLLUP_RETENTION``. A read adds up whatever rows exist, so every stage of folding gives
+the same answers.
 
 **Backlog.** The scheduler's gauges duty, which counts the backlog anyway, records one sample
 per type and minute (:func:`record_backlog`); compaction keeps each hour's largest.
@@ -35,15 +37,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from jobs.core.conf import jobs_settings
 from jobs.queue import _db
 from jobs.queue.types import Outcome
 
@@ -135,7 +135,7 @@ class BacklogPoint:
 
 # Adding into an existing row: counts and totals summed, histograms bucket by bucket
 # (jobs_histogram_add, jobs/queue/sql/functions/).
-_MERGE = """
+MERGE = """
 ON CONFLICT (period, width, name, outcome, code, shard) DO UPDATE SET
     count = r.count + EXCLUDED.count,
     run_seconds = r.run_seconds + EXCLUDED.run_seconds,
@@ -143,7 +143,7 @@ ON CONFLICT (period, width, name, outcome, code, shard) DO UPDATE SET
     run_histogram = jobs_histogram_add(r.run_histogram, EXCLUDED.run_histogram),
     wait_histogram = jobs_histogram_add(r.wait_histogram, EXCLUDED.wait_histogram)"""
 
-_COLUMNS = (
+COLUMNS = (
     "period, width, name, outcome, code, shard, count, run_seconds, wait_seconds, "
     "run_histogram, wait_histogram"
 )
@@ -227,7 +227,7 @@ class Tally:
 
 # One row per group, its histograms sliced from two flat arrays.
 _ADD_TALLY = f"""
-INSERT INTO jobs_rollup AS r ({_COLUMNS})
+INSERT INTO jobs_rollup AS r ({COLUMNS})
 SELECT date_trunc('minute', statement_timestamp(), 'UTC'), {MINUTE}, g.name, g.outcome, g.code,
        pg_backend_pid(), g.n, g.ran, g.waited,
        (%(run)b::int[])[(g.i - 1) * {BUCKETS} + 1 : g.i * {BUCKETS}],
@@ -235,7 +235,7 @@ SELECT date_trunc('minute', statement_timestamp(), 'UTC'), {MINUTE}, g.name, g.o
 FROM unnest(%(names)b::text[], %(outcomes)b::text[], %(codes)b::text[], %(counts)b::bigint[],
             %(ran)b::float8[], %(waited)b::float8[])
      WITH ORDINALITY AS g(name, outcome, code, n, ran, waited, i)
-{_MERGE}
+{MERGE}
 """
 
 
@@ -291,284 +291,3 @@ def record_backlog(
             {"at": at, "names": names, "queued": queued, "due": due, "oldest": oldest},
         )
         return int(cur.rowcount)
-
-
-# --- compaction ------------------------------------------------------------------------------
-
-
-def compact(
-    now: datetime,
-    *,
-    retention: timedelta | None = None,
-    batch_size: int = 5000,
-    max_batches: int = 10,
-    using: str = DEFAULT_DB_ALIAS,
-) -> Counter[str]:
-    """Fold old minute rows and delete expired hour rows, in bounded batches.
-
-    Each batch is one statement (it deletes the rows it folds and adds them to their target
-    row, atomically), run in autocommit. Returns the rows handled per step.
-    """
-    retention = jobs_settings.ROLLUP_RETENTION if retention is None else retention
-    done: Counter[str] = Counter()
-    steps: tuple[tuple[str, Callable[[], int]], ...] = (
-        ("shards", lambda: _fold_shards(now - SHARD_FOLD_AFTER, batch_size, using)),
-        ("hours", lambda: _fold_hours(now - MINUTES_KEPT, batch_size, using)),
-        ("backlog hours", lambda: _fold_backlog(now - MINUTES_KEPT, batch_size, using)),
-        ("expired", lambda: _expire(now - retention, batch_size, using)),
-    )
-    for step, run in steps:
-        for _batch in range(max_batches):
-            moved = run()
-            done[step] += moved
-            if moved < batch_size:
-                break
-    return done
-
-
-def _fold(
-    where: str, period: str, width: int, limit: int, params: dict[str, Any], using: str
-) -> int:
-    """Move the rollup rows ``where`` selects (at most ``limit``) into shard-0 rows of
-    ``width``, whose period is the SQL expression ``period`` over the moved row ``m``."""
-    sql = f"""
-    WITH moved AS (
-        DELETE FROM jobs_rollup AS d
-        WHERE (d.period, d.width, d.name, d.outcome, d.code, d.shard) IN (
-            SELECT period, width, name, outcome, code, shard FROM jobs_rollup
-            WHERE {where} LIMIT %(limit)s
-            FOR UPDATE SKIP LOCKED
-        )
-        RETURNING d.*
-    ),
-    buckets AS (
-        SELECT {period} AS period, m.name, m.outcome, m.code, u.i,
-               sum(u.ran)::int AS ran, sum(u.waited)::int AS waited
-        FROM moved AS m,
-             unnest(m.run_histogram, m.wait_histogram) WITH ORDINALITY AS u(ran, waited, i)
-        GROUP BY 1, 2, 3, 4, 5
-    ),
-    histograms AS (
-        SELECT period, name, outcome, code,
-               array_agg(ran ORDER BY i) AS ran, array_agg(waited ORDER BY i) AS waited
-        FROM buckets GROUP BY 1, 2, 3, 4
-    ),
-    totals AS (
-        SELECT {period} AS period, m.name, m.outcome, m.code, sum(m.count) AS n,
-               sum(m.run_seconds) AS ran, sum(m.wait_seconds) AS waited, count(*) AS moved
-        FROM moved AS m GROUP BY 1, 2, 3, 4
-    ),
-    added AS (
-        INSERT INTO jobs_rollup AS r ({_COLUMNS})
-        SELECT t.period, {width}, t.name, t.outcome, t.code, 0, t.n, t.ran, t.waited,
-               h.ran, h.waited
-        FROM totals AS t JOIN histograms AS h USING (period, name, outcome, code)
-        {_MERGE}
-    )
-    SELECT COALESCE(sum(moved), 0) FROM totals
-    """
-    with connections[using].cursor() as cur:
-        cur.execute(sql, {**params, "limit": limit})
-        (moved,) = cur.fetchone()
-    return int(moved)
-
-
-def _fold_shards(before: datetime, limit: int, using: str) -> int:
-    return _fold(
-        f"width = {MINUTE} AND shard <> 0 AND period < %(before)s",
-        "m.period",
-        MINUTE,
-        limit,
-        {"before": before},
-        using,
-    )
-
-
-def _fold_hours(before: datetime, limit: int, using: str) -> int:
-    return _fold(
-        f"width = {MINUTE} AND period < %(before)s",
-        "date_trunc('hour', m.period, 'UTC')",
-        HOUR,
-        limit,
-        {"before": before},
-        using,
-    )
-
-
-def _fold_backlog(before: datetime, limit: int, using: str) -> int:
-    sql = f"""
-    WITH moved AS (
-        DELETE FROM jobs_backlogsample AS d
-        WHERE (d.period, d.width, d.name) IN (
-            SELECT period, width, name FROM jobs_backlogsample
-            WHERE width = {MINUTE} AND period < %(before)s LIMIT %(limit)s
-            FOR UPDATE SKIP LOCKED
-        )
-        RETURNING d.*
-    ),
-    added AS (
-        INSERT INTO jobs_backlogsample AS s (period, width, name, queued, due, oldest_due_seconds)
-        SELECT date_trunc('hour', period, 'UTC'), {HOUR}, name, max(queued), max(due),
-               max(oldest_due_seconds)
-        FROM moved GROUP BY 1, 3
-        ON CONFLICT (period, width, name) DO UPDATE SET
-            queued = GREATEST(s.queued, EXCLUDED.queued),
-            due = GREATEST(s.due, EXCLUDED.due),
-            oldest_due_seconds = GREATEST(s.oldest_due_seconds, EXCLUDED.oldest_due_seconds)
-    )
-    SELECT count(*) FROM moved
-    """
-    with connections[using].cursor() as cur:
-        cur.execute(sql, {"before": before, "limit": limit})
-        (moved,) = cur.fetchone()
-    return int(moved)
-
-
-def _expire(before: datetime, limit: int, using: str) -> int:
-    deleted = 0
-    with connections[using].cursor() as cur:
-        for table, key in (
-            ("jobs_rollup", "period, width, name, outcome, code, shard"),
-            ("jobs_backlogsample", "period, width, name"),
-        ):
-            cur.execute(
-                f"DELETE FROM {table} WHERE ({key}) IN ("
-                f"SELECT {key} FROM {table} WHERE period < %(before)s LIMIT %(limit)s)",
-                {"before": before, "limit": limit},
-            )
-            deleted += cur.rowcount
-    return deleted
-
-
-# --- reading ---------------------------------------------------------------------------------
-
-
-def bins(
-    since: datetime,
-    until: datetime,
-    step: timedelta,
-    *,
-    names: Collection[str] | None = None,
-    using: str = DEFAULT_DB_ALIAS,
-) -> list[Bin]:
-    """Attempts that ended in ``[since, until)``, per bin of ``step`` (aligned to the epoch,
-    UTC), job type, outcome and error code; only non-empty groups, in time order.
-
-    Rows are whole periods: a minute row belongs to the bin its minute starts in, an hour row
-    (data older than :data:`MINUTES_KEPT`) to the bin its hour starts in, so bins finer than
-    an hour show hour rows in their first bin. ``names`` limits the job types read.
-    """
-    where, params = _window(since, until, step, names)
-    sql = f"""
-    WITH rows AS (
-        SELECT to_timestamp(floor(extract(epoch FROM period) / %(step)s) * %(step)s) AS start,
-               name, outcome, code, count, run_seconds, wait_seconds,
-               run_histogram, wait_histogram
-        FROM jobs_rollup WHERE {where}
-    ),
-    buckets AS (
-        SELECT start, name, outcome, code, u.i, sum(u.ran)::int AS ran,
-               sum(u.waited)::int AS waited
-        FROM rows, unnest(run_histogram, wait_histogram) WITH ORDINALITY AS u(ran, waited, i)
-        GROUP BY 1, 2, 3, 4, 5
-    ),
-    histograms AS (
-        SELECT start, name, outcome, code,
-               array_agg(ran ORDER BY i) AS ran, array_agg(waited ORDER BY i) AS waited
-        FROM buckets GROUP BY 1, 2, 3, 4
-    )
-    SELECT t.start, t.name, t.outcome, t.code, t.n, t.ran, t.waited, h.ran, h.waited
-    FROM (
-        SELECT start, name, outcome, code, sum(count) AS n, sum(run_seconds) AS ran,
-               sum(wait_seconds) AS waited
-        FROM rows GROUP BY 1, 2, 3, 4
-    ) AS t JOIN histograms AS h USING (start, name, outcome, code)
-    ORDER BY t.start, t.name, t.outcome, t.code
-    """
-    with connections[using].cursor() as cur:
-        cur.execute(sql, params)
-        found = cur.fetchall()
-    return [
-        Bin(
-            start=start,
-            name=name,
-            outcome=outcome,
-            code=code,
-            count=int(n),
-            run_seconds=float(ran),
-            wait_seconds=float(waited),
-            run=Distribution(tuple(ran_hist)),
-            wait=Distribution(tuple(wait_hist)),
-        )
-        for start, name, outcome, code, n, ran, waited, ran_hist, wait_hist in found
-    ]
-
-
-def backlog_points(
-    since: datetime,
-    until: datetime,
-    step: timedelta,
-    *,
-    names: Collection[str] | None = None,
-    using: str = DEFAULT_DB_ALIAS,
-) -> list[BacklogPoint]:
-    """The largest sampled backlog per bin of ``step`` and job type in ``[since, until)``."""
-    where, params = _window(since, until, step, names)
-    with connections[using].cursor() as cur:
-        cur.execute(
-            f"""
-            SELECT to_timestamp(floor(extract(epoch FROM period) / %(step)s) * %(step)s),
-                   name, max(queued), max(due), max(oldest_due_seconds)
-            FROM jobs_backlogsample WHERE {where}
-            GROUP BY 1, 2 ORDER BY 1, 2
-            """,
-            params,
-        )
-        found = cur.fetchall()
-    return [
-        BacklogPoint(start, name, int(queued), int(due), oldest)
-        for start, name, queued, due, oldest in found
-    ]
-
-
-def _window(
-    since: datetime, until: datetime, step: timedelta, names: Collection[str] | None
-) -> tuple[str, dict[str, Any]]:
-    """The WHERE clause and parameters of a read: periods in ``[since, until)``, bins of
-    ``step`` (``%(step)s`` seconds), and the job types asked for."""
-    where = "period >= %(since)s AND period < %(until)s"
-    params: dict[str, Any] = {"since": since, "until": until, "step": _step_seconds(step)}
-    if names is not None:
-        where += " AND name = ANY(%(names)s::text[])"
-        params["names"] = list(names)
-    return where, params
-
-
-def _step_seconds(step: timedelta) -> int:
-    seconds = step.total_seconds()
-    if seconds < MINUTE or seconds % MINUTE:
-        raise ValueError(f"a bin is a whole number of minutes, got {step}")
-    return int(seconds)
-
-
-def summed(items: Sequence[Bin]) -> Bin | None:
-    """All of ``items`` as one bin (the first one's start, name, outcome and code)."""
-    if not items:
-        return None
-    first = items[0]
-    run = Distribution()
-    wait = Distribution()
-    for item in items:
-        run += item.run
-        wait += item.wait
-    return Bin(
-        start=first.start,
-        name=first.name,
-        outcome=first.outcome,
-        code=first.code,
-        count=sum(item.count for item in items),
-        run_seconds=sum(item.run_seconds for item in items),
-        wait_seconds=sum(item.wait_seconds for item in items),
-        run=run,
-        wait=wait,
-    )

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from jobs.queue import flow
+from jobs.queue import flow, flow_claim
 from jobs.queue.claim import _claim_ctes, claim_sql, claim_update, fair_pick_function
 from jobs.queue.cycle import (
     _FAIR_PASS_CALL,
@@ -38,7 +38,7 @@ from jobs.queue.cycle import (
     inline_pass,
     pass_function,
 )
-from jobs.queue.enqueue import enqueue_function
+from jobs.queue.enqueue_one import enqueue_function
 from jobs.queue.outcomes import _RECORD, _RECORD_SKIPPING, outcome_params
 from jobs.queue.types import AllTenantsExcept, Scope
 
@@ -126,7 +126,7 @@ def claim_file() -> str:
     ]
     for name, (form, about) in _FLOW_FORMS.items():
         parts.append(_named(name, about, claim_sql(_SCOPE, walk=False, flows=form)[0]))
-    return _header(claim_sql, flow.after_claim) + "".join(parts)
+    return _header(claim_sql, flow_claim.after_claim) + "".join(parts)
 
 
 def pass_file() -> str:
@@ -152,7 +152,7 @@ def pass_file() -> str:
             "outcome write, the claim (whose rooms count the jobs it ends as free), the gates'\n"
             "update; then the claimed rows and one report row. Counted passes (outside the\n"
             "worker) add the rollup's CTE.",
-            inline_pass(ctes, claim_update(), flow.after_claim(gated), count=False),
+            inline_pass(ctes, claim_update(), flow_claim.after_claim(gated), count=False),
         ),
     ]
     return _header(inline_pass) + "".join(parts)

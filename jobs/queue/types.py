@@ -1,4 +1,7 @@
-"""Values the queue API takes and returns. No SQL here, no business payloads."""
+"""Values the queue API takes and returns. No SQL here, no business payloads.
+
+Over 400 lines: every value in and out of the queue is found in this one place.
+"""
 
 from __future__ import annotations
 
@@ -336,6 +339,8 @@ class Renewal:
     unsent: frozenset[UUID] = frozenset()
     # Held rows another session had locked: not renewed this time, nor lost.
     skipped: frozenset[UUID] = frozenset()
+    # Bound run tables whose heartbeat update failed after the renewal: (label, error).
+    runs_failed: tuple[tuple[str, Exception], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

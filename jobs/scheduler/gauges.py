@@ -17,8 +17,8 @@ leader, so one bounded count serves the whole deployment instead of one per work
 * ``jobs_flow_*{job_type}``: for each type with flow control (a limit the fleet shares, or
   fairness) and each type a throttle holds now: its running jobs and global limit, its rate
   bucket's tokens, the seconds left of a throttle, and its due jobs a limit holds back now
-  (:func:`held_back`), from :func:`jobs.queue.flow.state`, the pauses and, for types read
-  tenant by tenant, :func:`jobs.queue.flow.tenant_backlog`. Never per tenant.
+  (:func:`held_back`), from :func:`jobs.queue.flow_state.state`, the pauses and, for types read
+  tenant by tenant, :func:`jobs.queue.flow_state.tenant_backlog`. Never per tenant.
 
 A standby exports none of these, and a leader that stands down withdraws them (the runner
 calls :meth:`Gauges.withdraw`), so the figure a dashboard reads is the current leader's. One
@@ -42,8 +42,9 @@ from jobs import queue
 from jobs.catalogue.registry import get_registry
 from jobs.db.clock import database_now
 from jobs.models import PauseKind
-from jobs.queue import BacklogRow, TableHealth, flow
-from jobs.queue.flow import FlowLimits, FlowState, TenantFlow
+from jobs.queue import BacklogRow, TableHealth, flow, flow_state
+from jobs.queue.flow import FlowLimits
+from jobs.queue.flow_state import FlowState, TenantFlow
 from jobs.queue.pauses import PauseRow
 from jobs.scheduler import metrics
 
@@ -227,15 +228,15 @@ class Gauges:
         throttled = {name for name, p in pauses.items() if p.until is not None}
         names = set(self.limits) | throttled
         none = FlowLimits()
-        states = flow.state({n: self.limits.get(n, none) for n in names}, using=self.using)
+        states = flow_state.state({n: self.limits.get(n, none) for n in names}, using=self.using)
         for name in sorted(names):
             limits, state, pause = self.limits.get(name), states.get(name), pauses.get(name)
             tenants: list[TenantFlow] = []
             tokens: dict[str, float] = {}
             if limits is not None and limits.tenant_ordered and state is not None and state.due:
-                tenants = flow.tenant_backlog(name, limit=TENANT_ROWS, using=self.using)
+                tenants = flow_state.tenant_backlog(name, limit=TENANT_ROWS, using=self.using)
                 if limits.tenant_rate is not None:
-                    tokens = flow.tenant_tokens(
+                    tokens = flow_state.tenant_tokens(
                         name, [t.tenant for t in tenants], limits, using=self.using
                     )
             held = held_back(limits, state, pause, tenants, tokens, now=now)

@@ -145,7 +145,7 @@ class Retention:
                 counts["jobs.scheduleslot:recorded"] += count
                 if count < batch_size:
                     break
-        compacted = queue.rollup.compact(
+        compacted = queue.rollup_compaction.compact(
             now, batch_size=batch_size, max_batches=self.config.max_batches, using=self.using
         )
         counts["jobs.rollup:expired"] += compacted["expired"]

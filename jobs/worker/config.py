@@ -42,7 +42,7 @@ class WorkerConfig:
     concurrency: int = DEFAULT_CONCURRENCY
     # Jobs held beyond the handler threads, waiting for the next free one, so a thread that
     # finishes starts another without waiting for a claim; only while handlers run short (see
-    # runner.PREFETCH_HORIZON). Off by default: a worker claims at most its free slots.
+    # handoff.PREFETCH_HORIZON). Off by default: a worker claims at most its free slots.
     prefetch: int = 0
     shutdown_timeout: float = 30.0
     # After the shutdown timeout: how long cancelled handlers get to return before exit.

@@ -1,5 +1,7 @@
 """Run one claimed job and decide its outcome (the outcome table).
 
+Over 400 lines: the outcome table and every step that decides it are read in one place.
+
 =================================  =========================================  =================
 what happened                      next state                                 last_error
 =================================  =========================================  =================
@@ -37,23 +39,24 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cache
 from typing import Any
+from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, connections
 from psycopg.pq import TransactionStatus
 
-from jobs import queue, runs
+from jobs import queue
 from jobs.api.effects import completed_by_handler
 from jobs.catalogue.payloads import InvalidPayload
 from jobs.catalogue.registry import JobType, classify
 from jobs.core.context import JobContext
-from jobs.db import bounds as dbbounds
 from jobs.errors import RetryAfter, fails_now
-from jobs.queue import ClaimedJob, InvalidResult, Outcome
+from jobs.queue import ClaimedJob, InvalidResult, Outcome, bound
+from jobs.queue.bound import RunRow
 from jobs.queue.types import clamp_delay
 from jobs.runs import ErrorCode
 from jobs.worker import metrics, thread_connections
@@ -86,7 +89,7 @@ class Running:
     # keeper gives the job up.
     leased_at: float = field(default_factory=time.monotonic)
     attempt: int = 0  # the attempt the queue recorded last (claim or next_attempt)
-    run_pk: object = None  # the bound run row (policy.run_model), once the payload is decoded
+    run: RunRow | None = None  # its bound run row (policy.run_model), once the payload is decoded
     # RetryAfter(throttle=True): pause the whole type this many seconds, for this reason.
     throttle: tuple[float, str] | None = None
     # The handler's own transaction marked the job succeeded (jobs.complete): no outcome.
@@ -95,7 +98,7 @@ class Running:
     # worker's, usually for a moment; a long transaction on jobs_job, if it goes on).
     busy_passes: int = 0
     # Its outcome met a lock or statement timeout: it is written alone from then on
-    # (jobs.worker.flush), never again in a pass statement it could hold up.
+    # (jobs.worker.completer), never again in a pass statement it could hold up.
     contended: bool = False
 
 
@@ -186,8 +189,9 @@ def decode(running: Running) -> Decoded | Outcome:
     job, job_type = running.job, running.job_type
     try:
         payload = job_type.decode(job.payload)
-        if job_type.policy.run_model is not None:
-            running.run_pk = getattr(payload, job_type.policy.run_field)
+        model = job_type.policy.run_model
+        if model is not None and (pk := getattr(payload, job_type.policy.run_field)) is not None:
+            running.run = RunRow(model, pk)
     except BaseException as exc:  # any failure to decode is the payload's
         return Outcome.failed(job, code=ErrorCode.INVALID_PAYLOAD, detail=_payload_error(exc))
     return Decoded(payload)
@@ -195,15 +199,8 @@ def decode(running: Running) -> Decoded | Outcome:
 
 def mark_running(running: Running) -> None:
     """The bound run row (policy.run_model) enters this attempt; on the handler's thread."""
-    run_model = running.job_type.policy.run_model
-    if run_model is not None:
-        with dbbounds.local(running.ctx.using):  # the worker's write on the handler's connection
-            runs.mark_running(
-                run_model,
-                running.run_pk,
-                attempt=current_attempt(running),
-                using=running.ctx.using,
-            )
+    if running.run is not None:
+        bound.started(running.run, attempt=current_attempt(running), using=running.ctx.using)
 
 
 def judge(
@@ -355,14 +352,14 @@ def count_next_attempt(running: Running, lease: timedelta | None, ended: Outcome
     """
     ctx = running.ctx
     try:
-        with dbbounds.local(ctx.using):
-            attempt = queue.next_attempt(
-                running.job,
-                lease=lease,
-                code=ended.code or "",
-                detail=ended.detail or "",
-                using=ctx.using,
-            )
+        attempt = queue.next_attempt(
+            running.job,
+            lease=lease,
+            code=ended.code or "",
+            detail=ended.detail or "",
+            local_bounds=True,  # the worker's write on the handler's connection
+            using=ctx.using,
+        )
     except Exception:
         logger.warning(
             "could not record the next attempt of job %s; retrying it through the queue",
@@ -385,8 +382,9 @@ def count_next_attempt(running: Running, lease: timedelta | None, ended: Outcome
 def _cancel_asked(running: Running, lease: timedelta | None) -> bool:
     """Whether the job, refused its next attempt, is still ours and was asked to stop."""
     try:
-        with dbbounds.local(running.ctx.using):
-            renewal = queue.renew_leases([running.job], lease=lease, using=running.ctx.using)
+        renewal = queue.renew_leases(
+            [running.job], lease=lease, local_bounds=True, using=running.ctx.using
+        )
     except Exception:  # unknown: treat it as lost, as a refused attempt always was
         return False
     return running.job.claim_token in renewal.cancel_requested
@@ -447,27 +445,14 @@ def _payload_error(exc: BaseException) -> str:
 def sync_completed(running: Running) -> None:
     """The bound run row of a job its handler completed (jobs.complete) follows it; on the
     handler's thread, after the handler's transaction (a failure is logged, not raised)."""
-    if running.job_type.policy.run_model is None or running.run_pk is None:
+    if running.run is None:
         return
     try:
-        with dbbounds.local(running.ctx.using):
-            sync_run_rows([(running, Outcome.succeeded(running.job))])
+        bound.completed(running.run, Outcome.succeeded(running.job), using=running.ctx.using)
     except Exception:
         logger.exception("could not mark the run row of job %s succeeded", running.job.job_id)
 
 
-def sync_run_rows(settled: list[tuple[Running, Outcome]]) -> None:
-    """Carry written outcomes over to the rows of bound run tables (policy.run_model)."""
-    for running, outcome in settled:
-        model = running.job_type.policy.run_model
-        if model is None or running.run_pk is None:
-            continue
-        runs.mark_outcome(
-            model,
-            running.run_pk,
-            state=outcome.state,
-            code=outcome.code or "",
-            detail=outcome.detail or "",
-            retry_in=outcome.delay if outcome.at is None else None,
-            using=running.ctx.using,
-        )
+def run_rows(held: Iterable[Running]) -> dict[UUID, RunRow]:
+    """The bound run rows of ``held`` jobs, by claim token, for the queue's writes."""
+    return {r.job.claim_token: r.run for r in held if r.run is not None}

@@ -26,7 +26,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
@@ -35,14 +34,14 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from jobs import queue, runs
+from jobs import queue
 from jobs.core.conf import as_timedelta
 from jobs.core.progress import Progress
 from jobs.db import bounds as dbbounds
 from jobs.queue import Outcome, ProcessBeat
 from jobs.queue.outcomes import with_progress
 from jobs.worker import metrics
-from jobs.worker.execution import Running
+from jobs.worker.execution import Running, run_rows
 
 logger = logging.getLogger("jobs.worker")
 
@@ -145,7 +144,7 @@ class LeaseKeeper:
         for running in self._held():
             ctx = running.ctx
             try:  # a handler may have assigned nonsense to its context's fields
-                # A held job's clock starts with its handler (Worker._start), not its claim.
+                # A held job's clock starts with its handler (jobs.worker.slots), not its claim.
                 overran = (
                     running.started
                     and not running.finished
@@ -178,6 +177,7 @@ class LeaseKeeper:
                 lease=timedelta(seconds=self._lease),
                 beat=beat,
                 progress={token: report for token, (_, report) in reports.items()},
+                runs=run_rows(renewable),
                 using=self._using,
             )
         except Exception as exc:
@@ -202,7 +202,7 @@ class LeaseKeeper:
         for running in kept:  # their leases run from this call's start now (or later)
             if running.job.claim_token not in renewal.skipped:  # locked: not renewed
                 running.leased_at = max(running.leased_at, now)
-        self._beat_run_rows(kept)
+        self._log_run_beats(renewal.runs_failed)
         # Read after the renewal: an outcome is written only once its handler finished, so
         # a job that is not finished now cannot have lost its lease to our own outcome.
         losers = [r for r in renewable if r.job.claim_token in renewal.lost and not r.finished]
@@ -260,19 +260,12 @@ class LeaseKeeper:
             logger.exception("could not build the process beat; renewing leases without it")
             return None
 
-    def _beat_run_rows(self, kept: list[Running]) -> None:
-        """Bound run rows (policy.run_model) share their job's heartbeat."""
-        bound: dict[type, list[object]] = defaultdict(list)
-        for running in kept:
-            model = running.job_type.policy.run_model
-            if model is not None and running.run_pk is not None:
-                bound[model].append(running.run_pk)
-        for model, pks in bound.items():
-            try:
-                runs.beat(model, pks, using=self._using)
-            except Exception:
-                logger.exception("heartbeat of %s rows failed", model._meta.label)
-                connections[self._using].close()
+    def _log_run_beats(self, failed: tuple[tuple[str, Exception], ...]) -> None:
+        """Bound run rows (policy.run_model) share their job's heartbeat, which the renewal
+        stamps (jobs.queue.bound): a table whose update failed is logged."""
+        for label, exc in failed:
+            logger.error("heartbeat of %s rows failed", label, exc_info=exc)
+            connections[self._using].close()
 
 
 def _unsent_reports(renewable: list[Running]) -> dict[UUID, tuple[int, Progress]]:

@@ -192,7 +192,8 @@ def for_type(name: str) -> TypeMetrics:
 
 
 class RunningCount(Protocol):
-    handlers_running: int
+    @property
+    def handlers_running(self) -> int: ...
 
 
 def count_running(worker: RunningCount) -> None:

@@ -269,7 +269,7 @@ def run_on(pool, task: Callable[[], object]) -> object:
 
 
 def fake_held_job(name: str, id: int = 1, **fields: object) -> SimpleNamespace:
-    """What ``Worker._execute`` and ``Worker._finished`` read of a held job, for tests that
+    """What the executor's ``run_on_thread`` and ``finished`` read of a held job, for tests that
     call them directly, with no row behind it; ``fields`` adds or replaces attributes."""
     job = SimpleNamespace(name=name, id=id, claim_token=uuid.uuid4(), job_id=f"j{id}")
     held = {

@@ -1,4 +1,4 @@
--- Rendered from jobs/queue/claim.py and jobs/queue/flow.py by scripts/render-sql:
+-- Rendered from jobs/queue/claim.py and jobs/queue/flow_claim.py by scripts/render-sql:
 -- edit the code, not this file, then run it (a test fails while the two differ).
 
 -- name: claim

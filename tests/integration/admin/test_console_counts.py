@@ -24,8 +24,9 @@ from jobs.admin.overview import counted_text
 from jobs.db.clock import database_now
 from jobs.models import Job, JobHistory, Process
 from jobs.queue import AllTenants, ClaimRequest, NewJob, batches, history, processes
+from jobs.queue import counts as counting
 from jobs.queue._db import load_json
-from jobs.queue.history import Counted
+from jobs.queue.counts import Counted
 from tests.support.factories import JobFactory
 
 pytestmark = pytest.mark.django_db
@@ -144,14 +145,14 @@ def test_the_counts_stop_at_their_cap_and_say_what_they_are():
     for _ in range(5):
         JobFactory(failed=True)
 
-    counts = history.state_counts(cap=3)
+    counts = counting.state_counts(cap=3)
 
-    for home in history.HOMES:
+    for home in counting.HOMES:
         past = counts[home, "failed"]
         assert not past.exact and past.n >= 3  # "3+" or PostgreSQL's estimate, never "3"
         assert counted_text(past) in {"3+", f"≈{past.n}"}
     assert counts["jobs", "succeeded"] == Counted(0)
-    by_type = history.failed_by_type(cap=3).of(NAME)
+    by_type = counting.failed_by_type(cap=3).of(NAME)
     assert {home: (c.n, c.floor) for home, c in by_type.items()} == {
         "jobs": (4, True),
         "history": (4, True),
@@ -166,7 +167,7 @@ def scans(plan: dict) -> list[dict]:
     return found
 
 
-@pytest.mark.parametrize("statement", [history.state_counts_sql, history.failed_by_type_sql])
+@pytest.mark.parametrize("statement", [counting.state_counts_sql, counting.failed_by_type_sql])
 def test_counting_reads_at_most_the_cap_of_rows_whatever_the_history_holds(statement):
     for state in ("failed", "succeeded"):
         for _ in range(12):
@@ -299,7 +300,7 @@ class Rollback(Exception):
 homes_and_states = st.fixed_dictionaries(
     {
         (home, state): st.integers(0, 4)
-        for home in history.HOMES
+        for home in counting.HOMES
         for state in ("succeeded", "failed", "cancelled")
     }
 )
@@ -337,8 +338,8 @@ def check_counts(seeded: dict[tuple[str, str], int], names, cap: int) -> None:
     seed("jobs")
     models = {"jobs": Job, "history": JobHistory}
 
-    counts = history.state_counts(cap=cap)
-    by_type = history.failed_by_type(cap=cap)
+    counts = counting.state_counts(cap=cap)
+    by_type = counting.failed_by_type(cap=cap)
 
     for (home, state), n in seeded.items():
         assert models[home].objects.filter(state=state).count() == n

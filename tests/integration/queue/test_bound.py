@@ -9,21 +9,14 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from django.db import transaction
 from django.utils import timezone
 
 from jobs import enqueue, queue
-from jobs.catalogue.registry import get_registry
 from jobs.models import Job
-from jobs.queue import (
-    AllTenants,
-    ClaimRequest,
-    Outcome,
-)
-from jobs.runs import mark_running
+from jobs.queue import AllTenants, ClaimRequest, Outcome, bound
+from jobs.queue.bound import RunRow
 from jobs.scheduler.watchdog import Watchdog
 from jobs.testing import run_worker
-from jobs.worker.execution import Running, make_context, sync_run_rows
 from tests.runapp.jobs import DeliverV1
 from tests.runapp.models import Delivery
 
@@ -44,11 +37,9 @@ def claim_one() -> queue.ClaimedJob:
     return job
 
 
-def running_for(job: queue.ClaimedJob, row: Delivery) -> Running:
-    job_type = get_registry()[job.name]
-    held = Running(job, job_type, make_context(job, job_type))
-    held.run_pk = row.pk
-    return held
+def runs_of(job: queue.ClaimedJob, row: Delivery) -> dict:
+    """The run row the worker names for ``job``, as it passes it to the queue's writes."""
+    return {job.claim_token: RunRow(Delivery, row.pk)}
 
 
 def test_success_retry_and_failure_move_the_row():
@@ -78,13 +69,12 @@ def test_a_fenced_release_leaves_the_new_owners_row_alone():
     queue.requeue_expired()
     owner = claim_one()
 
-    report = queue.release([stale])  # the stale worker hands back what it no longer holds
-    sync_run_rows([(running_for(stale, row), Outcome.released(stale)) for _ in report.applied])
+    # The stale worker hands back what it no longer holds.
+    report = queue.release([stale], runs=runs_of(stale, row))
     assert report.fenced == (stale.id,)
     assert state(row) == ("running", "")
 
-    assert queue.complete(owner)
-    sync_run_rows([(running_for(owner, row), Outcome.succeeded(owner))])
+    assert queue.record([Outcome.succeeded(owner)], runs=runs_of(owner, row)).applied
     assert state(row) == ("succeeded", "")
 
 
@@ -153,8 +143,7 @@ def test_a_shutdown_hand_back_queues_the_row():
     job = claim_one() if enqueue(DeliverV1(run_id=row.pk)) else None
     Delivery.objects.filter(pk=row.pk).update(state="running")
 
-    report = queue.release([job])
-    sync_run_rows([(running_for(job, row), Outcome.released(job))])
+    report = queue.release([job], runs=runs_of(job, row))
 
     assert report.applied == (job.id,)
     assert state(row)[0] == "queued"
@@ -182,7 +171,7 @@ def test_a_cancelled_bound_job_whose_lease_expired_ends_its_run_row_cancelled():
     row = Delivery.objects.create(job_id="expired-cancel")
     done = enqueue(DeliverV1(run_id=row.pk))
     [job] = claim((DeliverV1.job_name,))
-    mark_running(Delivery, row.pk, attempt=1)  # the handler thread's first step
+    bound.started(RunRow(Delivery, row.pk), attempt=1)  # the handler thread's first step
     queue.cancel_running([job.id], by="alice")
     expire(job.id)  # the worker died
 
@@ -194,22 +183,15 @@ def test_a_cancelled_bound_job_whose_lease_expired_ends_its_run_row_cancelled():
     assert (row.state, row.last_error) == ("cancelled", "cancelled")
 
 
-def _held(job, run_pk) -> Running:
-    job_type = get_registry()[job.name]
-    held = Running(job, job_type, make_context(job, job_type))
-    held.run_pk = run_pk
-    return held
-
-
 @pytest.mark.django_db
 @pytest.mark.parametrize("outcome", ["retry", "released"])
 def test_a_cancelled_bound_jobs_retry_or_hand_back_ends_its_run_row_cancelled(outcome):
-    """The worker's own sequence (runner._write_and_claim, drain._release): write the outcomes,
-    then move the run rows of those applied, as they were written."""
+    """The worker's own sequence (the pass, the drain's hand-back): the queue writes the
+    outcomes, then moves the run rows of those applied, as they were written."""
     row = Delivery.objects.create(job_id=f"cancel-{outcome}")
     enqueue(DeliverV1(run_id=row.pk))
     [job] = claim((DeliverV1.job_name,))
-    mark_running(Delivery, row.pk, attempt=1)
+    bound.started(RunRow(Delivery, row.pk), attempt=1)
     queue.cancel_running([job.id], by="alice")  # before the worker's next renewal
     made = (
         Outcome.retry(job, code="handler_error", delay=60)
@@ -217,11 +199,8 @@ def test_a_cancelled_bound_jobs_retry_or_hand_back_ends_its_run_row_cancelled(ou
         else Outcome.released(job)
     )
 
-    with transaction.atomic():
-        report = queue.record([made])
-        # As the worker does: the run row follows the outcome as written (report.as_written).
-        written = report.as_written(made)
-        sync_run_rows([(_held(job, row.pk), written)] if report.was_applied(made) else [])
+    # As the worker does: the run row follows the outcome as written (report.as_written).
+    queue.record([made], runs={job.claim_token: RunRow(Delivery, row.pk)})
 
     assert row_of(job.id).state == "cancelled"
     row.refresh_from_db()

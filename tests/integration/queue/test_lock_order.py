@@ -198,7 +198,7 @@ def test_outcome_statements_over_members_of_two_batches_that_deadlock_are_writte
     # outcome statements meeting two batches in opposite orders can deadlock; PostgreSQL
     # aborts one, and the worker writes that one's outcomes again one by one, each of which
     # takes one batch row: every outcome ends written as it was, none failed.
-    from jobs.worker.flush import write_one_by_one
+    from jobs.worker.completer import write_one_by_one
 
     deadlocks: list[OperationalError] = []
     for _round in range(200):
@@ -241,7 +241,7 @@ def test_a_deadlocked_outcome_is_written_as_it_was_not_turned_into_a_failure():
     # A transaction that added to a batch holds its row to the commit; waiting for a sibling
     # afterwards deadlocks with the sibling's outcome. Whichever PostgreSQL aborts, the
     # outcome ends written as the handler's, not as a failure.
-    from jobs.worker.flush import write_one_by_one
+    from jobs.worker.completer import write_one_by_one
 
     batch_id = queue_batches.open(None)
     [sibling] = queue_batches.add(batch_id, [NewJob(name=Noop.job_name)])

@@ -38,7 +38,7 @@ from jobs.queue import (
     history,
     keys,
 )
-from jobs.queue.claim import next_attempt
+from jobs.queue.renewal import next_attempt
 from tests.support.backlog import BACKLOG, NAME, mine_among_others
 from tests.support.explain import explained_nested_statements, jobs_table_scans
 from tests.support.history import where

@@ -29,7 +29,17 @@ from jobs import JobContext, Payload, RetryAfter, enqueue, queue
 from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.db.clock import database_now
 from jobs.models import BacklogSample, Job, Rollup
-from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, attempts, rollup, statements
+from jobs.queue import (
+    AllTenants,
+    ClaimRequest,
+    NewJob,
+    Outcome,
+    attempts,
+    rollup,
+    rollup_compaction,
+    rollup_reads,
+    statements,
+)
 from jobs.scheduler.retention import Retention
 from jobs.testing import run_worker
 from jobs.worker.config import WorkerConfig
@@ -60,7 +70,7 @@ def claim(count: int = 1, names=(NAME,)):
 def totals(since=None) -> Counter[tuple[str, str, str]]:
     """Attempts per (name, outcome, code) in every row of the rollup."""
     now = database_now()
-    found = rollup.bins(
+    found = rollup_reads.bins(
         since or now - timedelta(days=60), now + timedelta(minutes=1), timedelta(days=1)
     )
     counted: Counter[tuple[str, str, str]] = Counter()
@@ -106,7 +116,7 @@ def test_each_written_outcome_counts_once_per_type_outcome_and_code():
         (NAME, "retried", "timeout"): 1,
     }
     [succeeded] = [
-        b for b in rollup.bins(*_window(), timedelta(hours=1)) if b.outcome == "succeeded"
+        b for b in rollup_reads.bins(*_window(), timedelta(hours=1)) if b.outcome == "succeeded"
     ]
     assert succeeded.run.n == succeeded.wait.n == 2
     assert succeeded.run_seconds == pytest.approx(6.0, abs=0.5)
@@ -152,7 +162,7 @@ def test_sweeps_and_cancels_count_as_the_attempts_they_end():
         (NAME, "cancelled", "cancelled"): 1,
     }
     # An expired attempt's run time is unknown: only its queue latency is in the histograms.
-    for item in rollup.bins(*_window(), timedelta(hours=1)):
+    for item in rollup_reads.bins(*_window(), timedelta(hours=1)):
         assert item.run.n == 0
         assert item.wait.n == (0 if item.outcome == "cancelled" else 1)
 
@@ -210,7 +220,7 @@ def test_the_statement_buckets_values_as_the_reader_does(values):
             + f" SELECT 1 WHERE {rollup.reads()}",
             [NAME, values],
         )
-    found = rollup.bins(*_window(), timedelta(hours=1))
+    found = rollup_reads.bins(*_window(), timedelta(hours=1))
     if not values:
         assert found == []
         return
@@ -273,21 +283,23 @@ def test_compaction_keeps_every_count_and_histogram(rows):
     )
 
     def figures():
-        found = rollup.bins(now - timedelta(days=1), now + timedelta(hours=1), timedelta(hours=1))
+        found = rollup_reads.bins(
+            now - timedelta(days=1), now + timedelta(hours=1), timedelta(hours=1)
+        )
         return {
             (b.start, b.name, b.outcome): (b.count, b.run, b.wait, round(b.wait_seconds, 6))
             for b in found
         }
 
     before = figures()
-    rollup.compact(now, batch_size=7, max_batches=100)
+    rollup_compaction.compact(now, batch_size=7, max_batches=100)
     assert figures() == before
     left = list(Rollup.objects.values_list("period", "width", "shard"))
     assert all(
         width == rollup.HOUR or period >= now - rollup.MINUTES_KEPT for period, width, _ in left
     )
     assert all(shard == 0 or period >= now - rollup.SHARD_FOLD_AFTER for period, _, shard in left)
-    rollup.compact(now, batch_size=7, max_batches=100)  # a second pass changes nothing
+    rollup_compaction.compact(now, batch_size=7, max_batches=100)  # a second pass changes nothing
     assert figures() == before
 
 
@@ -326,7 +338,7 @@ def test_a_later_backlog_sample_in_the_same_minute_replaces_the_earlier():
     now = database_now().replace(second=5)
     rollup.record_backlog([(NAME, 10, 5, 3.0), ("other.v1", 0, 0, None)], at=now)
     rollup.record_backlog([(NAME, 8, 2, 4.0)], at=now + timedelta(seconds=20))
-    points = rollup.backlog_points(
+    points = rollup_reads.backlog_points(
         now - timedelta(hours=1), now + timedelta(hours=1), timedelta(hours=1)
     )
     assert [(p.name, p.queued, p.due, p.oldest_due_seconds) for p in points] == [
@@ -357,7 +369,7 @@ def test_a_quantile_read_from_the_histogram_is_within_a_bucket_of_the_true_one(v
 
 def test_bins_refuse_a_step_that_is_not_whole_minutes():
     with pytest.raises(ValueError, match="whole number of minutes"):
-        rollup.bins(*_window(), timedelta(seconds=90))
+        rollup_reads.bins(*_window(), timedelta(seconds=90))
 
 
 def test_the_writers_bucket_bounds_are_the_readers():
@@ -414,7 +426,9 @@ def test_a_running_worker_adds_its_attempts_about_once_a_second_and_the_rest_at_
     }
     # The last attempt is added at the clean stop if not before.
     assert totals()[(Step.job_name, "succeeded", "")] == 6
-    [item] = [b for b in rollup.bins(*_window(), timedelta(hours=1)) if b.outcome == "succeeded"]
+    [item] = [
+        b for b in rollup_reads.bins(*_window(), timedelta(hours=1)) if b.outcome == "succeeded"
+    ]
     assert item.run.n == item.wait.n == 6
 
 
@@ -438,7 +452,7 @@ def test_a_writers_tally_adds_up_as_the_statement_would(items):
     the same attempts) leave the same figures."""
 
     def figures():
-        found = rollup.bins(*_window(), timedelta(hours=1))
+        found = rollup_reads.bins(*_window(), timedelta(hours=1))
         return {
             (b.outcome, b.code): (b.count, b.run, b.wait, round(b.run_seconds, 3)) for b in found
         }
@@ -474,7 +488,7 @@ def every_row_totals() -> Counter[tuple[str, str, str]]:
 
 def every_bin(step=timedelta(hours=1)) -> list[rollup.Bin]:
     now = database_now()
-    return rollup.bins(now - timedelta(days=40), now + timedelta(hours=2), step)
+    return rollup_reads.bins(now - timedelta(days=40), now + timedelta(hours=2), step)
 
 
 def row_of(pk: int) -> Job:
@@ -825,7 +839,7 @@ def test_outcomes_written_one_by_one_count_once():
 def test_an_in_process_retry_is_counted(payload):
     """The same handler raising the same RetryAfter: with a delay above RETRY_IN_PROCESS_UP_TO
     the retry goes back to the queue and counts ``retried``; with a short one it is waited out
-    in the worker (jobs.queue.claim.next_attempt), whose statement logs the ended attempt as a
+    in the worker (jobs.queue.renewal.next_attempt), whose statement logs the ended attempt as a
     retry in the attempt log and counts it in the rollup too. The console's history shows
     each attempt the job ran, and the failure rate of a type that retries in process is not
     read as 0 %.
@@ -1017,7 +1031,7 @@ def test_compaction_keeps_codes_and_merges_split_hours_into_present_hour_rows():
         pytest.skip("cut-offs overlap")
     insert_row(cut_shards, shard=33, count=100)  # at the shard cut-off: not yet folded
     now = cut_shards + rollup.SHARD_FOLD_AFTER  # exactly the cut-off
-    rollup.compact(now, batch_size=2, max_batches=50)
+    rollup_compaction.compact(now, batch_size=2, max_batches=50)
     rows = epoch_rows()
     assert (int(cut_shards.timestamp()), rollup.MINUTE, "succeeded", "", 33, 100) in rows
     folded = {(o, c): n for p, w, o, c, s, n in rows if p == hour and w == rollup.HOUR}
@@ -1042,7 +1056,7 @@ def test_the_hour_fold_keeps_utc_hours_outside_utc():
     """
     hour = utc_hour_back(4)
     insert_row(at_epoch(hour + 5 * 60), shard=7, count=3)
-    rollup.compact(database_now())
+    rollup_compaction.compact(database_now())
     [(period, width, *_rest)] = epoch_rows()
     assert width == rollup.HOUR
     assert period == hour, f"folded into the hour of {at_epoch(period):%H:%M} UTC"
@@ -1055,8 +1069,8 @@ def test_backlog_fold_keeps_each_hours_largest_across_batches():
     for minute, queued, due, oldest in samples:
         rollup.record_backlog([(NAME, queued, due, oldest)], at=at_epoch(hour + 60 * minute))
     rollup.record_backlog([(NAME, 99, 99, 99.0)], at=at_epoch(hour + 3600))  # the next hour
-    rollup.compact(database_now(), batch_size=1, max_batches=50)
-    points = rollup.backlog_points(at_epoch(hour), at_epoch(hour + 7200), timedelta(hours=1))
+    rollup_compaction.compact(database_now(), batch_size=1, max_batches=50)
+    points = rollup_reads.backlog_points(at_epoch(hour), at_epoch(hour + 7200), timedelta(hours=1))
     assert [(p.queued, p.due, p.oldest_due_seconds) for p in points] == [
         (10, 9, 30.0),
         (99, 99, 99.0),
@@ -1114,7 +1128,7 @@ def test_a_steady_state_fold_reads_only_minute_rows():
 
     now = database_now()
     with connection.execute_wrapper(explain):  # each fold runs twice: explained, then as is
-        rollup.compact(now)
+        rollup_compaction.compact(now)
     # Some per-session rows were old enough to fold; this minute's were not.
     assert 40 <= Rollup.objects.filter(width=rollup.MINUTE, shard=4242).count() < 3 * 40
     assert len(plans) == 2  # the shard fold and the hour fold, one statement each
@@ -1144,7 +1158,7 @@ def test_an_open_fold_and_an_outcome_write_never_wait_on_each_other():
         with transaction.atomic():
             with connection.cursor() as cur:
                 cur.execute("SET LOCAL lock_timeout = '1s'")
-            rollup.compact(database_now())
+            rollup_compaction.compact(database_now())
             folded.set()
             assert release.wait(15)
 
@@ -1172,7 +1186,7 @@ def test_an_open_fold_and_an_outcome_write_never_wait_on_each_other():
     holder.start()
     try:
         assert written.wait(15)
-        rollup.compact(database_now() + timedelta(minutes=5))  # folds every minute row
+        rollup_compaction.compact(database_now() + timedelta(minutes=5))  # folds every minute row
     finally:
         release.set()
         holder.result()
@@ -1190,14 +1204,14 @@ def test_quantiles_of_degenerate_histograms():
     assert rollup.BOUNDS[23] <= one.quantile(0.5) <= one.quantile(1.0) <= rollup.BOUNDS[24]
     with pytest.raises(ValueError):
         one.quantile(0)
-    merged = rollup.summed(
+    merged = rollup_reads.summed(
         [
             rollup.Bin(at_epoch(0), NAME, "succeeded", "", 2, 1.0, 1.0, fast, fast),
             rollup.Bin(at_epoch(60), NAME, "succeeded", "", 1, 3.0, 0.0, one, empty),
         ]
     )
     assert (merged.count, merged.run_seconds, merged.run.n, merged.wait.n) == (3, 4.0, 5, 4)
-    assert rollup.summed([]) is None
+    assert rollup_reads.summed([]) is None
 
 
 def test_quantiles_of_runs_of_hours_stay_within_a_bucket():

@@ -138,7 +138,7 @@ def test_a_failing_flow_read_is_counted_and_the_rest_still_exported(registry, mo
     def broken(*args, **kwargs):
         raise RuntimeError("flow unavailable")
 
-    monkeypatch.setattr(gauges_module.flow, "state", broken)
+    monkeypatch.setattr(gauges_module.flow_state, "state", broken)
     enqueue(GATED, 1)
 
     counts = duty(registry).run_once()

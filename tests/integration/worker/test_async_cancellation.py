@@ -203,7 +203,9 @@ def test_the_worker_task_cancelled_mid_await_is_the_workers_failure_whatever_the
         wait_for(lambda: seen.started == 1, interval=0.005)
         running.cancel_worker_task(job)
         wait_for(lambda: row(job).state == "failed", interval=0.005)
-        wait_for(lambda: running.worker.idle and running.worker._in_flight == 0, interval=0.005)
+        wait_for(
+            lambda: running.worker.idle and running.worker.slots.in_flight == 0, interval=0.005
+        )
     failed = row(job)
     assert (failed.attempts, failed.last_error) == (1, "handler_error")
     assert failed.error_detail.startswith(WORKER_FAILURE), failed.error_detail
@@ -225,7 +227,7 @@ def test_the_worker_task_cancelled_as_the_handler_returns_is_the_workers_failure
     failed = row(job)
     assert (failed.state, failed.last_error, failed.result) == ("failed", "handler_error", None)
     assert failed.error_detail.startswith(WORKER_FAILURE), failed.error_detail
-    assert worker.idle and worker._in_flight == 0
+    assert worker.idle and worker.slots.in_flight == 0
 
 
 def test_the_worker_task_cancelled_before_the_handlers_first_step(seen, monkeypatch):
@@ -247,7 +249,7 @@ def test_the_worker_task_cancelled_before_the_handlers_first_step(seen, monkeypa
     assert (failed.state, failed.last_error) == ("failed", "handler_error")
     assert failed.error_detail.startswith(WORKER_FAILURE), failed.error_detail
     assert seen.started == 0, "the handler's task was cancelled before its first step"
-    assert worker.idle and worker._in_flight == 0
+    assert worker.idle and worker.slots.in_flight == 0
 
 
 def test_a_handler_ignoring_the_worker_tasks_cancellation_keeps_its_slot_until_it_returns(seen):
@@ -259,11 +261,13 @@ def test_a_handler_ignoring_the_worker_tasks_cancellation_keeps_its_slot_until_i
         wait_for(lambda: seen.started == 1, interval=0.005)
         running.cancel_worker_task(job)
         wait_for(lambda: seen.cancelled == 1, interval=0.005)
-        assert running.worker._in_flight == 1 and not running.worker.idle
+        assert running.worker.slots.in_flight == 1 and not running.worker.idle
         assert row(job).state == "running"
         seen.release.set()
         wait_for(lambda: row(job).state == "failed", interval=0.005)
-        wait_for(lambda: running.worker.idle and running.worker._in_flight == 0, interval=0.005)
+        wait_for(
+            lambda: running.worker.idle and running.worker.slots.in_flight == 0, interval=0.005
+        )
     assert row(job).error_detail.startswith(WORKER_FAILURE), row(job).error_detail
 
 
@@ -318,7 +322,7 @@ def test_what_a_handler_does_to_its_own_task_ends_as_for_any_handler(seen):
             assert "the worker failed" not in done.error_detail, action
     assert row(jobs["self-cancel-uncancel"]).result == "recovered"
     assert all(child.cancelled() for child in seen.children)
-    assert worker.idle and worker._in_flight == 0
+    assert worker.idle and worker.slots.in_flight == 0
 
 
 # -- the paths that cancel only the handler's task -----------------------------------------
@@ -339,7 +343,7 @@ def test_a_deadline_ends_deadline_exceeded_whatever_the_handler_makes_of_it(seen
             done.error_detail,
         )
     assert seen.cancelled == len(reactions)
-    assert worker.idle and worker._in_flight == 0
+    assert worker.idle and worker.slots.in_flight == 0
 
 
 def test_a_lost_lease_writes_nothing_whatever_the_handler_makes_of_it(seen):
@@ -349,7 +353,7 @@ def test_a_lost_lease_writes_nothing_whatever_the_handler_makes_of_it(seen):
         wait_for(lambda: seen.started == 2, interval=0.005)
         Job.objects.filter(pk__in=[j.id for j in jobs]).update(claim_token=STOLEN)
         wait_for(lambda: seen.cancelled == 2, timeout=5, interval=0.005)
-        wait_for(lambda: worker.idle and worker._in_flight == 0, timeout=5, interval=0.005)
+        wait_for(lambda: worker.idle and worker.slots.in_flight == 0, timeout=5, interval=0.005)
     for job in jobs:
         stolen = row(job)
         assert (stolen.state, stolen.attempts, str(stolen.claim_token)) == ("running", 1, STOLEN)
@@ -364,7 +368,7 @@ def test_an_operator_cancel_ends_cancelled_whatever_the_handler_makes_of_it(seen
             j.id for j in jobs
         )
         wait_for(lambda: {row(j).state for j in jobs} == {"cancelled"}, interval=0.005)
-        wait_for(lambda: worker.idle and worker._in_flight == 0, interval=0.005)
+        wait_for(lambda: worker.idle and worker.slots.in_flight == 0, interval=0.005)
     assert seen.cancelled == 2
     assert {row(j).last_error for j in jobs} == {"cancelled"}
 
@@ -384,7 +388,7 @@ def test_a_drain_hands_back_whatever_the_handler_makes_of_its_cancellation(seen)
     for job in jobs:
         back = row(job)
         assert (back.state, back.attempts, back.claim_token) == ("queued", 0, None)
-    assert worker._in_flight == 0
+    assert worker.slots.in_flight == 0
 
 
 def test_a_drain_past_a_handler_ignoring_every_cancellation_keeps_its_lease_and_returns(seen):

@@ -314,7 +314,7 @@ def test_what_a_coroutine_raises_becomes_its_outcome_and_frees_its_slot(
         assert raised in row(job).error_detail
     assert {row(j).state for j in good} == {"succeeded"}
     # No slot leaked, the loop survived every one of them, and the threads all lived on.
-    assert worker.idle and worker._in_flight == 0
+    assert worker.idle and worker.slots.in_flight == 0
     assert len({id(call["loop"]) for call in seen.calls}) == 1
     assert "died" not in caplog.text
 

@@ -24,11 +24,14 @@ from hypothesis import strategies as st
 from jobs import Payload, enqueue
 from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job
+from jobs.worker import executor as executor_module
+from jobs.worker import handoff
 from jobs.worker import pool as pool_module
 from jobs.worker import runner as runner_module
 from jobs.worker.config import WorkerConfig
+from jobs.worker.handoff import BLOCKED, CPU_SAMPLE_INTERVAL, thread_held
 from jobs.worker.pool import HandlerPool
-from jobs.worker.runner import BLOCKED, CPU_SAMPLE_INTERVAL, Worker, thread_held
+from jobs.worker.runner import Worker
 from tests.support.handler_pool import draw_batches, run_batches
 from tests.support.polling import wait_for
 from tests.support.worker import Recorder, Step, fake_held_job, registry
@@ -74,21 +77,23 @@ def test_a_freed_slot_is_claimed_with_the_outcomes_waiting_not_before(monkeypatc
         ),
     )
     took_at = [0.0]
-    take_acks = worker._take_acks
+    take_acks = worker.completer.take
 
     def timed_take(now):
         took_at[0] = time.monotonic()
         return take_acks(now)
 
-    monkeypatch.setattr(worker, "_take_acks", timed_take)
+    monkeypatch.setattr(worker.completer, "take", timed_take)
     alone: list[int] = []
     passes: list[tuple[int, int]] = []
     record_and_claim = runner_module.queue.record_and_claim
 
     def watched(outcomes, requests, **kwargs):
         asked = sum(r.limit for r in requests)
-        with worker._lock:
-            waited = worker._first_ack_at is not None and worker._first_ack_at < took_at[0]
+        with worker.slots.lock:
+            waited = (
+                worker.completer.first_at is not None and worker.completer.first_at < took_at[0]
+            )
         if asked and not outcomes and waited:
             alone.append(asked)
         passes.append((len(outcomes), asked))
@@ -325,7 +330,7 @@ def test_a_handlers_cpu_time_is_read_at_most_once_a_job(monkeypatch):
 
     threads = set(reads)
     assert len(reads) <= jobs_run + len(threads), (len(reads), threads)
-    assert worker._held_run is not None  # and the hand-off still has its figure
+    assert worker.slots.times.shortest is not None  # and the hand-off still has its figure
 
 
 def _drain_steps(count: int, seconds: float, concurrency: int) -> Worker:
@@ -352,7 +357,7 @@ def test_short_handlers_read_their_threads_cpu_clock_once_an_interval_not_once_a
     first job, then only once ``CPU_SAMPLE_INTERVAL`` has passed since it last did, or after
     a job that ran that long. With the interval made a minute, each thread reads it for its
     first job only (twice: at its start and end)."""
-    monkeypatch.setattr(runner_module, "CPU_SAMPLE_INTERVAL", 60.0)
+    monkeypatch.setattr(handoff, "CPU_SAMPLE_INTERVAL", 60.0)
     reads = _count_cpu_clock_reads(monkeypatch)
     _drain_steps(200, 0.0, concurrency=4)
     assert len(reads) <= 2 * 4, len(reads)
@@ -362,12 +367,12 @@ def test_short_handlers_read_their_threads_cpu_clock_once_an_interval_not_once_a
 def test_handlers_that_run_longer_than_the_interval_are_each_measured(monkeypatch):
     """A job that ran at least ``CPU_SAMPLE_INTERVAL`` makes its thread measure the next one:
     handlers waiting on I/O keep teaching the hand-off how long they hold their thread."""
-    monkeypatch.setattr(runner_module, "CPU_SAMPLE_INTERVAL", 0.002)
+    monkeypatch.setattr(handoff, "CPU_SAMPLE_INTERVAL", 0.002)
     worker = _drain_steps(12, 0.008, concurrency=1)
     # One thread, one job at a time: every job measured (the first as the thread's first),
     # each holding its thread for its whole wait (longer than BLOCKED).
-    assert len(worker._recent_held) == 12, list(worker._recent_held)
-    assert min(worker._recent_held) >= 0.008
+    assert len(worker.slots.times.recent) == 12, list(worker.slots.times.recent)
+    assert min(worker.slots.times.recent) >= 0.008
 
 
 NAME = "hostile.a.v1"
@@ -393,17 +398,17 @@ def test_a_handlers_held_time_does_not_count_the_threads_cpu_between_jobs(monkey
     from jobs.catalogue.registry import Registry
 
     worker = runner_module.Worker(Registry())
-    monkeypatch.setattr(runner_module, "execute", lambda running, **kwargs: None)
+    monkeypatch.setattr(executor_module, "execute", lambda running, **kwargs: None)
 
     def on_handler_thread() -> None:
-        worker._execute(_fake_running(1))
+        worker.executor.run_on_thread(_fake_running(1))
         _burn(0.3)  # the pool thread serves something else between the two jobs
-        worker._execute(_fake_running(2))
+        worker.executor.run_on_thread(_fake_running(2))
 
     thread = threading.Thread(target=on_handler_thread)
     thread.start()
     thread.join()
-    _first, second = list(worker._recent_held)
+    _first, second = list(worker.slots.times.recent)
     assert second < 0.1, f"an instant handler counted as holding its thread {second:.3f}s"
 
 
@@ -417,26 +422,26 @@ def test_cpu_a_pool_thread_spends_on_another_task_is_not_a_jobs(monkeypatch):
     from jobs.worker.pool import HandlerPool
 
     worker = runner_module.Worker(Registry())
-    monkeypatch.setattr(runner_module, "execute", lambda running, **kwargs: None)
+    monkeypatch.setattr(executor_module, "execute", lambda running, **kwargs: None)
     # Every job measured (a thread now reads its CPU clock once per CPU_SAMPLE_INTERVAL):
     # what is pinned here is the chained read of the jobs that are.
-    monkeypatch.setattr(runner_module, "CPU_SAMPLE_INTERVAL", 0.0)
-    pool = worker._pool = HandlerPool(1)
+    monkeypatch.setattr(handoff, "CPU_SAMPLE_INTERVAL", 0.0)
+    pool = worker.executor.pool = HandlerPool(1)
     done = threading.Event()
     try:
         pool.submit_many(
             [
-                lambda: worker._execute(_fake_running(1)),
-                lambda: worker._execute(_fake_running(2)),
+                lambda: worker.executor.run_on_thread(_fake_running(1)),
+                lambda: worker.executor.run_on_thread(_fake_running(2)),
                 lambda: _burn(0.3),
-                lambda: worker._execute(_fake_running(3)),
+                lambda: worker.executor.run_on_thread(_fake_running(3)),
                 done.set,
             ]
         )
         assert done.wait(10)
     finally:
         assert pool.shutdown(timeout=5)
-    _first, back_to_back, after_other_task = worker._recent_held
+    _first, back_to_back, after_other_task = worker.slots.times.recent
     assert after_other_task < 0.1, f"an instant handler held its thread {after_other_task:.3f}s"
     assert back_to_back < 0.1
 
@@ -449,21 +454,23 @@ def bare_worker() -> Worker:
 
 
 def fake_running(work) -> SimpleNamespace:
-    """What ``_execute`` and ``_finished`` read of a held job; ``work`` is its handler."""
+    """What ``run_on_thread`` and ``finished`` read of a held job; ``work`` is its handler."""
     return fake_held_job("test.step.v1", work=work)
 
 
 def recorded(worker: Worker, monkeypatch) -> list[tuple[float | None, float | None]]:
-    """(ran, held) of each job ``_execute`` finishes; the handler is ``running.work``."""
-    monkeypatch.setattr(runner_module, "execute", lambda running, **kwargs: running.work() and None)
+    """(ran, held) of each job ``run_on_thread`` finishes; the handler is ``running.work``."""
+    monkeypatch.setattr(
+        executor_module, "execute", lambda running, **kwargs: running.work() and None
+    )
     seen: list[tuple[float | None, float | None]] = []
-    finished = worker._finished
+    finished = worker.executor.finished
 
     def record(running, outcome, *, ran=None, held=None) -> None:
         seen.append((ran, held))
         finished(running, outcome, ran=ran, held=held)
 
-    worker._finished = record  # type: ignore[method-assign]
+    worker.executor.finished = record  # type: ignore[method-assign]
     return seen
 
 
@@ -479,24 +486,24 @@ def test_execute_outside_run_has_no_pool_and_measures_by_the_interval(monkeypatc
     no exception; the thread's first job is measured, the next ones within the interval are
     not, the one after a job that ran the interval is; every job counts in the mean run
     time prefetch goes by; a second thread keeps its own state."""
-    monkeypatch.setattr(runner_module, "CPU_SAMPLE_INTERVAL", 0.1)  # ample on a busy machine
+    monkeypatch.setattr(handoff, "CPU_SAMPLE_INTERVAL", 0.1)  # ample on a busy machine
     worker = bare_worker()
     assert not hasattr(worker, "_pool")
     seen = recorded(worker, monkeypatch)
-    worker._execute(fake_running(lambda: None))
-    worker._execute(fake_running(lambda: None))
-    worker._execute(fake_running(lambda: time.sleep(0.1)))
-    worker._execute(fake_running(lambda: None))
+    worker.executor.run_on_thread(fake_running(lambda: None))
+    worker.executor.run_on_thread(fake_running(lambda: None))
+    worker.executor.run_on_thread(fake_running(lambda: time.sleep(0.1)))
+    worker.executor.run_on_thread(fake_running(lambda: None))
     measured = [held is not None for _, held in seen]
     assert measured[0] and not measured[1] and measured[3], seen
     assert all(ran is not None for ran, _ in seen)
-    assert worker._mean_run is not None and worker._mean_run > 0.0005
+    assert worker.slots.times.mean is not None and worker.slots.times.mean > 0.0005
 
     other: list[BaseException] = []
 
     def on_another_thread() -> None:
         try:
-            worker._execute(fake_running(lambda: None))
+            worker.executor.run_on_thread(fake_running(lambda: None))
         except BaseException as exc:  # pragma: no cover - the failure reported below
             other.append(exc)
 
@@ -512,7 +519,7 @@ def test_a_handed_back_job_leaves_the_threads_measuring_state_alone(monkeypatch)
     still reads the clock afresh (the task number moved on) and nothing raises."""
     worker = bare_worker()
     seen = recorded(worker, monkeypatch)
-    pool = worker._pool = HandlerPool(1)
+    pool = worker.executor.pool = HandlerPool(1)
     try:
         long_job = fake_running(lambda: time.sleep(CPU_SAMPLE_INTERVAL + 0.002))
         handed = fake_running(lambda: burn(0.05))
@@ -520,9 +527,9 @@ def test_a_handed_back_job_leaves_the_threads_measuring_state_alone(monkeypatch)
         after = fake_running(lambda: None)
         pool.submit_many(
             [
-                lambda: worker._execute(long_job),
-                lambda: worker._execute(handed),
-                lambda: worker._execute(after),
+                lambda: worker.executor.run_on_thread(long_job),
+                lambda: worker.executor.run_on_thread(handed),
+                lambda: worker.executor.run_on_thread(after),
             ]
         )
         wait_for(lambda: len(seen) == 2, what="two jobs finished", interval=0.005)
@@ -559,10 +566,10 @@ def test_a_measured_job_never_counts_another_tasks_cpu_and_long_ones_are_followe
     CPU time is read from the previous task's end only when that task was a measured job,
     so no measured job counts more CPU than it ran; the thread's first job and every job
     after one that ran the interval are measured; every job counts in the mean."""
-    monkeypatch.setattr(runner_module, "CPU_SAMPLE_INTERVAL", 0.003)
+    monkeypatch.setattr(handoff, "CPU_SAMPLE_INTERVAL", 0.003)
     worker = bare_worker()
     seen = recorded(worker, monkeypatch)
-    pool = worker._pool = HandlerPool(1)
+    pool = worker.executor.pool = HandlerPool(1)
     work = {
         "quick": lambda: None,
         "burn": lambda: burn(0.002),
@@ -583,7 +590,7 @@ def test_a_measured_job_never_counts_another_tasks_cpu_and_long_ones_are_followe
                 pool.submit(lambda: (burn(0.006), steps.append(1)))
             else:
                 running = fake_running(work[kind])
-                pool.submit(lambda running=running: worker._execute(running))
+                pool.submit(lambda running=running: worker.executor.run_on_thread(running))
                 jobs += 1
         wait_for(
             lambda: len(seen) == jobs and pool.busy == 0, what="every task run", interval=0.005
@@ -595,7 +602,7 @@ def test_a_measured_job_never_counts_another_tasks_cpu_and_long_ones_are_followe
         assert held is None or held <= ran + 0.001, seen
     if seen:
         assert seen[0][1] is not None, seen  # the thread's first job
-        assert worker._mean_run is not None
+        assert worker.slots.times.mean is not None
     for (ran, _), (_, held_next) in itertools.pairwise(seen):
         if ran >= 0.003:
             assert held_next is not None, seen
@@ -633,8 +640,8 @@ def test_a_long_handler_after_a_burst_of_short_ones_is_learned(caplog):
         WorkerConfig(install_signal_handlers=False, concurrency=2, poll_interval=0.05),
     )
     worker.run(until=lambda w: w.idle and all_done())
-    assert len(worker._recent_held) == runner_module.RECENT_RUNS
-    assert min(worker._recent_held) >= 0.012, sorted(worker._recent_held)[:5]
+    assert len(worker.slots.times.recent) == handoff.RECENT_RUNS
+    assert min(worker.slots.times.recent) >= 0.012, sorted(worker.slots.times.recent)[:5]
     assert "worker error" not in caplog.text
 
 
@@ -658,17 +665,17 @@ def test_async_jobs_borrowing_threads_between_sync_ones_break_no_measurement(cap
         WorkerConfig(install_signal_handlers=False, concurrency=3, poll_interval=0.05),
     )
     seen: list[tuple[float | None, float | None]] = []
-    finished = worker._finished
+    finished = worker.executor.finished
 
     def record(running, outcome, *, ran=None, held=None) -> None:
         seen.append((ran, held))
         finished(running, outcome, ran=ran, held=held)
 
-    monkeypatch.setattr(worker, "_finished", record)
+    monkeypatch.setattr(worker.executor, "finished", record)
     worker.run(until=lambda w: w.idle and all_done())
     measured = [(ran, held) for ran, held in seen if held is not None]
     assert measured and len(seen) == 60
     assert all(held <= ran + 0.001 for ran, held in measured), measured
-    assert worker.handlers_running == 0 and worker._in_flight == 0
+    assert worker.handlers_running == 0 and worker.slots.in_flight == 0
     assert "worker error" not in caplog.text
     assert "handler task crashed" not in caplog.text

@@ -133,7 +133,7 @@ class TestAnyException:
 
         def done(w: Worker) -> bool:
             if settled(poison, *after) and w.idle:
-                threads.append(w._pool.alive)
+                threads.append(w.executor.pool.alive)
                 return True
             return False
 
@@ -389,7 +389,7 @@ class TestTroubleStaysWithItsJob:
         timing: dict[str, float] = {}
 
         def done(w: Worker) -> bool:
-            if not later and w._deferred:  # the locked job's outcome is waiting
+            if not later and w.completer.deferred:  # the locked job's outcome is waiting
                 timing["start"] = time.monotonic()
                 later.extend(echoes(3))
             if later and "others" not in timing and settled(*later):
@@ -530,7 +530,7 @@ def test_drain_writes_an_outcome_deferred_by_a_row_lock_before_it_exits(recorder
     holder = threading.Thread(target=hold_the_row)
 
     def stop_once_deferred(w: Worker) -> bool:
-        if w._deferred and not draining.is_set():
+        if w.completer.deferred and not draining.is_set():
             draining.set()
             threading.Timer(0.3, unlock.set).start()  # the lock goes while the worker drains
             return True

@@ -289,8 +289,8 @@ def test_a_claims_lease_is_counted_from_before_the_claim_was_sent():
     seen: list[tuple[float, float]] = []
 
     def until(w: Worker) -> bool:
-        with w._lock:
-            held = list(w._held.values())
+        with w.slots.lock:
+            held = list(w.slots.held.values())
         if held:
             [running] = held
             seen.append((ends_by_our_clock(running, lease), server_lease_left(enqueued.id)))

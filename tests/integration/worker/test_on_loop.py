@@ -19,7 +19,8 @@ from django.db import connection
 from jobs import JobContext, Payload, RetryAfter, enqueue
 from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job
-from jobs.worker import runner
+from jobs.worker import executor
+from jobs.worker.executor import Executor
 from jobs.worker.runner import Worker
 from tests.runapp.models import Delivery
 from tests.support.polling import wait_for
@@ -110,8 +111,8 @@ def test_fifty_async_jobs_awaiting_hold_no_handler_thread(seen):
     try:
         wait_for(lambda: seen.started == 50, timeout=20, interval=0.01)
         time.sleep(0.1)
-        assert worker._pool.busy == 0, "every async job awaits on the loop, no thread waits"
-        assert worker._in_flight == 50, "each still holds its slot"
+        assert worker.executor.pool.busy == 0, "every async job awaits on the loop, no thread waits"
+        assert worker.slots.in_flight == 50, "each still holds its slot"
         seen.loop.call_soon_threadsafe(seen.gate.set)
         wait_for(lambda: all(state(j)[0] == "succeeded" for j in jobs), timeout=20, interval=0.01)
     finally:
@@ -170,14 +171,14 @@ def test_a_bug_in_the_loop_dispatch_leaks_no_slot(seen, monkeypatch):
     async def broken(*args, **kwargs):
         raise RuntimeError("a bug of ours")
 
-    monkeypatch.setattr(runner, "execute_on_loop", broken)
+    monkeypatch.setattr(executor, "execute_on_loop", broken)
     jobs = [enqueue(Act()) for _ in range(3)]
 
     worker = run_jobs(registry(seen, max_attempts=1), *(j.id for j in jobs), concurrency=2)
 
     assert {state(j)[0] for j in jobs} == {"failed"}
     assert "the worker failed running the job" in Job.objects.get(pk=jobs[0].id).error_detail
-    assert worker.idle and worker._in_flight == 0
+    assert worker.idle and worker.slots.in_flight == 0
 
 
 def test_an_async_job_awaits_its_handler_without_asyncio_wait(seen, monkeypatch):
@@ -228,7 +229,7 @@ def test_the_job_task_cancelled_under_its_handler_is_the_workers_failure_not_a_r
 def test_a_job_task_cancelled_before_its_first_step_gives_its_slot_back(seen, monkeypatch):
     """The loop's close cancels every task on it, the worker's own job tasks too: one that had
     not started yet never ran its ``finally`` and held its slot (and the job) for good."""
-    start_tasks = Worker._start_tasks
+    start_tasks = Executor._start_tasks
 
     def cancelled_at_once(self, batch):
         start_tasks(self, batch)
@@ -236,12 +237,12 @@ def test_a_job_task_cancelled_before_its_first_step_gives_its_slot_back(seen, mo
             if task.get_name().startswith("worker of"):
                 task.cancel()  # before its first step: its coroutine never runs
 
-    monkeypatch.setattr(Worker, "_start_tasks", cancelled_at_once)
+    monkeypatch.setattr(Executor, "_start_tasks", cancelled_at_once)
     job = enqueue(Act())
 
     worker = run_jobs(registry(seen, max_attempts=1), job.id)
 
-    assert worker.idle and worker._in_flight == 0 and worker.handlers_running == 0
+    assert worker.idle and worker.slots.in_flight == 0 and worker.handlers_running == 0
     assert seen.started == 0
     assert state(job)[0] == "failed", state(job)
     assert (

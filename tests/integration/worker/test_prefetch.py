@@ -20,10 +20,11 @@ from jobs import enqueue
 from jobs.catalogue.registry import JobType, Policy, Registry
 from jobs.models import Job
 from jobs.queue import ClaimedJob
-from jobs.worker import runner as runner_module
+from jobs.worker import handoff
 from jobs.worker.config import WorkerConfig
 from jobs.worker.execution import Running, make_context
-from jobs.worker.runner import PREFETCH_HORIZON, Worker
+from jobs.worker.handoff import PREFETCH_HORIZON
+from jobs.worker.runner import Worker
 from tests.support.polling import wait_for
 from tests.support.worker import (
     Echo,
@@ -282,7 +283,7 @@ def test_async_jobs_waiting_for_a_slot_end_in_turn_when_the_loop_is_gone():
         def call_soon_threadsafe(self, *args):
             raise RuntimeError("Event loop is closed")
 
-    worker._pool = type("Pool", (), {"event_loop": type("L", (), {"loop": GoneLoop()})()})()
+    worker.executor.pool = type("Pool", (), {"event_loop": type("L", (), {"loop": GoneLoop()})()})()
     token = uuid.uuid4()
     waiting = [
         Running(
@@ -295,17 +296,17 @@ def test_async_jobs_waiting_for_a_slot_end_in_turn_when_the_loop_is_gone():
         for n in range(3_001)
     ]
     running, *rest = waiting
-    with worker._lock:
-        worker._in_flight = len(waiting)
-        worker._in_flight_by_name[echo.name] = len(waiting)
-        assert worker._slot_taken(running)
+    with worker.slots.lock:
+        worker.slots.in_flight = len(waiting)
+        worker.slots.by_name[echo.name] = len(waiting)
+        assert worker.slots.take(running)
         for job in rest:
-            assert not worker._slot_taken(job)
+            assert not worker.slots.take(job)
 
-    worker._finished(running, None)
+    worker.executor.finished(running, None)
 
-    assert worker._in_flight == 0 and worker.handlers_running == 0 and not worker._waiting
-    failed = [outcome for _, outcome in worker._acks if outcome is not None]
+    assert worker.slots.in_flight == 0 and worker.handlers_running == 0 and not worker.slots.waiting
+    failed = [outcome for _, outcome in worker.completer.acks if outcome is not None]
     assert len(failed) == len(rest)
     assert {o.code for o in failed} == {"handler_error"}
 
@@ -324,7 +325,7 @@ def test_prefetch_goes_by_every_jobs_run_time_measured_or_not(monkeypatch):
     """With the interval made a minute, only each thread's first job is measured; prefetch's
     mean run time still takes every job: short handlers get prefetch, and once handlers run
     50 ms it is gone (the worker holds no job beyond its threads)."""
-    monkeypatch.setattr(runner_module, "CPU_SAMPLE_INTERVAL", 60.0)
+    monkeypatch.setattr(handoff, "CPU_SAMPLE_INTERVAL", 60.0)
     worker = Worker(
         Registry([JobType(Step, sync_step, Policy(concurrency=None))]),
         WorkerConfig(install_signal_handlers=False, concurrency=2, poll_interval=0.05, prefetch=20),
@@ -336,16 +337,16 @@ def test_prefetch_goes_by_every_jobs_run_time_measured_or_not(monkeypatch):
     capacities: list[tuple[int, int]] = []  # (capacity, jobs succeeded) after each pass
 
     def until(w: Worker) -> bool:
-        with w._lock:
-            capacity = w._capacity()
+        with w.slots.lock:
+            capacity = w.slots.capacity()
         capacities.append((capacity, Job.objects.filter(state="succeeded").count()))
         return w.idle and all_done()
 
     worker.run(until=until)
-    assert len(worker._recent_held) <= 2  # each thread's first job only
+    assert len(worker.slots.times.recent) <= 2  # each thread's first job only
     assert max(c for c, done in capacities if done < 80) > 2  # short handlers: prefetched
-    with worker._lock:
-        assert worker._capacity() == 2, worker._mean_run  # long ones: no prefetch
+    with worker.slots.lock:
+        assert worker.slots.capacity() == 2, worker.slots.times.mean  # long ones: no prefetch
 
 
 @pytest.mark.django_db(transaction=True)
@@ -365,5 +366,5 @@ def test_a_drain_of_a_prefetching_worker_leaks_no_slot():
     assert time.monotonic() - began < 5
     states = set(Job.objects.filter(pk__in=[j.id for j in jobs]).values_list("state", flat=True))
     assert states <= {"succeeded", "queued"}, states
-    assert worker._in_flight == 0 and worker.handlers_running == 0
+    assert worker.slots.in_flight == 0 and worker.handlers_running == 0
     assert worker.idle

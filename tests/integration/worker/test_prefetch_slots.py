@@ -223,7 +223,7 @@ class CountingDeque(deque):
 def start(registry: Registry, **config) -> tuple[Worker, threading.Thread]:
     options = {"install_signal_handlers": False, "poll_interval": 0.05, **config}
     worker = Worker(registry, WorkerConfig(**options))
-    worker._waiting = CountingDeque()
+    worker.slots.waiting = CountingDeque()
     thread = threading.Thread(target=worker.run, name="prefetch-worker")
     thread.start()
     return worker, thread
@@ -256,18 +256,18 @@ def warm_up(slots: Slots) -> None:
 
 def held(worker: Worker, job) -> list:
     """The worker's attempts of ``job`` (its Running objects)."""
-    with worker._lock:
-        return [r for r in worker._held.values() if r.job.id == job.id]
+    with worker.slots.lock:
+        return [r for r in worker.slots.held.values() if r.job.id == job.id]
 
 
 def books_closed(worker: Worker) -> bool:
-    with worker._lock:
+    with worker.slots.lock:
         return (
-            worker._in_flight == 0
+            worker.slots.in_flight == 0
             and worker.handlers_running == 0
-            and not worker._held
-            and not worker._acks
-            and not any(not r.handed_back for r in worker._waiting)
+            and not worker.slots.held
+            and not worker.completer.acks
+            and not any(not r.handed_back for r in worker.slots.waiting)
         )
 
 
@@ -359,7 +359,7 @@ def test_any_mix_of_jobs_runs_each_once_within_the_slots_and_closes_the_books(co
                 assert row.state == ("succeeded" if good else "failed"), action
 
         check()
-        assert worker._waiting.parked > 0, "no job was ever parked: the gate was not exercised"
+        assert worker.slots.waiting.parked > 0, "no job was ever parked: the gate was not exercised"
         assert gauge_peak <= concurrency
     finally:
         stop(worker, thread)
@@ -380,14 +380,14 @@ def test_a_thread_only_worker_never_parks_a_job():
         deadline = time.monotonic() + 20
         while not ended(load):
             assert time.monotonic() < deadline, "the load did not drain within 20 s"
-            most = max(most, worker._in_flight)
+            most = max(most, worker.slots.in_flight)
             time.sleep(0.001)
     finally:
         stop(worker, thread)
     assert Job.objects.filter(pk__in=[j.id for j in load], state="succeeded").count() == 160
     assert most > 3, "prefetch held nothing beyond the threads"
     assert slots.peak <= 3
-    assert worker._waiting.parked == 0
+    assert worker.slots.waiting.parked == 0
 
 
 def test_a_parked_job_resumed_by_a_handler_s_end_takes_that_slot():
@@ -406,7 +406,7 @@ def test_a_parked_job_resumed_by_a_handler_s_end_takes_that_slot():
         wait_for(lambda: ended(load), timeout=30, what="the load drained", interval=0.005)
     finally:
         stop(worker, thread)
-    times = worker._waiting.times
+    times = worker.slots.waiting.times
     assert times, "no job was parked"
     again = {job: n for job, n in times.items() if n > 1}
     assert not again, (
@@ -445,7 +445,9 @@ def test_a_parked_job_s_timeout_runs_from_its_start_not_its_claim(case):
         )
         if case != "sync-behind-sync":
             wait_for(
-                lambda: len(worker._waiting) == 1, what="the job parked for a slot", interval=0.005
+                lambda: len(worker.slots.waiting) == 1,
+                what="the job parked for a slot",
+                interval=0.005,
             )
         wait_for(lambda: ended([parked]), timeout=10, what="the parked job ended", interval=0.005)
         row = state_of(parked)
@@ -472,7 +474,7 @@ def test_an_operator_cancel_stops_a_parked_job_before_its_handler(kind):
         long = hold_the_slot(slots, AWork(action="sleep", seconds=2.0))
         parked = enqueue(Work() if kind == "sync" else AWork())
         wait_for(
-            lambda: len(worker._waiting) == 1, what="the job parked for a slot", interval=0.005
+            lambda: len(worker.slots.waiting) == 1, what="the job parked for a slot", interval=0.005
         )
         assert cancel_running([parked.id], by="ops") == [parked.id]
         wait_for(
@@ -502,7 +504,7 @@ def test_a_parked_job_whose_lease_is_lost_never_runs_and_its_fresh_claim_runs_on
         hold_the_slot(slots, AWork(action="sleep", seconds=1.5))
         parked = enqueue(Work() if kind == "sync" else AWork())
         wait_for(
-            lambda: len(worker._waiting) == 1, what="the job parked for a slot", interval=0.005
+            lambda: len(worker.slots.waiting) == 1, what="the job parked for a slot", interval=0.005
         )
         stale_token = state_of(parked).claim_token
         stale = held(worker, parked)
@@ -537,7 +539,7 @@ def test_a_parked_job_whose_lease_is_lost_leaves_its_run_row_alone(kind):
         row = Delivery.objects.create(job_id=f"parked-{kind}")
         parked = enqueue(Bound(run_id=row.pk) if kind == "sync" else ABound(run_id=row.pk))
         wait_for(
-            lambda: len(worker._waiting) == 1, what="the job parked for a slot", interval=0.005
+            lambda: len(worker.slots.waiting) == 1, what="the job parked for a slot", interval=0.005
         )
         stale = held(worker, parked)
         expire_and_requeue(parked, run_after=timezone.now() + timedelta(hours=1))
@@ -571,7 +573,9 @@ def test_parked_jobs_keep_their_leases_while_they_wait():
         long = hold_the_slot(slots, AWork(action="sleep", seconds=2.4))
         parked = [enqueue(Work()), enqueue(AWork())]
         wait_for(
-            lambda: len(worker._waiting) == 2, what="both jobs parked for a slot", interval=0.005
+            lambda: len(worker.slots.waiting) == 2,
+            what="both jobs parked for a slot",
+            interval=0.005,
         )
         wait_for(lambda: ended([long, *parked]), timeout=10, what="every job ended", interval=0.005)
         wait_for(lambda: books_closed(worker), what="the worker's books closed", interval=0.005)
@@ -611,7 +615,9 @@ def test_a_drain_hands_parked_jobs_back_at_once_and_ends_with_the_last_handler(w
         long = hold_the_slot(slots, AWork(action="sleep", seconds=1.2))
         parked = [enqueue(Work()), enqueue(AWork()), enqueue(Work()), enqueue(AWork())]
         wait_for(
-            lambda: len(worker._waiting) == 4, what="the jobs parked for a slot", interval=0.005
+            lambda: len(worker.slots.waiting) == 4,
+            what="the jobs parked for a slot",
+            interval=0.005,
         )
         lost = None
         if with_lost:
@@ -711,7 +717,9 @@ def test_a_forced_stop_with_a_stubborn_async_handler_hands_parked_jobs_back():
         stubborn = hold_the_slot(slots, AWork(action="ignore-cancel", seconds=2.5))
         parked = [enqueue(Work()), enqueue(AWork()), enqueue(Work())]
         wait_for(
-            lambda: len(worker._waiting) == 3, what="the jobs parked for a slot", interval=0.005
+            lambda: len(worker.slots.waiting) == 3,
+            what="the jobs parked for a slot",
+            interval=0.005,
         )
         began = time.monotonic()
         worker.request_stop()
@@ -751,13 +759,17 @@ def test_a_drain_as_a_parked_job_is_resumed_does_not_wait_for_a_lost_one():
         warm_up(slots)
         long = hold_the_slot(slots, AWork(action="sleep", seconds=1.0))
         first = enqueue(Work())
-        wait_for(lambda: len(worker._waiting) == 1, what="the first job parked", interval=0.005)
+        wait_for(
+            lambda: len(worker.slots.waiting) == 1, what="the first job parked", interval=0.005
+        )
         lost = enqueue(AWork())
-        wait_for(lambda: len(worker._waiting) == 2, what="the second job parked", interval=0.005)
+        wait_for(
+            lambda: len(worker.slots.waiting) == 2, what="the second job parked", interval=0.005
+        )
         stale = held(worker, lost)
         expire_and_requeue(lost, run_after=timezone.now() + timedelta(hours=1))
         wait_for(lambda: stale[0].lost, timeout=3, what="the second job given up", interval=0.005)
-        resume = worker._resume
+        resume = worker.executor._resume
 
         def stop_as_resumed(running) -> None:
             if running.job.id == first.id and not stopped_at:
@@ -773,7 +785,7 @@ def test_a_drain_as_a_parked_job_is_resumed_does_not_wait_for_a_lost_one():
                 )
             resume(running)
 
-        worker._resume = stop_as_resumed
+        worker.executor._resume = stop_as_resumed
         wait_for(
             lambda: stopped_at, timeout=5, what="the slot handed to the first job", interval=0.005
         )

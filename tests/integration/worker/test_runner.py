@@ -422,13 +422,13 @@ class TestLeasesAndDrain:
         thread.start()
         locked, release = threading.Event(), threading.Event()
         tried = threading.Event()
-        original = worker._defer_busy
+        original = worker.completer.defer_busy
 
         def noting(*args, **kwargs):
             tried.set()
             return original(*args, **kwargs)
 
-        worker._defer_busy = noting
+        worker.completer.defer_busy = noting
         holder = threading.Thread(target=hold_row_lock, args=(job.id, locked, release))
         try:
             wait_for(lambda: len(recorder.calls) == 1, interval=0.01)  # the handler is in its sleep

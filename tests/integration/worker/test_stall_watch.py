@@ -358,7 +358,9 @@ def test_an_idle_workers_watch_sleeps_through_an_idle_second():
         enqueue(Step(plan=("ok",)))
     with running_worker(registry, concurrency=4) as worker:
         wait_for(lambda: all_done() and worker.idle, what="the jobs done", interval=0.005)
-        pool = wait_for(lambda: getattr(worker, "_pool", None), what="the pool", interval=0.005)
+        pool = wait_for(
+            lambda: getattr(worker.executor, "pool", None), what="the pool", interval=0.005
+        )
         wait_for(lambda: pool._watch_idle, what="the watch asleep", timeout=5, interval=0.005)
         waits = count_watch_waits(pool)
         cpu = thread_cpu(pool._watch)

@@ -1,4 +1,4 @@
--- Rendered from jobs/queue/enqueue.py by scripts/render-sql:
+-- Rendered from jobs/queue/enqueue_one.py by scripts/render-sql:
 -- edit the code, not this file, then run it (a test fails while the two differ).
 CREATE OR REPLACE FUNCTION jobs_enqueue_job(
     p_job_id text,
