@@ -61,13 +61,18 @@ def django_db_modify_db_settings(
         otherdb.prepare(request.session.items)
 
 
+#: The suffix pytest-django gives a test database in each pytest-xdist worker (``_gw0``, ...).
+WORKER_SUFFIX = r"(?:_gw\d+)?"
+
+
 def _drop_orphaned_test_databases() -> None:
-    """Test databases are named after their run's process id (tests/settings.py)."""
+    """Test databases are named after their run's process id (tests/settings.py), with
+    :data:`WORKER_SUFFIX` when the run is spread over several processes."""
     prefix = f"test_{connection.settings_dict['NAME']}_"
     with connection._nodb_cursor() as cur:
         cur.execute("SELECT datname FROM pg_database WHERE datname LIKE %s", [prefix + "%"])
         for (name,) in cur.fetchall():
-            match = re.fullmatch(re.escape(prefix) + r"(\d+)", name)
+            match = re.fullmatch(re.escape(prefix) + r"(\d+)" + WORKER_SUFFIX, name)
             if match and not alive(int(match.group(1))):
                 cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
 
