@@ -108,6 +108,14 @@ def _first_leg_only(item) -> bool:
     return any(item.get_closest_marker(name) for name in ("once", "heavy"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _quick_flush():
+    """Transactional tests end with a flush of only what they filled (tests/support/flush.py)."""
+    from tests.support import flush
+
+    flush.install()
+
+
 @pytest.fixture(autouse=True)
 def _turn(request, tmp_path_factory):
     """Spread over several processes, each test waits for its turn (tests/support/alone.py)."""
