@@ -9,7 +9,7 @@ import pytest
 from django.db import connection
 
 from tests.support.concurrency import run_in_threads
-from tests.support.processes import alive
+from tests.support.processes import WORKER_SUFFIX, alive
 
 #: Acceptance tests of real worker and scheduler processes (signals, kill -9, SIGSTOP).
 PROCESS_MODULES = frozenset(
@@ -25,12 +25,54 @@ PROCESS_MODULES = frozenset(
 )
 
 
-def pytest_collection_modifyitems(config, items):
-    """In a later leg of scripts/test's matrix, leave out the tests marked ``once``.
+#: Slow checks that a statement, a pass or an encoder acts as another form of it does, and
+#: checks at a large scale (by test function name). They do not depend on the Django version:
+#: scripts/test runs them in its first leg only, as the ``once`` tests.
+HEAVY = frozenset(
+    {
+        "test_a_huge_mixed_tenant_batch_gets_ids_in_exactly_the_given_order",
+        "test_a_pass_is_counted_as_looking_up_every_token_would",
+        "test_any_batch_reports_and_writes_what_it_did_before_the_change",
+        "test_any_handler_sequence_is_checked_as_before",
+        "test_any_payload_copied_is_stored_as_the_insert_statement_stores_it",
+        "test_any_weights_hold_over_time_for_any_claim_sizes",
+        "test_dumps_writes_or_refuses_odd_values_as_the_strict_encoder_did",
+        "test_each_job_of_a_batch_is_the_job_it_would_be_alone",
+        "test_ending_a_job_fifty_thousand_others_wait_for_is_one_insert",
+        "test_inside_a_transaction_a_large_batch_stores_and_reports_what_the_general_path_did",
+        "test_one_large_pass_costs_no_more_than_small_passes_of_the_same_jobs",
+        "test_the_fair_pass_writes_and_claims_what_record_then_claim_would",
+        "test_the_key_statements_act_as_before_on_any_table_of_a_few_keys",
+        "test_the_pass_writes_and_claims_what_record_then_claim_would",
+        "test_the_settle_function_acts_as_0013s_on_any_graph_and_outcomes",
+        "test_weights_hold_over_time_whatever_the_claim_size",
+    }
+)
 
-    They do not depend on the Django version (the package build, the demo script, the scale
-    bench), so the first leg runs them and the others save the minutes. The browser tests
-    (``tests/acceptance/test_browser*.py``) count as ``once`` too: they drive the pages'
+#: Tests that time the machine: how soon a handler starts, how smooth a rate is, how much CPU
+#: a stalled process got. Beside other tests busying the CPU they fail for want of it, so they
+#: run alone (tests/support/alone.py), at the end of the run (by test function name).
+ALONE = frozenset(
+    {
+        "test_a_rate_limit_is_shared_by_the_workers_and_smooth",
+        "test_a_stopped_process_is_not_blamed_on_the_gil",
+        "test_a_thread_that_holds_the_gil_is_named",
+        "test_handlers_that_wait_a_few_milliseconds_on_io_each_get_a_thread_at_once",
+        "test_tasks_waiting_behind_python_that_runs_get_threads_slowly",
+        "test_the_scheduler_keeps_the_home_database_going_while_the_other_server_is_down",
+    }
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tiers (``once``, ``heavy``, ``alone``) and order the run: the slow and heavy
+    tests first, so that spread over several processes none is left to run alone at the end,
+    and the ``alone`` tests last, when the others are done. In a later leg of scripts/test's
+    matrix, leave out the tests marked ``once`` or ``heavy``.
+
+    ``once`` tests do not depend on the Django version (the package build, the demo script,
+    the scale bench), so the first leg runs them and the others save the minutes. The browser
+    tests (``tests/acceptance/test_browser*.py``) count as ``once`` too: they drive the pages'
     markup and scripts in Chromium, while the views behind them run on every leg in the
     integration tests. So do the tests that drive real ``runworker`` and ``runscheduler``
     processes through signals, crashes and stalls (:data:`PROCESS_MODULES`): what they add is
@@ -40,12 +82,51 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name.startswith("test_browser") or item.path.name in PROCESS_MODULES:
             item.add_marker(pytest.mark.once)
+        name = getattr(item, "originalname", item.name)
+        if name in HEAVY:
+            item.add_marker(pytest.mark.heavy)
+        if name in ALONE:
+            item.add_marker(pytest.mark.alone)
+    items.sort(key=_turn_in_the_run)
     if not os.environ.get("JOBS_TEST_LATER_LEG"):
         return
-    kept = [item for item in items if item.get_closest_marker("once") is None]
+    kept = [item for item in items if not _first_leg_only(item)]
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in kept])
         items[:] = kept
+
+
+def _turn_in_the_run(item) -> int:
+    """0 for the slow and heavy tests, 2 for those that run alone, 1 for the rest (a stable
+    sort keeps each group in collection order)."""
+    if item.get_closest_marker("alone"):
+        return 2
+    return 0 if item.get_closest_marker("slow") or item.get_closest_marker("heavy") else 1
+
+
+def _first_leg_only(item) -> bool:
+    return any(item.get_closest_marker(name) for name in ("once", "heavy"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _quick_flush():
+    """Transactional tests end with a flush of only what they filled (tests/support/flush.py)."""
+    from tests.support import flush
+
+    flush.install()
+
+
+@pytest.fixture(autouse=True)
+def _turn(request, tmp_path_factory):
+    """Spread over several processes, each test waits for its turn (tests/support/alone.py)."""
+    if not hasattr(request.config, "workerinput"):  # one process: each test runs alone
+        yield
+        return
+    from tests.support.alone import turn
+
+    shared = tmp_path_factory.getbasetemp().parent  # each process's base is a directory in it
+    with turn(shared, alone=request.node.get_closest_marker("alone") is not None):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -62,12 +143,13 @@ def django_db_modify_db_settings(
 
 
 def _drop_orphaned_test_databases() -> None:
-    """Test databases are named after their run's process id (tests/settings.py)."""
+    """Test databases are named after their run's process id (tests/settings.py), with
+    :data:`WORKER_SUFFIX` when the run is spread over several processes."""
     prefix = f"test_{connection.settings_dict['NAME']}_"
     with connection._nodb_cursor() as cur:
         cur.execute("SELECT datname FROM pg_database WHERE datname LIKE %s", [prefix + "%"])
         for (name,) in cur.fetchall():
-            match = re.fullmatch(re.escape(prefix) + r"(\d+)", name)
+            match = re.fullmatch(re.escape(prefix) + r"(\d+)" + WORKER_SUFFIX, name)
             if match and not alive(int(match.group(1))):
                 cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
 

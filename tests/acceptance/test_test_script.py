@@ -63,12 +63,12 @@ def _postmaster(pgdata: Path) -> int | None:
 
 
 @pytest.fixture
-def checkout(tmp_path) -> Iterator[Path]:
+def checkout(server_tmp_path) -> Iterator[Path]:
     """A copy of this checkout's tracked files, with the venv linked: its var/ is its own."""
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True)
     if listed.returncode != 0:
         pytest.skip("copies the files git tracks, and this is not a git checkout")
-    root = tmp_path / "checkout"
+    root = server_tmp_path / "checkout"
     for name in filter(None, listed.stdout.decode().split("\0")):
         source = ROOT / name
         if source.is_file():

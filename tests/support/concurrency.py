@@ -71,11 +71,12 @@ class InThread:
 
 
 def sessions_waiting_for_locks(text: str = "") -> int:
-    """How many sessions wait for a lock now (those whose query holds ``text``)."""
+    """How many sessions of this test database wait for a lock now (those whose query holds
+    ``text``); other test processes on the same server have databases of their own."""
     with connection.cursor() as cur:
         cur.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-            "AND query ILIKE %s AND pid <> pg_backend_pid()",
+            "AND datname = current_database() AND query ILIKE %s AND pid <> pg_backend_pid()",
             [f"%{text}%"],
         )
         return cur.fetchone()[0]

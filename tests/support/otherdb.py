@@ -22,7 +22,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 import psycopg
 
-from tests.support.processes import alive
+from tests.support.processes import WORKER_SUFFIX, alive
 
 ALIAS = "other"
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,8 +90,8 @@ def _second_server() -> str | None:
 
 def _drop_orphans(settings: dict) -> None:
     """Test databases of ``other`` are named after their run's pid; drop those of dead runs."""
-    name = settings["TEST"]["NAME"]
-    pattern = re.compile(re.escape(name).replace(str(os.getpid()), r"(\d+)"))
+    name = re.sub(WORKER_SUFFIX + "$", "", settings["TEST"]["NAME"])
+    pattern = re.compile(re.escape(name).replace(str(os.getpid()), r"(\d+)") + WORKER_SUFFIX)
     params = {
         "host": settings["HOST"] or None,
         "port": settings["PORT"] or None,

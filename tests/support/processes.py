@@ -83,3 +83,7 @@ class Process:
 
 def read_trace(path: Path) -> list[list[str]]:
     return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+
+
+#: The suffix pytest-django gives a test database in each pytest-xdist worker (``_gw0``, ...).
+WORKER_SUFFIX = r"(?:_gw\d+)?"
