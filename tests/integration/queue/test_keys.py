@@ -188,7 +188,7 @@ def test_the_key_statements_act_as_the_key_rules_say_on_any_table_of_a_few_keys(
         ids = insert_rows(cur, rows)
         chosen = sorted({ids[p] if p < len(ids) else ids[-1] + 1000 + p for p in picks})
         picked = sorted({p for p in picks if p < len(ids)})
-        p = {"ids": chosen, "by": "review", **params}
+        p = {"ids": chosen, "by": "ops", **params}
 
         def replay_after(release_for: Callable[[], None]) -> Callable[[], set]:
             def run():
@@ -277,7 +277,7 @@ def _by_the_rules(
     if len({rows[i]["key"] for i in replayed}) < len(replayed):
         return "key conflict", [dict(row) for row in model]
     for i in replayed:
-        rows[i].update(state="queued", held=True, attempts=0, by="review", age=None)
+        rows[i].update(state="queued", held=True, attempts=0, by="ops", age=None)
     return replayed, rows
 
 
