@@ -76,14 +76,18 @@ def _remember(using: str, **kwargs: Any) -> None:
 
 
 def _written(connection: Any, tables: list[str]) -> list[str]:
-    """The ``tables`` written since they were last truncated: their heap has a page. Those that
-    held rows since, even deleted or rolled back, are truncated too, so that no dead rows are
-    left for a later test to read past (one that counts the pages a statement reads)."""
+    """The ``tables`` written since they were last truncated: their heap, or one of their
+    partitions' (a partitioned table keeps its rows there), has a page. Those that held rows
+    since, even deleted or rolled back, are truncated too, so that no dead rows are left for a
+    later test to read past (one that counts the pages a statement reads)."""
     if not tables:
         return []
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT t FROM unnest(%s::text[]) AS t WHERE pg_relation_size(quote_ident(t)) > 0",
+            "SELECT t FROM unnest(%s::text[]) AS t "
+            "WHERE pg_relation_size(quote_ident(t)) > 0 OR EXISTS ("
+            "  SELECT FROM pg_partition_tree(quote_ident(t)) AS p"
+            "  WHERE pg_relation_size(p.relid) > 0)",
             [tables],
         )
         written = {table for (table,) in cursor.fetchall()}

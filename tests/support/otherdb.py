@@ -25,7 +25,7 @@ import psycopg
 from tests.support.processes import WORKER_SUFFIX, alive
 
 ALIAS = "other"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PGDATA = ROOT / "var" / "postgres-other"
 #: Whether ``other`` is on a server of its own (set by :func:`prepare`).
 SEPARATE_SERVER = False

@@ -338,5 +338,5 @@ def test_migrating_back_to_0001_and_forward_with_prepared_calls_leaves_the_queue
         for n in range(3):
             assert queue.enqueue(NewJob(NAME, {"n": n})).created
         assert not queue.enqueue(NewJob(NAME, {}, job_id="prepared")).created
-        [job] = claim()
+        [job] = claim(1)
         assert pass_once([Outcome.succeeded(job)]).applied == (job.id,)
