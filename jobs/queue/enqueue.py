@@ -63,16 +63,16 @@ def enqueue_many(jobs: Sequence[NewJob], *, using: str | None = None) -> list[En
     counts is the one open on that alias. The queue does not route: the caller picks the
     alias a job type lives in (:func:`jobs.catalogue.routing.route`, through the producer).
     """
+    using = using or jobs_settings.DATABASE
     if not isinstance(jobs, list | tuple):
         jobs = list(jobs)  # any iterable: it is read more than once
     if len(jobs) >= COPY_AT_LEAST and all(map(_copyable, jobs)):
-        return _enqueue_by_copy(jobs, using or jobs_settings.DATABASE)
+        return _enqueue_by_copy(jobs, using)
     defaults = job_rows.job_defaults()
     new_id = iter(new_job_ids(sum(getattr(job, "job_id", "") is None for job in jobs))).__next__
     rows = [job_rows.job_row(job, index, defaults, new_id) for index, job in enumerate(jobs)]
     if not rows:
         return []
-    using = using or jobs_settings.DATABASE
     # The first job with a key is the one inserted; later copies in the batch return it.
     firsts: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:
