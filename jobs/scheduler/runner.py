@@ -360,7 +360,12 @@ class Scheduler:
         self.presence.send(leader=leading)  # a failure is logged; the next beat tries again
 
     def _lead(self) -> None:
-        due = [duty for duty in self.duties if time.monotonic() >= duty.next_at]
+        # Each due duty's next run counts from the pass's start, so duties of one interval stay
+        # in step and share a wake-up rather than drifting into one pass each. When the pass
+        # overran a duty's interval, that duty waits a whole one after the pass ends: a slow
+        # database is not hammered.
+        started = time.monotonic()
+        due = [duty for duty in self.duties if started >= duty.next_at]
         if not due:
             return
         self._activity = "reading the database clock"
@@ -374,7 +379,7 @@ class Scheduler:
         for duty in due:
             if not self.leadership.prove():
                 return
-            duty.next_at = time.monotonic() + duty.interval
+            duty.next_at = started + duty.interval
             self.last_pass[duty.name] = False
             self._activity = f"the {duty.name} pass"
             try:
@@ -392,6 +397,10 @@ class Scheduler:
             metrics.passes.labels(duty.name).inc()
             if duty.name == "cron":
                 self._export_status(now)
+        ended = time.monotonic()
+        for duty in due:
+            if ended > duty.next_at:
+                duty.next_at = ended + duty.interval
         self.passes += 1
 
     def _export_status(self, now: datetime | None) -> None:

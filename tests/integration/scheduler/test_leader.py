@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from datetime import timedelta
@@ -17,7 +18,7 @@ from jobs.catalogue.schedules import load_schedules
 from jobs.models import ScheduleSlot
 from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.leader import FENCE_SQL, LOCK_KEY, Leadership, LeadershipLost
-from jobs.scheduler.runner import Scheduler
+from jobs.scheduler.runner import Duty, Scheduler
 from jobs.scheduler.slots import TICK_LOCK_NAMESPACE
 from tests.runapp.models import QuickRun
 from tests.support.polling import wait_for
@@ -151,6 +152,10 @@ def in_thread(target) -> threading.Thread:
     return thread
 
 
+def duty_passes(duty: str) -> float:
+    return REGISTRY.get_sample_value("jobs_scheduler_passes_total", {"duty": duty}) or 0.0
+
+
 def cron_errors() -> float:
     return REGISTRY.get_sample_value("jobs_scheduler_errors_total", {"duty": "cron"}) or 0.0
 
@@ -178,11 +183,31 @@ class TestSchedulerLoop:
         assert not ScheduleSlot.objects.exists()
 
     def test_once_leading_it_keeps_ticking(self, contenders):
+        before = {duty: duty_passes(duty) for duty in ("cron", "release")}
         leader = scheduler(contenders, "leader", tick_interval=0.05)
         leader.run(until=lambda s: s.passes >= 3)
         assert leader.passes == 3
-        fired = REGISTRY.get_sample_value("jobs_scheduler_passes_total", {"duty": "cron"})
-        assert fired is not None and fired >= 3
+        # Duties of one interval share each pass: one wake-up per tick, not one per duty.
+        assert {duty: duty_passes(duty) - before[duty] for duty in before} == {
+            "cron": 3,
+            "release": 3,
+        }
+
+    def test_a_duty_that_overruns_its_interval_rests_a_whole_interval_before_its_next_run(
+        self, contenders
+    ):
+        runs: list[tuple[float, float]] = []
+
+        def slow(now):
+            started = time.monotonic()
+            time.sleep(0.12)  # the duty's own work: longer than its interval
+            runs.append((started, time.monotonic()))
+
+        leader = scheduler(contenders, "leader", tick_interval=0.05)
+        leader.duties = [Duty("slow", 0.05, slow)]
+        leader.run(until=lambda s: len(runs) >= 3)
+        rests = [later[0] - earlier[1] for earlier, later in itertools.pairwise(runs)]
+        assert all(rest >= 0.05 for rest in rests), rests
 
 
 class TestStuckLeader:
