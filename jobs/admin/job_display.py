@@ -13,6 +13,7 @@ from django.db import DEFAULT_DB_ALIAS
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html
+from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
 from jobs.admin import attempts, batches, progress
@@ -98,7 +99,16 @@ class JobDisplay(DatabaseRunTableAdmin):
     progress_fieldset: tuple[Any, ...] = (_("Progress"), {"fields": ("progress_display",)})
 
     created = timestamp("created_at", _("created at"))
-    due = timestamp("run_after", _("run after"))
+
+    @admin.display(description=_("run after"))
+    def due(self, obj: Job | JobHistory) -> str:
+        """No time while the job waits for others, and none kept by one that ended waiting."""
+        if obj.run_after is None:
+            if getattr(obj, "waiting_on", 0):
+                return gettext("when the jobs it waits for have succeeded")
+            return gettext("never: it ended while it waited for other jobs")
+        return moment(obj.run_after, now_of(obj))
+
     started = timestamp("started_at", _("started at"))
     finished = timestamp("finished_at", _("finished at"))
     replayed = timestamp("replayed_at", _("replayed at"))

@@ -118,7 +118,7 @@ class JobAdmin(JobDisplay):
 
     @admin.display(description=_("run after"), ordering="run_after")
     def run_after_column(self, obj: Job) -> str:
-        """A job waiting for others (run_after in the year 9000) says so instead of a date."""
+        """A job waiting for others has no due time yet: it says what it waits for."""
         if obj.waiting_on:
             return ngettext(
                 "waiting for %(count)d job", "waiting for %(count)d jobs", obj.waiting_on

@@ -10,7 +10,6 @@ nothing above them; the run contract they share is :mod:`jobs.runs`.
 from jobs.models.console import BacklogSample, HistogramField, Rollup, RollupOutcome
 from jobs.models.flow import FairAccount, FlowGate, TenantBucket, TenantWeight
 from jobs.models.jobs import (
-    WAITING_UNTIL,
     Job,
     JobHistory,
     default_max_attempts,
@@ -31,7 +30,6 @@ from jobs.models.workflows import (
 )
 
 __all__ = [
-    "WAITING_UNTIL",
     "BacklogSample",
     "Batch",
     "Dependency",

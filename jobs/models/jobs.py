@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from django.db import models
@@ -21,11 +21,6 @@ from django.utils.translation import gettext_lazy as _
 from jobs.core.conf import jobs_settings
 from jobs.core.limits import PRIORITY_MAX, PRIORITY_MIN
 from jobs.runs import ACTIVE_STATES, TERMINAL_STATES, RunContract, RunState
-
-#: ``run_after`` of a job waiting for others (jobs.queue.dependencies): never due, so it sits
-#: past every claim's range scan. Far enough that no real schedule reaches it, near enough
-#: that every time zone can still show it.
-WAITING_UNTIL = datetime(9000, 1, 1, tzinfo=UTC)
 
 
 def default_tenant() -> str:
@@ -94,7 +89,11 @@ class Job(RunContract):
     run_after = models.DateTimeField(
         _("run after"),
         db_default=Now(),
-        help_text=_("Earliest time the job may run; a scheduled retry moves it forward."),
+        null=True,
+        help_text=_(
+            "Earliest time the job may run; a scheduled retry moves it forward. Empty while "
+            "the job waits for others: it becomes due when the last of them has succeeded."
+        ),
     )
     lease_expires_at = models.DateTimeField(_("lease expires at"), null=True, blank=True)
     claim_token = models.UUIDField(_("claim token"), null=True, blank=True)
@@ -147,7 +146,8 @@ class Job(RunContract):
         editable=False,
     )
     # How many of the jobs this one waits for (jobs.queue.dependencies) have not succeeded
-    # yet. A waiting job is queued with run_after at WAITING_UNTIL, so no claim reaches it.
+    # yet. A waiting job is queued with no run_after: every claim asks for a run_after at or
+    # before now, which NULL never is, and the claim indexes keep NULLs after every time.
     waiting_on = models.PositiveIntegerField(_("waiting on"), db_default=0, editable=False)
     # Other jobs wait for this one: the settle trigger releases or ends them when it finishes.
     depended_on = models.BooleanField(_("depended on"), db_default=False, editable=False)
@@ -186,6 +186,11 @@ class Job(RunContract):
                 condition=~Q(state=RunState.RUNNING)
                 | Q(claim_token__isnull=False, lease_expires_at__isnull=False),
                 name="jobs_job_running_is_leased",
+            ),
+            # Only a job that waits for others has no due time; any other would never run.
+            models.CheckConstraint(
+                condition=Q(run_after__isnull=False) | Q(waiting_on__gt=0),
+                name="jobs_job_due_or_waiting",
             ),
         ]
         indexes = [
@@ -284,7 +289,7 @@ class JobHistory(RunContract):
     queue = models.CharField(_("queue"), max_length=64)
     priority = models.SmallIntegerField(_("priority"), default=0)
     max_attempts = models.PositiveIntegerField(_("max attempts"))
-    run_after = models.DateTimeField(_("run after"))
+    run_after = models.DateTimeField(_("run after"), null=True)  # empty: it never became due
     claimed_by = models.CharField(_("claimed by"), max_length=200, blank=True, default="")
     started_at = models.DateTimeField(_("started at"), null=True, blank=True)
     keyed = models.BooleanField(_("keyed"), default=True)

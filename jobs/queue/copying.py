@@ -64,13 +64,12 @@ def copy_jobs(
         for row, id_ in zip(rows, ids, strict=True):
             row["id"] = id_
             copied.append(row)
-            run_after = row["run_after"]
-            if run_after is None:
-                delay = row["delay"]
+            run_after, delay = row["run_after"], row["delay"]
+            if run_after is None and delay is not None:  # neither: it waits for others
                 run_after = due_in.get(delay)
                 if run_after is None:
                     run_after = due_in[delay] = base + timedelta(seconds=delay)
-            if run_after <= base:
+            if run_after is not None and run_after <= base:
                 due.add(row["name"])
             yield (
                 id_,

@@ -1,10 +1,11 @@
 """Jobs that wait for other jobs (``after=`` at enqueue), and their release.
 
-A waiting job is an ordinary queued row with ``run_after`` at :data:`WAITING_UNTIL` and
-``waiting_on`` counting the jobs it waits for that have not succeeded. No claim's range scan
-reaches a row due in the year 9000, so a million waiting jobs cost the claim what a million
-jobs scheduled far ahead do: nothing. One edge row per (waiting job, job it waits for) is in
-``jobs_dependency``; ``settled`` says the edge's upstream outcome has been applied.
+A waiting job is an ordinary queued row with no ``run_after`` and ``waiting_on`` counting the
+jobs it waits for that have not succeeded. Every claim asks for rows due by now, which a NULL
+never is, and the claim indexes keep NULLs after every time, so a million waiting jobs cost
+the claim what a million jobs scheduled far ahead do: nothing. One edge row per (waiting job,
+job it waits for) is in ``jobs_dependency``; ``settled`` says the edge's upstream outcome has
+been applied.
 
 When a job others wait for (``depended_on``) ends, the settle trigger records a settlement
 (``jobs_settlement``): one insert, whatever the fan-out, so the statement that ends the job
@@ -34,7 +35,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, transaction
 from django.db.backends.utils import CursorWrapper
 
-from jobs.models import WAITING_UNTIL, DependencyFailure
+from jobs.models import DependencyFailure
 from jobs.queue import _db, keys, text
 from jobs.queue.types import Enqueued, InvalidJob, NewJob
 
@@ -120,7 +121,8 @@ def prepare(cur: CursorWrapper, rows: list[dict[str, Any]]) -> None:
         # As the caller gave them: a retried enqueue (after a deadlock) prepares the same rows
         # again, and may find nothing left to wait for this time.
         given = row.setdefault("given_when", (row["run_after"], row["delay"]))
-        row["run_after"], row["delay"] = (WAITING_UNTIL, 0.0) if row["waiting_on"] else given
+        # No due time at all while it waits: every insert path writes NULL for that.
+        row["run_after"], row["delay"] = (None, None) if row["waiting_on"] else given
         row["upstream_states"] = states
 
 
@@ -163,11 +165,11 @@ def reckon(cur: CursorWrapper, ids: Iterable[int]) -> None:
         """
         UPDATE jobs_job j
         SET waiting_on = w.n,
-            run_after = CASE WHEN w.n > 0 THEN %s ELSE j.run_after END
+            run_after = CASE WHEN w.n > 0 THEN NULL ELSE j.run_after END
         FROM unnest(%s::bigint[], %s::int[]) AS w(id, n)
         WHERE j.id = w.id AND j.state || '' = 'queued'
         """,
-        [WAITING_UNTIL, list(waiting), list(waiting.values())],
+        [list(waiting), list(waiting.values())],
     )
     _insert_edges(cur, edges, states)
 

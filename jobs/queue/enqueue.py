@@ -289,7 +289,9 @@ def _insert(
             )
             SELECT r.id, r.job_id, r.name, r.payload, r.tenant, r.queue, r.priority,
                    r.max_attempts,
-                   COALESCE(r.run_after, %(base)s + make_interval(secs => r.delay)),
+                   CASE WHEN r.waiting_on = 0  -- a job that waits for others is not due yet
+                        THEN COALESCE(r.run_after, %(base)s + make_interval(secs => r.delay))
+                   END,
                    'queued', 0, '', '', '', TRUE, r.keyed, '', %(base)s, """
         + _FAIR.format(name="r.name")
         + """, r.batch_id, r.waiting_on

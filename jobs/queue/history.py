@@ -93,6 +93,10 @@ SELECT LEAST(
 )
 """
 
+# A job cancelled while it waited for others never had a due time, which a row of the jobs
+# table that waits for nothing needs (replay then makes it due now).
+_RESTORED = COLUMNS.replace("run_after", "COALESCE(run_after, finished_at)")
+
 #: Failed or cancelled history rows back into the jobs table, for replay to queue them.
 RESTORE = f"""
 WITH restored AS (
@@ -101,7 +105,7 @@ WITH restored AS (
     RETURNING h.*
 )
 INSERT INTO jobs_job ({COLUMNS}, key_held, lease_expires_at, claim_token)
-SELECT {COLUMNS}, FALSE, NULL, NULL FROM restored
+SELECT {_RESTORED}, FALSE, NULL, NULL FROM restored
 RETURNING id
 """
 

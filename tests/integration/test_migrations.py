@@ -1,5 +1,6 @@
-"""The jobs app's migrations: they build exactly the schema described in
-tests/support/jobs_schema.txt, and install the functions in jobs/queue/sql/functions/.
+"""The jobs app's migrations: the squashed 0001 and 0002 build exactly the schema described in
+tests/support/jobs_schema.txt, each later one changes only what it says, and they install the
+functions in jobs/queue/sql/functions/.
 
 The schema tests migrate a throwaway database of their own (tests/support/schema.py), so what
 they read is what ``migrate`` built from nothing, untouched by other tests.
@@ -24,13 +25,17 @@ from tests.support import schema
 FUNCTIONS = statements.FOLDER / "functions"
 
 
+#: The last migration of the squashed set: the file describes the schema up to it.
+SQUASHED = "0002_functions"
+
+
 @pytest.fixture
-def migrated(django_db_blocker):
-    """The description of a database ``migrate`` built from nothing."""
+def squashed(django_db_blocker):
+    """The description of a database ``migrate`` built from nothing up to :data:`SQUASHED`."""
     with django_db_blocker.unblock():
         if not schema.comparable():
             pytest.skip(f"the description is PostgreSQL {schema.SERVER_MAJOR}'s catalogue")
-        return schema.migrated_schema()
+        return schema.migrated_schema(SQUASHED)
 
 
 # The description was made from the migrations before they were squashed into 0001 and
@@ -53,13 +58,49 @@ DROPPED = {
 
 
 @pytest.mark.slow
-def test_the_migrations_build_the_described_schema(migrated):
+def test_the_squashed_migrations_build_the_schema_of_the_chain_they_replaced(squashed):
     described = schema.checked_in()
     assert set(described) >= DROPPED, "a dropped function is not in the description"
     expected = {key: value for key, value in described.items() if key not in DROPPED}
-    assert sorted(set(migrated) - set(expected)) == [], "objects the description lacks"
-    assert sorted(set(expected) - set(migrated)) == [], "objects the migrations did not build"
-    assert [key for key in expected if migrated[key] != expected[key]] == []
+    assert sorted(set(squashed) - set(expected)) == [], "objects the description lacks"
+    assert sorted(set(expected) - set(squashed)) == [], "objects the migrations did not build"
+    assert [key for key in expected if squashed[key] != expected[key]] == []
+
+
+#: The history table and its partitions, one for each way a job ends.
+HISTORY_TABLES = [f"jobs_jobhistory{part}" for part in ("", "_cancelled", "_failed", "_succeeded")]
+
+#: What each migration after the squashed set changes in the description: key -> the new
+#: definition (None: the object is gone).
+CHANGES: dict[str, str | None] = {
+    # 0003: a job that waits for others has no due time; only such a job has none.
+    "column jobs_job.run_after": (
+        "position 16, timestamp with time zone NULL DEFAULT statement_timestamp()"
+    ),
+    "constraint jobs_job.jobs_job_run_after_not_null": None,
+    "constraint jobs_job.jobs_job_due_or_waiting": (
+        "c CHECK (((run_after IS NOT NULL) OR (waiting_on > 0)))"
+    ),
+    **{
+        f"column {table}.run_after": "position 16, timestamp with time zone NULL"
+        for table in HISTORY_TABLES
+    },
+    **{f"constraint {table}.jobs_jobhistory_run_after_not_null": None for table in HISTORY_TABLES},
+}
+
+
+@pytest.mark.slow
+def test_the_migrations_after_the_squashed_set_change_only_what_they_say(
+    squashed, django_db_blocker
+):
+    with django_db_blocker.unblock():
+        latest = schema.migrated_schema()
+    changed = {
+        key: latest.get(key)
+        for key in sorted(set(latest) | set(squashed))
+        if latest.get(key) != squashed.get(key)
+    }
+    assert changed == CHANGES
 
 
 def test_the_latest_migration_naming_each_function_names_its_file_as_it_is():
@@ -156,7 +197,66 @@ def test_migrate_goes_back_and_forward_again_on_a_database_with_jobs(django_db_b
         call_command("migrate", "jobs", database=alias, verbosity=0)
         with connections[alias].cursor() as cur:
             rebuilt = schema.describe(cur)
-        if schema.comparable(alias):
-            described = schema.checked_in()
-            expected = {key: value for key, value in described.items() if key not in DROPPED}
-            assert rebuilt == expected
+        assert rebuilt == schema.migrated_schema()
+
+
+_PLACEHOLDER = "9000-01-01 00:00:00+00"
+
+
+@pytest.mark.slow
+def test_waiting_jobs_lose_the_old_placeholder_date_and_get_it_back_when_reversed(
+    django_db_blocker,
+):
+    with django_db_blocker.unblock(), schema.throwaway_database("placeholder") as alias:
+        call_command("migrate", database=alias, verbosity=0)
+        call_command("migrate", "jobs", SQUASHED, database=alias, verbosity=0)
+        with connections[alias].cursor() as cur:
+            # As the squashed set's code left them: a job due now, one waiting for it with the
+            # placeholder date, and one that was cancelled while it waited, in the history.
+            cur.execute(
+                """
+                INSERT INTO jobs_job (
+                    state, attempts, last_error, error_detail, job_id, name, payload, tenant,
+                    queue, priority, max_attempts, run_after, claimed_by, key_held, replayed_by,
+                    keyed, waiting_on
+                )
+                SELECT 'queued', 0, '', '', job_id, %(name)s, '{}', 'default', 'default', 0, 5,
+                       run_after, '', TRUE, '', TRUE, waiting_on
+                FROM (VALUES ('due', statement_timestamp(), 0),
+                             ('waiting', %(placeholder)s::timestamptz, 1))
+                     AS v(job_id, run_after, waiting_on)
+                """,
+                {"name": NAME, "placeholder": _PLACEHOLDER},
+            )
+            now = database_now(alias)
+            history.ensure(cur, "cancelled", now, now)
+            cur.execute(
+                """
+                INSERT INTO jobs_jobhistory (
+                    id, state, attempts, last_error, error_detail, finished_at, job_id, name,
+                    payload, tenant, queue, priority, max_attempts, run_after, claimed_by,
+                    replayed_by
+                )
+                VALUES (1000000, 'cancelled', 0, 'cancelled', '', %(now)s,
+                        'gone', %(name)s, '{}', 'default', 'default', 0, 5, %(placeholder)s,
+                        '', '')
+                """,
+                {"name": NAME, "placeholder": _PLACEHOLDER, "now": now},
+            )
+
+        def due_times() -> dict[str, str | None]:
+            with connections[alias].cursor() as cur:
+                cur.execute(
+                    "SELECT job_id, CASE WHEN run_after = %(placeholder)s THEN 'placeholder'"
+                    " WHEN run_after IS NOT NULL THEN 'a time' END"
+                    " FROM (SELECT job_id, run_after FROM jobs_job"
+                    "       UNION ALL SELECT job_id, run_after FROM jobs_jobhistory) t",
+                    {"placeholder": _PLACEHOLDER},
+                )
+                return dict(cur.fetchall())
+
+        assert due_times() == {"due": "a time", "waiting": "placeholder", "gone": "placeholder"}
+        call_command("migrate", "jobs", database=alias, verbosity=0)
+        assert due_times() == {"due": "a time", "waiting": None, "gone": None}
+        call_command("migrate", "jobs", SQUASHED, database=alias, verbosity=0)
+        assert due_times() == {"due": "a time", "waiting": "placeholder", "gone": "placeholder"}

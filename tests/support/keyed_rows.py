@@ -9,7 +9,7 @@ from typing import Any
 from django.db import IntegrityError, connection, transaction
 
 from jobs import queue
-from jobs.models import WAITING_UNTIL, Job
+from jobs.models import Job
 from jobs.queue import AllTenants, ClaimRequest, NewJob
 from tests.support.workflows import settle
 
@@ -35,7 +35,7 @@ INSERT INTO jobs_job (
 VALUES (
     %(state)s, 1, CASE WHEN %(state)s IN ('failed', 'cancelled') THEN 'handler_error' ELSE '' END,
     '', %(job_id)s, %(name)s, '{}', %(tenant)s, 'default', 0, 5,
-    CASE WHEN %(waiting)s > 0 THEN %(until)s ELSE statement_timestamp() END, '', %(held)s, '',
+    CASE WHEN %(waiting)s = 0 THEN statement_timestamp() END, '', %(held)s, '',
     TRUE, statement_timestamp() - make_interval(secs => %(age)s),
     CASE WHEN %(state)s = 'running' THEN gen_random_uuid() END,
     CASE WHEN %(state)s = 'running' THEN statement_timestamp() + interval '1 hour' END,
@@ -68,7 +68,6 @@ def insert(
             "held": held,
             "age": age,
             "waiting": waiting,
-            "until": WAITING_UNTIL,
             "depended_on": depended_on,
         },
     )

@@ -7,17 +7,19 @@ PostgreSQL prints them (``pg_get_indexdef``, ``pg_get_constraintdef``, ``pg_get_
 ``pg_get_functiondef``), extended statistics and sequences; one entry per object, sorted, so
 two databases built by different migrations compare entry by entry.
 
-``tests/support/jobs_schema.txt`` holds the description of the schema the migrations build,
-and tests/integration/test_migrations.py compares a database migrated from scratch with it.
-After a migration that changes the schema, regenerate it from the project's root::
+``tests/support/jobs_schema.txt`` holds the description of the schema the chain of
+migrations that 0001 and 0002 replaced built, and tests/integration/test_migrations.py
+compares a database migrated from scratch to 0002 with it: the squashed set builds what the
+chain it replaced built (the functions the squash left out are listed in the test). Each
+later migration is tested by what it changes between the two descriptions.
 
-    .venv/bin/python -m tests.support.schema --write
+To see the description of a database built by the migrations, from the project's root::
+
+    .venv/bin/python -m tests.support.schema [TARGET]
 
 which migrates a throwaway database on the development server (PostgreSQL 18, whose
-catalogue words the definitions), describes it and writes the file; review its diff like code.
-The file was written from the migrations before they were squashed into 0001 and 0002, so
-the squashed set is checked against the chain it replaced: the functions the squash left out
-are listed in the test, and regenerating the file means emptying that list.
+catalogue words the definitions) to TARGET (the latest migration without one) and prints it;
+``--write`` writes it to the file instead, which only a new squash should need.
 """
 
 from __future__ import annotations
@@ -168,13 +170,17 @@ def throwaway_database(purpose: str) -> Iterator[str]:
             cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def migrated_schema() -> dict[str, str]:
-    """The description of a throwaway database that ``migrate`` built from nothing."""
+def migrated_schema(target: str | None = None) -> dict[str, str]:
+    """The description of a throwaway database that ``migrate`` built from nothing, up to the
+    jobs app's migration ``target`` (the latest without one)."""
     from django.core.management import call_command
     from django.db import connections
 
     with throwaway_database("schema") as alias:
+        # Every app first: the test suite's flush expects the content types of a whole database.
         call_command("migrate", database=alias, verbosity=0)
+        if target:
+            call_command("migrate", "jobs", target, database=alias, verbosity=0)
         with connections[alias].cursor() as cur:
             return describe(cur)
 
@@ -189,14 +195,16 @@ def comparable(alias: str = "default") -> bool:
 
 
 def main(argv: list[str]) -> int:
-    """``--write``: write :data:`SCHEMA_FILE`; without it, print the description."""
+    """``[TARGET] [--write]``: describe the schema at TARGET; write :data:`SCHEMA_FILE` with
+    ``--write``, else print it."""
     import django
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()
     if not comparable():
         sys.exit(f"the description is made on PostgreSQL {SERVER_MAJOR} (SERVER_MAJOR)")
-    text = dumps(migrated_schema())
+    targets = [arg for arg in argv if not arg.startswith("--")]
+    text = dumps(migrated_schema(targets[0] if targets else None))
     if "--write" in argv:
         SCHEMA_FILE.write_text(text)
         return 0

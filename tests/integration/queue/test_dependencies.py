@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs import queue
-from jobs.models import WAITING_UNTIL, Dependency, Job
-from jobs.queue import AllTenants, ClaimRequest, NewJob
+from jobs.db.clock import database_now
+from jobs.models import Dependency, Job, JobHistory
+from jobs.queue import AllTenants, ClaimRequest, NewJob, history
 from jobs.queue.types import InvalidJob
 from tests.support.workflows import settle
 
@@ -50,7 +51,7 @@ def row(id_: int) -> Job:
 def test_a_waiting_job_is_claimed_only_after_every_job_it_waits_for_succeeded():
     first, second = enqueue(), enqueue()
     waiting = enqueue(DOWN, after=(first, second))
-    assert (row(waiting).waiting_on, row(waiting).run_after) == (2, WAITING_UNTIL)
+    assert (row(waiting).waiting_on, row(waiting).run_after) == (2, None)
     assert row(first).depended_on and not row(waiting).depended_on
     a, b = claim(UP)
     assert claim(DOWN) == []
@@ -161,6 +162,20 @@ def test_replaying_a_waiting_job_whose_dependency_still_failed_ends_it_again():
     queue.replay([waiting], by="operator")
     settle()
     assert (row(waiting).state, row(waiting).last_error) == ("failed", "dependency_failed")
+
+
+@pytest.mark.django_db
+def test_a_job_cancelled_while_it_waited_replays_from_the_history_and_runs():
+    top = enqueue()
+    waiting = enqueue(DOWN, after=(top,))
+    assert queue.cancel([waiting], by="operator") == [waiting]
+    history.archive(now=database_now() + timedelta(minutes=1))
+    assert not Job.objects.filter(pk=waiting).exists()
+    assert JobHistory.objects.get(pk=waiting).run_after is None  # it never became due
+    # Its edge left with it: replayed, it waits for nothing and is due at once.
+    assert queue.replay([waiting], by="operator").replayed == (waiting,)
+    assert (row(waiting).state, row(waiting).waiting_on) == ("queued", 0)
+    assert [j.id for j in claim(DOWN)] == [waiting]
 
 
 @pytest.mark.django_db(transaction=True)
