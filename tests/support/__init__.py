@@ -7,7 +7,7 @@ Waiting and threads: ``polling`` (the one ``wait_for``), ``concurrency`` (sessio
 threads of their own, lock waiters). Rows: ``factories`` (factory-boy, any state),
 ``noop_jobs``, ``keyed_rows``, ``history``, ``backlog``, ``process_rows``, ``rollup``,
 ``flow``. Statements: ``enqueue``, ``explain`` (auto_explain plans), ``functions`` (the
-PL/pgSQL functions' texts), ``prepared``, ``storable``. The worker: ``worker`` (payloads,
+PL/pgSQL functions' texts), ``prepared``. The worker: ``worker`` (payloads,
 handlers, registries, running workers), ``handler_pool``, ``tasks_backend``, ``loop_watch``.
 Processes and networks: ``processes`` (``manage.py`` commands), ``schedulers``, ``netns``,
 ``tcp_proxy``, ``pgbouncer``, ``otherdb``. Pages: ``admin`` (operators and clients),

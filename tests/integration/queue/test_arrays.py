@@ -80,9 +80,9 @@ def test_the_encoded_arrays_are_sent_in_one_piece_each():
     assert _as_text("text", array("text", [])) == "{}"
 
 
-def test_values_the_encoder_cannot_take_are_left_to_psycopg_as_before():
+def test_values_the_encoder_cannot_take_are_left_to_psycopg_and_postgresql():
     """A token given as text, a number past the type's range: psycopg dumps the list, and
-    PostgreSQL casts it or refuses it as it did before arrays were encoded here."""
+    PostgreSQL casts it or refuses it as it does any list psycopg sends."""
     token = "6f1c1f0e-8a6e-4c55-9a39-0d2d7f0b5c11"
     assert array("uuid", [token]) == [token]
     assert _as_text("uuid", array("uuid", [token])) == "{" + token + "}"

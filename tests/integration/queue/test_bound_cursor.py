@@ -319,8 +319,8 @@ COPY_AT_LEAST = enqueue_module.COPY_AT_LEAST
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_cursor_kept_after_a_copy_is_the_one_used_next_and_binds_as_before():
-    """The COPY no longer changes the cursor's adapters, so it is kept: the next use takes
+def test_the_cursor_kept_after_a_copy_is_the_one_used_next_and_binds_as_any_other():
+    """The COPY does not change the cursor's adapters, so it is kept: the next use takes
     that very cursor, which sends JSON given as Json as JSON, binary arrays and times, and
     reads times in the connection's time zone (a database ``TIME_ZONE`` of +05:45)."""
     db = connections["default"]

@@ -74,7 +74,7 @@ def step(kind: str) -> list[str]:
 @given(
     kinds=st.lists(st.sampled_from(STEPS), min_size=1, max_size=8), max_age=st.sampled_from([0, 60])
 )
-def test_any_handler_sequence_is_checked_as_before(kinds, max_age):
+def test_any_handler_sequence_is_reported_and_leaves_the_thread_clean(kinds, max_age):
     with override_settings(JOBS={"HANDLER_CONN_MAX_AGE": max_age}):
         pool = HandlerPool(1)
     try:
