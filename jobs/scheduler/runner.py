@@ -361,9 +361,8 @@ class Scheduler:
 
     def _lead(self) -> None:
         # Each due duty's next run counts from the pass's start, so duties of one interval stay
-        # in step and share a wake-up rather than drifting into one pass each. When the pass
-        # overran a duty's interval, that duty waits a whole one after the pass ends: a slow
-        # database is not hammered.
+        # in step and share a wake-up rather than drifting into one pass each. A duty a stalled
+        # pass left overdue runs in the next pass at once: cron catches up on its slots.
         started = time.monotonic()
         due = [duty for duty in self.duties if started >= duty.next_at]
         if not due:
@@ -397,10 +396,6 @@ class Scheduler:
             metrics.passes.labels(duty.name).inc()
             if duty.name == "cron":
                 self._export_status(now)
-        ended = time.monotonic()
-        for duty in due:
-            if ended > duty.next_at:
-                duty.next_at = ended + duty.interval
         self.passes += 1
 
     def _export_status(self, now: datetime | None) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 import time
 from datetime import timedelta
@@ -18,7 +17,7 @@ from jobs.catalogue.schedules import load_schedules
 from jobs.models import ScheduleSlot
 from jobs.scheduler.config import SchedulerConfig
 from jobs.scheduler.leader import FENCE_SQL, LOCK_KEY, Leadership, LeadershipLost
-from jobs.scheduler.runner import Duty, Scheduler
+from jobs.scheduler.runner import Scheduler
 from jobs.scheduler.slots import TICK_LOCK_NAMESPACE
 from tests.runapp.models import QuickRun
 from tests.support.polling import wait_for
@@ -192,22 +191,6 @@ class TestSchedulerLoop:
             "cron": 3,
             "release": 3,
         }
-
-    def test_a_duty_that_overruns_its_interval_rests_a_whole_interval_before_its_next_run(
-        self, contenders
-    ):
-        runs: list[tuple[float, float]] = []
-
-        def slow(now):
-            started = time.monotonic()
-            time.sleep(0.12)  # the duty's own work: longer than its interval
-            runs.append((started, time.monotonic()))
-
-        leader = scheduler(contenders, "leader", tick_interval=0.05)
-        leader.duties = [Duty("slow", 0.05, slow)]
-        leader.run(until=lambda s: len(runs) >= 3)
-        rests = [later[0] - earlier[1] for earlier, later in itertools.pairwise(runs)]
-        assert all(rest >= 0.05 for rest in rests), rests
 
 
 class TestStuckLeader:
