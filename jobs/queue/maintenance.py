@@ -182,8 +182,11 @@ def fail_exhausted_sql(
                AND j.attempts >= j.max_attempts AND {scope_sql}
              LIMIT %(limit)s)
             UNION ALL
+            -- PostgreSQL guesses a third of the rows for attempts >= max_attempts; in the
+            -- index's own order its partial index is the cheapest plan, however wrong the guess.
             (SELECT j.id FROM jobs_job j
              WHERE j.state = 'queued' AND j.attempts >= j.max_attempts AND {scope_sql}
+             ORDER BY j.id
              LIMIT %(limit)s)
             UNION ALL
             (SELECT lowered.id FROM caps CROSS JOIN LATERAL (

@@ -34,7 +34,8 @@ def strict_json(value: object) -> str:
         raise ValueError(str(exc) or type(exc).__name__) from None
     bad = text.check_json_text(encoded)
     if bad:
-        raise ValueError(f"{bad}: {first_refused_path(value)}")
+        # The path finder has a test of its own against its definition, for shallow values.
+        raise ValueError(f"{bad}: {text._locate(value)}")
     return encoded
 
 
