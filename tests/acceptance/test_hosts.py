@@ -118,7 +118,10 @@ def hosts(tmp_path):
             host.destroy()
 
 
-def test_hosts_lose_no_job_and_double_none_through_a_kill_and_a_cut(hosts, outcome_log, tmp_path):
+# outcome_log comes first so that it is torn down last: dropping its trigger waits for every
+# session that holds a lock on the jobs table, and a session the cut left half-sent through a
+# host's proxy holds one until the hosts are torn down.
+def test_hosts_lose_no_job_and_double_none_through_a_kill_and_a_cut(outcome_log, hosts, tmp_path):
     a, b, c = hosts
     trace, gate = tmp_path / "trace", tmp_path / "gate"
     took: dict[str, float] = {}  # seconds, as measured (printed at the end)
