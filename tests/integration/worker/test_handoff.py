@@ -130,8 +130,9 @@ def test_handlers_that_wait_a_few_milliseconds_on_io_each_get_a_thread_at_once()
     passes = drain_in_passes(waits_on_io, starts, concurrency=10)
     spreads = [max(s) - min(s) for s in passes if len(s) >= 5]
     assert spreads, passes
-    # Side by side: started within a couple of ms. One after another: 12 ms and more.
-    assert statistics.median(spreads) < 0.008, spreads
+    # One after another, the smallest pass counted (5 jobs) spreads over 4 x 3 = 12 ms and
+    # more; side by side, within a few ms (thread wake-ups on a busy 2-core machine add some).
+    assert statistics.median(spreads) < 0.011, spreads
 
 
 def drain_in_passes(
