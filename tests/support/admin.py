@@ -52,4 +52,8 @@ def operator(username: str, *perms: str, staff: bool = True, password: str = "")
 def client_for(user: User) -> Client:
     client = Client()
     client.force_login(user)
+    # Now, on this thread: clients used from several threads at once would otherwise load the
+    # middleware on their first requests side by side, and django-prometheus's middleware
+    # registers its metrics once a process without a lock.
+    client.handler.load_middleware()
     return client
