@@ -26,3 +26,24 @@ def wait_for[T](
             return value
         time.sleep(interval)
     raise AssertionError(f"{what} not met within {timeout}s")
+
+
+def clear_of_the_next_minute(seconds: float) -> None:
+    """Wait until the database clock is at least ``seconds`` before the next whole minute.
+
+    A test that fires a minutely schedule and then reads its state through a page load is
+    only right if no new minute begins in between: a slot that came due after the firing is
+    rightly shown as due.
+    """
+    from jobs.db.clock import database_now
+
+    def into_the_minute() -> float:
+        now = database_now()
+        return now.second + now.microsecond / 1e6
+
+    wait_for(
+        lambda: into_the_minute() < 60 - seconds,
+        timeout=61,
+        interval=0.2,
+        what=f"{seconds} s before the next minute",
+    )
