@@ -268,8 +268,11 @@ class HandlerLoop:
         Either one thread kept the GIL through a long call into C code, and the process
         burnt CPU all along; or the process itself did not run (SIGSTOP, a paused host or
         VM, a CPU quota used up), and used almost none. The loop is not to blame either way.
+        The line between them is a tenth of the gap, not half: on a host loaded several times
+        over, a thread keeping the GIL gets only its share of a core, a fifth or a quarter of
+        the gap, while a stopped process uses nothing at all.
         """
-        if used < gap / 2:
+        if used < gap / 10:
             cause = "stopped"
             why = (
                 f"the whole process was stopped or starved of CPU (SIGSTOP, a paused host or "

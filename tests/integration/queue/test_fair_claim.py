@@ -189,10 +189,12 @@ def test_a_claim_of_one_class_crosses_the_claimed_jobs_once(claim_form, mode, le
         # Reads of an index (a small table's join may be planned as a scan of it: not this).
         if n.get("Relation Name") == "jobs_job" and "Index Name" in n
     ]
-    # The 2,000 claimed entries span hundreds of pages: only the pull may cross them (and,
-    # in the plain claim's priority walk before PostgreSQL 18, its first hop).
+    # The 2,000 claimed entries span hundreds of pages: only the pull crosses them, and in the
+    # plain claim's priority walk before PostgreSQL 18 its first hop may too (whether it does
+    # depends on which of those entries earlier scans have already found dead).
     crossings = [read for read in reads if read[1] > 200]
-    assert len(crossings) == (2 if mode == "plain-share" and claim_form == "walk" else 1), crossings
+    most = 2 if mode == "plain-share" and claim_form == "walk" else 1
+    assert 1 <= len(crossings) <= most, crossings
 
 
 PICK_NAME = "test.fair-pick.v1"

@@ -600,7 +600,9 @@ def test_a_measured_job_never_counts_another_tasks_cpu_and_long_ones_are_followe
         assert pool.shutdown(timeout=5)
     for ran, held in seen:
         assert ran is not None
-        assert held is None or held <= ran + 0.001, seen
+        # The thread's own work between two tasks counts too: on a loaded machine, a few
+        # hundred µs to a millisecond. A step's 6 ms would be far over.
+        assert held is None or held <= ran + 0.003, seen
     if seen:
         assert seen[0][1] is not None, seen  # the thread's first job
         assert worker.slots.times.mean is not None
