@@ -10,7 +10,7 @@ from typing import Any, Self
 from weakref import WeakKeyDictionary
 
 import psycopg
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, ProgrammingError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.postgresql.psycopg_any import register_tzloader
 from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
@@ -113,16 +113,38 @@ def bound_cursor(using: str | None) -> Iterator[CursorWrapper]:
         yield wrapped
     except BaseException as exc:
         _close(raw)
-        if _stale_plan(exc) and conn.get_autocommit() and not conn.in_atomic_block:
+        refused = _refused(exc)
+        stale = refused or _stale_plan(exc)
+        if stale and conn.get_autocommit() and not conn.in_atomic_block:
             # psycopg would run the same prepared statement on every later call; the next
             # use connects afresh instead (in a transaction, the rollback forgets them).
             conn.close()
+        if refused:
+            raise PreparedStatementsRefused(
+                f"{refused}. The queue prepares its statements because "
+                'JOBS["PREPARED_STATEMENTS"] is on, and this connection goes through a pooler '
+                "that does not keep them. Turn the setting off, or have the pooler keep them "
+                "(PgBouncer 1.21 or later with max_prepared_statements above 0)."
+            ) from exc
         raise
     result = raw.pgresult
     if (result is None or result.ntuples <= KEEP_ROWS) and conn not in _idle and _released(raw):
         _idle[conn] = raw
     else:
         _close(raw)
+
+
+class PreparedStatementsRefused(ProgrammingError):
+    """The server does not know a statement psycopg prepared on this connection: a pooler
+    lent the call another server connection (or one already holding the name)."""
+
+
+def _refused(exc: BaseException) -> psycopg.Error | None:
+    """The error, when the server refused a prepared statement's name: missing on this
+    server connection, or already taken there."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, psycopg.Error) else exc
+    refusals = (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)
+    return cause if isinstance(cause, refusals) else None
 
 
 def _stale_plan(exc: BaseException) -> bool:

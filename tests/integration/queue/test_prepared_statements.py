@@ -3,6 +3,7 @@ the database's ``OPTIONS`` say, and then every statement of the queue, safely.""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import psycopg
@@ -261,3 +262,26 @@ def test_the_setting_on_prepares_the_queues_statements_on_a_bounded_connection_t
         queue.record([Outcome.succeeded(job)])
         queue.enqueue(NewJob(name=noop_jobs.NAME, payload={}))
         assert any("jobs_enqueue_job(" in s for s in prepared())
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_refused_prepared_statement_names_the_setting_then_the_next_call_works(inside):
+    """A pooler that does not keep prepared statements sends the next execution to a server
+    connection that never saw it (``prepared statement "_pg3_0" does not exist``), the same
+    as a ``DEALLOCATE ALL`` behind psycopg's back. The call fails with an error that names
+    ``JOBS["PREPARED_STATEMENTS"]`` and PgBouncer's ``max_prepared_statements``; the next call
+    works (outside a transaction the connection is replaced; inside, the rollback forgets)."""
+    with queue_prepares(True):
+        assert queue.enqueue(NewJob(NOOP, {})).created
+        with connection.cursor() as cur:
+            cur.execute("DEALLOCATE ALL")
+        block = transaction.atomic() if inside else contextlib.nullcontext()
+        with pytest.raises(_db.PreparedStatementsRefused) as refused, block:
+            queue.enqueue(NewJob(NOOP, {}))
+        message = str(refused.value)
+        assert 'JOBS["PREPARED_STATEMENTS"]' in message, message
+        assert "max_prepared_statements" in message, message
+        assert "does not exist" in message, message
+        assert queue.enqueue(NewJob(NOOP, {})).created
+        assert queue.enqueue(NewJob(NOOP, {})).created
