@@ -4,7 +4,8 @@ Ids are stable so they can be looked up and, for warnings, silenced:
 
 * ``jobs.E001`` unknown key in ``JOBS`` (``E007``: ``JOBS`` is not a dict)
 * ``jobs.E002`` a duration setting that is not a valid duration
-* ``jobs.E003`` a whole-number setting out of range; ``E008`` ``NOTIFY`` not a bool
+* ``jobs.E003`` a whole-number setting out of range; ``E008`` ``NOTIFY`` or
+  ``PREPARED_STATEMENTS`` not a bool
 * ``jobs.E004`` ``DEFAULT_TENANT`` / ``DEFAULT_QUEUE`` not a valid key
 * ``jobs.E005`` a retention shorter than the idempotency window it must outlive
 * ``jobs.E006`` ``BACKOFF_BASE`` greater than ``BACKOFF_CAP``
@@ -14,6 +15,8 @@ Ids are stable so they can be looked up and, for warnings, silenced:
 * ``jobs.E021`` ``SCHEDULER_LEADER_TIMEOUT`` under one second (a live leader could lose it)
 * ``jobs.W022`` ``DB_STATEMENT_TIMEOUT`` / ``DB_LOCK_TIMEOUT`` not below the leader timeout
 * ``jobs.E023`` ``DB_NETWORK_TIMEOUT`` under one second (keepalives count whole seconds)
+* ``jobs.W030`` ``PREPARED_STATEMENTS`` on for an alias reached through a pooler (a database
+  check: ``manage.py check --database <alias>`` and ``migrate`` run it)
 * ``jobs.E040`` ``DATABASE`` (or a task backend's ``DATABASE``) is not a Django alias;
   ``E041`` ``DATABASES`` is not a list of aliases, names an unknown one or leaves out one
   that holds jobs (:func:`jobs.catalogue.routing.check_databases`)
@@ -29,13 +32,15 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Warning, register
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.db import DatabaseError, connections
 
 from jobs.catalogue.payloads import Payload
 from jobs.catalogue.registry import MAX_ATTEMPTS_MAX, catalogue
-from jobs.catalogue.routing import check_databases
+from jobs.catalogue.routing import check_databases, configured
 from jobs.core.conf import DEFAULTS, DURATION_KEYS, as_timedelta
 from jobs.core.limits import validate_key
+from jobs.db.sessions import owns_its_session
 
 # Durations where zero is meaningful: no window at all, or never wait in-process.
 ZERO_ALLOWED = frozenset(
@@ -51,6 +56,7 @@ ZERO_ALLOWED = frozenset(
         "DB_NETWORK_TIMEOUT",
     }
 )
+BOOL_KEYS = ("NOTIFY", "PREPARED_STATEMENTS")
 INT_RANGES = {"DEFAULT_MAX_ATTEMPTS": (1, MAX_ATTEMPTS_MAX), "PRUNE_BATCH_SIZE": (1, None)}
 # A terminal row must outlive the window in which it holds its job_id, or pruning it lets a
 # repeat enqueue run the work again.
@@ -85,13 +91,11 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             durations[key] = duration
     errors.extend(_ints(values))
     errors.extend(_keys(values))
-    if not isinstance(values["NOTIFY"], bool):
-        errors.append(
-            Error(
-                f"JOBS['NOTIFY'] must be True or False, got {values['NOTIFY']!r}.",
-                id="jobs.E008",
-            )
-        )
+    errors.extend(
+        Error(f"JOBS[{key!r}] must be True or False, got {values[key]!r}.", id="jobs.E008")
+        for key in BOOL_KEYS
+        if not isinstance(values[key], bool)
+    )
     errors.extend(_consistency(durations))
     return errors
 
@@ -297,6 +301,48 @@ def check_database_bounds(app_configs: Any = None, **kwargs: Any) -> list[CheckM
                 id="jobs.E023",
             )
         )
+    return messages
+
+
+@register("jobs", Tags.database)
+def check_prepared_statements(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """With ``PREPARED_STATEMENTS`` on, warn of each alias whose connection goes through a
+    pooler: a pooler answers the start-up with a backend pid of its own (the test the worker
+    makes before a LISTEN). The pid cannot tell PgBouncer 1.21+ with
+    ``max_prepared_statements``, which carries them, from one that does not, so it is a
+    warning to silence once the pooler is known to keep them.
+    """
+    user = getattr(settings, "JOBS", None)
+    if not databases or not isinstance(user, dict) or user.get("PREPARED_STATEMENTS") is not True:
+        return []
+    holding = configured()
+    messages: list[CheckMessage] = []
+    for alias in databases:
+        conn = connections[alias]
+        if alias not in holding or conn.vendor != "postgresql":
+            continue
+        try:
+            conn.ensure_connection()
+            pooled = not owns_its_session(conn.connection)
+        except DatabaseError:
+            continue  # an alias the checks cannot reach is reported by Django's own
+        if pooled:
+            messages.append(
+                Warning(
+                    f"JOBS['PREPARED_STATEMENTS'] is on, and the database {alias!r} is "
+                    f"reached through a connection pooler.",
+                    hint=(
+                        "A pooler in transaction mode lends each transaction any server "
+                        "connection, where a statement prepared on another is missing. Keep "
+                        "the setting on only if the pooler keeps prepared statements "
+                        "(PgBouncer 1.21 or later with max_prepared_statements above 0), then "
+                        "silence jobs.W030; otherwise turn it off."
+                    ),
+                    id="jobs.W030",
+                )
+            )
     return messages
 
 
