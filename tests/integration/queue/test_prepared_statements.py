@@ -19,6 +19,7 @@ from jobs.queue import AllTenants, ClaimRequest, InvalidJob, NewJob, Outcome, _d
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
 from tests.support import noop_jobs
+from tests.support.pgbouncer import pgbouncer_fixture, skip_reason  # noqa: F401
 from tests.support.prepared import other_session, prepare_threshold, queue_prepares
 from tests.support.worker import Echo, Recorder, registry
 
@@ -285,3 +286,23 @@ def test_a_refused_prepared_statement_names_the_setting_then_the_next_call_works
         assert "does not exist" in message, message
         assert queue.enqueue(NewJob(NOOP, {})).created
         assert queue.enqueue(NewJob(NOOP, {})).created
+
+
+@pytest.mark.django_db(transaction=True)
+def test_through_a_pooler_that_keeps_none_each_call_works_or_is_refused_by_name(pgbouncer):
+    """PgBouncer in transaction mode, without ``max_prepared_statements`` (1.18 has none),
+    lends each transaction the next server connection. With the setting on, each queue call
+    either works or fails as ``PreparedStatementsRefused`` (missing there, or its name
+    already taken there), never as anything else, and the jobs table holds exactly the
+    calls that worked."""
+    worked, refused = 0, []
+    with queue_prepares(True), pgbouncer.routing():
+        for n in range(12):
+            try:
+                queue.enqueue(NewJob(NOOP, {"n": n}))
+                worked += 1
+            except _db.PreparedStatementsRefused as exc:
+                refused.append(str(exc))
+    assert worked and refused, (worked, refused)
+    assert all("max_prepared_statements" in message for message in refused), refused
+    assert Job.objects.count() == worked
