@@ -251,8 +251,9 @@ def _connect(params: dict[str, Any]) -> psycopg.Connection[Any]:
 
 def _owns_its_session(conn: psycopg.Connection[Any]) -> bool:
     """Whether the backend that answers on ``conn`` is the one the connection was opened with
-    (:func:`jobs.db.sessions.owns_its_session`); in a transaction of its own here."""
-    return sessions.owns_its_session(conn)
+    (:func:`jobs.db.sessions.owns_its_session`), through :func:`_backend`, which the proof
+    also reads."""
+    return conn.info.backend_pid == _backend(conn)
 
 
 def _backend(conn: psycopg.Connection[Any]) -> int:
