@@ -197,6 +197,26 @@ def test_the_workers_own_connection_never_prepares_whatever_options_say():
 
 
 @pytest.mark.django_db(transaction=True)
+def test_with_the_setting_on_a_worker_runs_its_jobs_on_prepared_statements():
+    """A real Worker, with ``JOBS["PREPARED_STATEMENTS"]`` on and ``OPTIONS`` left alone, runs
+    its jobs; its loop connection, read between two passes, holds its pass prepared."""
+    with queue_prepares(True):
+        jobs = [enqueue(Echo(text=str(n))) for n in range(5)]
+        seen: list[str] = []
+
+        def until(_worker: Worker) -> bool:
+            done = Job.objects.filter(pk__in=[j.id for j in jobs], state="succeeded").count()
+            if done < len(jobs):
+                return False
+            seen.extend(prepared())  # the loop's own connection, bounded, in this thread
+            return True
+
+        config = WorkerConfig(install_signal_handlers=False, poll_interval=0.05)
+        Worker(registry(Recorder()), config).run(until=until)
+    assert any("jobs_worker_pass_v2(" in s for s in seen), seen
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_prepared_claim_recovers_after_a_migration_changes_a_returned_column():
     """With ``JOBS["PREPARED_STATEMENTS"]`` the claim is prepared on the user's connection; a
     deploy's migration (another session) widens ``jobs_job.priority``, a column the claim
