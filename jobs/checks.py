@@ -16,7 +16,8 @@ Ids are stable so they can be looked up and, for warnings, silenced:
 * ``jobs.W022`` ``DB_STATEMENT_TIMEOUT`` / ``DB_LOCK_TIMEOUT`` not below the leader timeout
 * ``jobs.E023`` ``DB_NETWORK_TIMEOUT`` under one second (keepalives count whole seconds)
 * ``jobs.W030`` ``PREPARED_STATEMENTS`` on for an alias reached through a pooler (a database
-  check: ``manage.py check --database <alias>`` and ``migrate`` run it)
+  check: ``manage.py check --database <alias>`` and ``migrate`` run it; ``runworker`` warns
+  the same at start-up)
 * ``jobs.E040`` ``DATABASE`` (or a task backend's ``DATABASE``) is not a Django alias;
   ``E041`` ``DATABASES`` is not a list of aliases, names an unknown one or leaves out one
   that holds jobs (:func:`jobs.catalogue.routing.check_databases`)
@@ -33,14 +34,12 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
-from django.db import DatabaseError, connections
 
 from jobs.catalogue.payloads import Payload
 from jobs.catalogue.registry import MAX_ATTEMPTS_MAX, catalogue
-from jobs.catalogue.routing import check_databases, configured
+from jobs.catalogue.routing import POOLER_HINT, behind_a_pooler, check_databases, configured
 from jobs.core.conf import DEFAULTS, DURATION_KEYS, as_timedelta
 from jobs.core.limits import validate_key
-from jobs.db.sessions import owns_its_session
 
 # Durations where zero is meaningful: no window at all, or never wait in-process.
 ZERO_ALLOWED = frozenset(
@@ -309,41 +308,16 @@ def check_prepared_statements(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
 ) -> list[CheckMessage]:
     """With ``PREPARED_STATEMENTS`` on, warn of each alias whose connection goes through a
-    pooler: a pooler answers the start-up with a backend pid of its own (the test the worker
-    makes before a LISTEN). The pid cannot tell PgBouncer 1.21+ with
-    ``max_prepared_statements``, which carries them, from one that does not, so it is a
-    warning to silence once the pooler is known to keep them.
-    """
-    user = getattr(settings, "JOBS", None)
-    if not databases or not isinstance(user, dict) or user.get("PREPARED_STATEMENTS") is not True:
+    pooler (:func:`jobs.catalogue.routing.behind_a_pooler`); a warning, to silence once the
+    pooler is known to keep prepared statements."""
+    if not databases:
         return []
     holding = configured()
-    messages: list[CheckMessage] = []
-    for alias in databases:
-        conn = connections[alias]
-        if alias not in holding or conn.vendor != "postgresql":
-            continue
-        try:
-            conn.ensure_connection()
-            pooled = not owns_its_session(conn.connection)
-        except DatabaseError:
-            continue  # an alias the checks cannot reach is reported by Django's own
-        if pooled:
-            messages.append(
-                Warning(
-                    f"JOBS['PREPARED_STATEMENTS'] is on, and the database {alias!r} is "
-                    f"reached through a connection pooler.",
-                    hint=(
-                        "A pooler in transaction mode lends each transaction any server "
-                        "connection, where a statement prepared on another is missing. Keep "
-                        "the setting on only if the pooler keeps prepared statements "
-                        "(PgBouncer 1.21 or later with max_prepared_statements above 0), then "
-                        "silence jobs.W030; otherwise turn it off."
-                    ),
-                    id="jobs.W030",
-                )
-            )
-    return messages
+    return [
+        Warning(problem, hint=POOLER_HINT, id="jobs.W030")
+        for alias in databases
+        if alias in holding and (problem := behind_a_pooler(alias))
+    ]
 
 
 def _user_durations(keys: tuple[str, ...]) -> dict[str, timedelta]:
