@@ -298,7 +298,7 @@ def test_a_refused_prepared_statement_names_the_setting_then_the_next_call_works
         with connection.cursor() as cur:
             cur.execute("DEALLOCATE ALL")
         block = transaction.atomic() if inside else contextlib.nullcontext()
-        with pytest.raises(_db.PreparedStatementsRefused) as refused, block:
+        with pytest.raises(queue.PreparedStatementsRefused) as refused, block:
             queue.enqueue(NewJob(NOOP, {}))
         message = str(refused.value)
         assert 'JOBS["PREPARED_STATEMENTS"]' in message, message
@@ -321,7 +321,7 @@ def test_through_a_pooler_that_keeps_none_each_call_works_or_is_refused_by_name(
             try:
                 queue.enqueue(NewJob(NOOP, {"n": n}))
                 worked += 1
-            except _db.PreparedStatementsRefused as exc:
+            except queue.PreparedStatementsRefused as exc:
                 refused.append(str(exc))
     assert worked and refused, (worked, refused)
     assert all("max_prepared_statements" in message for message in refused), refused
