@@ -28,8 +28,8 @@ measurement runs on each transport before the next), ``--runs`` times (default 3
 
 - ``single``: ``--single`` jobs (2,000) enqueued one by one, each its own transaction
   (``jobs.enqueue`` and pgqueuer's ``Queries.enqueue``, each one autocommitted statement);
-- ``single_prepared``: the same, with ``jobs``' connection set to prepare its statements
-  (``OPTIONS["prepare_threshold"] = 0``, for a project that connects directly), as asyncpg
+- ``single_prepared``: the same, with ``jobs`` set to prepare its statements
+  (``JOBS["PREPARED_STATEMENTS"] = True``, for a project that connects directly), as asyncpg
   always does for pgqueuer;
 - ``bulk``: ``--jobs`` (10,000) in one call (``jobs.enqueue_many``; ``Queries.enqueue`` of
   lists), jobs/s and client + PostgreSQL CPU µs per job;
@@ -453,18 +453,16 @@ def jobs_enqueue(
 
 @contextmanager
 def prepared_statements() -> Iterator[None]:
-    """Django's connection set to prepare every statement from its first use, meanwhile."""
+    """``JOBS["PREPARED_STATEMENTS"]`` on meanwhile, on a fresh connection."""
+    from django.conf import settings
     from django.db import connection
+    from django.test import override_settings
 
-    options = connection.settings_dict["OPTIONS"]
-    saved = dict(options)
     connection.close()
-    options["prepare_threshold"] = 0
     try:
-        yield
+        with override_settings(JOBS={**getattr(settings, "JOBS", {}), "PREPARED_STATEMENTS": True}):
+            yield
     finally:
-        options.clear()
-        options.update(saved)
         connection.close()
 
 

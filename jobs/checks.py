@@ -4,7 +4,8 @@ Ids are stable so they can be looked up and, for warnings, silenced:
 
 * ``jobs.E001`` unknown key in ``JOBS`` (``E007``: ``JOBS`` is not a dict)
 * ``jobs.E002`` a duration setting that is not a valid duration
-* ``jobs.E003`` a whole-number setting out of range; ``E008`` ``NOTIFY`` not a bool
+* ``jobs.E003`` a whole-number setting out of range; ``E008`` ``NOTIFY`` or
+  ``PREPARED_STATEMENTS`` not a bool
 * ``jobs.E004`` ``DEFAULT_TENANT`` / ``DEFAULT_QUEUE`` not a valid key
 * ``jobs.E005`` a retention shorter than the idempotency window it must outlive
 * ``jobs.E006`` ``BACKOFF_BASE`` greater than ``BACKOFF_CAP``
@@ -14,6 +15,9 @@ Ids are stable so they can be looked up and, for warnings, silenced:
 * ``jobs.E021`` ``SCHEDULER_LEADER_TIMEOUT`` under one second (a live leader could lose it)
 * ``jobs.W022`` ``DB_STATEMENT_TIMEOUT`` / ``DB_LOCK_TIMEOUT`` not below the leader timeout
 * ``jobs.E023`` ``DB_NETWORK_TIMEOUT`` under one second (keepalives count whole seconds)
+* ``jobs.W030`` ``PREPARED_STATEMENTS`` on for an alias reached through a pooler (a database
+  check: ``manage.py check --database <alias>`` and ``migrate`` run it; ``runworker`` warns
+  the same at start-up)
 * ``jobs.E040`` ``DATABASE`` (or a task backend's ``DATABASE``) is not a Django alias;
   ``E041`` ``DATABASES`` is not a list of aliases, names an unknown one or leaves out one
   that holds jobs (:func:`jobs.catalogue.routing.check_databases`)
@@ -29,11 +33,11 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Warning, register
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
 from jobs.catalogue.payloads import Payload
 from jobs.catalogue.registry import MAX_ATTEMPTS_MAX, catalogue
-from jobs.catalogue.routing import check_databases
+from jobs.catalogue.routing import POOLER_HINT, behind_a_pooler, check_databases, configured
 from jobs.core.conf import DEFAULTS, DURATION_KEYS, as_timedelta
 from jobs.core.limits import validate_key
 
@@ -51,6 +55,7 @@ ZERO_ALLOWED = frozenset(
         "DB_NETWORK_TIMEOUT",
     }
 )
+BOOL_KEYS = ("NOTIFY", "PREPARED_STATEMENTS")
 INT_RANGES = {"DEFAULT_MAX_ATTEMPTS": (1, MAX_ATTEMPTS_MAX), "PRUNE_BATCH_SIZE": (1, None)}
 # A terminal row must outlive the window in which it holds its job_id, or pruning it lets a
 # repeat enqueue run the work again.
@@ -85,13 +90,11 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             durations[key] = duration
     errors.extend(_ints(values))
     errors.extend(_keys(values))
-    if not isinstance(values["NOTIFY"], bool):
-        errors.append(
-            Error(
-                f"JOBS['NOTIFY'] must be True or False, got {values['NOTIFY']!r}.",
-                id="jobs.E008",
-            )
-        )
+    errors.extend(
+        Error(f"JOBS[{key!r}] must be True or False, got {values[key]!r}.", id="jobs.E008")
+        for key in BOOL_KEYS
+        if not isinstance(values[key], bool)
+    )
     errors.extend(_consistency(durations))
     return errors
 
@@ -298,6 +301,23 @@ def check_database_bounds(app_configs: Any = None, **kwargs: Any) -> list[CheckM
             )
         )
     return messages
+
+
+@register("jobs", Tags.database)
+def check_prepared_statements(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """With ``PREPARED_STATEMENTS`` on, warn of each alias whose connection goes through a
+    pooler (:func:`jobs.catalogue.routing.behind_a_pooler`); a warning, to silence once the
+    pooler is known to keep prepared statements."""
+    if not databases:
+        return []
+    holding = configured()
+    return [
+        Warning(problem, hint=POOLER_HINT, id="jobs.W030")
+        for alias in databases
+        if alias in holding and (problem := behind_a_pooler(alias))
+    ]
 
 
 def _user_durations(keys: tuple[str, ...]) -> dict[str, timedelta]:

@@ -28,6 +28,7 @@ from django.db import DatabaseError, connections
 from jobs.catalogue.registry import catalogue
 from jobs.core.conf import jobs_settings
 from jobs.db import bounds as dbbounds
+from jobs.db.sessions import owns_its_session
 
 if TYPE_CHECKING:
     from jobs.catalogue.registry import Registry
@@ -160,6 +161,37 @@ def problems(alias: str) -> list[str]:
             f"run manage.py migrate --database {alias}"
         ]
     return []
+
+
+#: What to do when ``JOBS["PREPARED_STATEMENTS"]`` is on behind a pooler (``jobs.W030``).
+POOLER_HINT = (
+    "A pooler in transaction mode lends each transaction any server connection, where a "
+    "statement prepared on another is missing. Keep the setting on only if the pooler keeps "
+    "prepared statements (PgBouncer 1.21 or later with max_prepared_statements above 0), then "
+    "silence jobs.W030; otherwise turn it off."
+)
+
+
+def behind_a_pooler(alias: str) -> str | None:
+    """Why the queue's prepared statements may fail on ``alias``: ``JOBS["PREPARED_STATEMENTS"]``
+    is on and its connection goes through a pooler, which answers the start-up with a backend
+    pid of its own (the listener's test). None when the setting is off, the connection is
+    direct, or the database cannot be reached now. The pid cannot tell a PgBouncer that keeps
+    prepared statements from one that does not: the caller warns, and never refuses.
+    """
+    conn = connections[alias]
+    if jobs_settings.PREPARED_STATEMENTS is not True or conn.vendor != "postgresql":
+        return None
+    try:
+        conn.ensure_connection()
+        if owns_its_session(conn.connection):
+            return None
+    except DatabaseError:
+        return None  # unreachable: Django's checks and the worker's retries report it
+    return (
+        f"JOBS['PREPARED_STATEMENTS'] is on, and the database {alias!r} is reached through a "
+        f"connection pooler."
+    )
 
 
 def check_databases(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:

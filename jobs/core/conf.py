@@ -85,6 +85,12 @@ DEFAULTS: dict[str, Any] = {
     # A connection whose network path goes dead (sent data unacknowledged, keepalive probes
     # unanswered) is dropped after about this long: tcp_user_timeout and TCP keepalives.
     "DB_NETWORK_TIMEOUT": timedelta(seconds=10),
+    # Prepare the queue's statements (enqueue, claim, pass, outcomes, renewal) on every
+    # connection it uses, the worker's own included: the server parses and plans each once a
+    # connection. For direct connections, and PgBouncer 1.21+ with max_prepared_statements;
+    # transaction poolers that cannot carry them refuse it (docs/operating-at-scale.md). The
+    # database's OPTIONS["prepare_threshold"] never turns it on.
+    "PREPARED_STATEMENTS": False,
     # Recorded cron slots are deleted this long after their slot time (each schedule's latest
     # slot is always kept: it is where the next tick starts).
     "SLOT_RETENTION": timedelta(days=30),
@@ -149,6 +155,7 @@ class JobsSettings:
     DB_STATEMENT_TIMEOUT: timedelta
     DB_LOCK_TIMEOUT: timedelta
     DB_NETWORK_TIMEOUT: timedelta
+    PREPARED_STATEMENTS: bool
     SLOT_RETENTION: timedelta
     PROCESS_RETENTION: timedelta
     ROLLUP_RETENTION: timedelta

@@ -106,7 +106,8 @@ def bound(
     Only this thread's connection object changes (Django keeps one per thread); an open
     connection is closed so that its next use reconnects bounded. It never comes from a
     ``"pool"`` in ``OPTIONS``, whose connections handler threads share, and never prepares
-    statements, whatever ``OPTIONS`` say. Returns the connection.
+    statements by count, whatever ``OPTIONS`` say (the queue's own are prepared when
+    ``JOBS["PREPARED_STATEMENTS"]`` is on). Returns the connection.
     """
     wrapper = _wrapper(connection)
     if wrapper.in_atomic_block:
@@ -114,8 +115,8 @@ def bound(
     plain = getattr(wrapper, _PLAIN, None) or wrapper.settings_dict
     options = (bounds or Bounds.from_settings()).libpq_params(plain["OPTIONS"])
     options.pop("pool", None)
-    # Never prepared, as connect_params: the queue's statements follow the connection's
-    # prepare_threshold, which the alias's OPTIONS may set for the web processes.
+    # Never prepared by count, as connect_params, whatever the alias's OPTIONS set for the web
+    # processes; the queue's statements are prepared only as JOBS["PREPARED_STATEMENTS"] says.
     options["prepare_threshold"] = None
     wrapper.close()
     setattr(wrapper, _PLAIN, plain)

@@ -38,6 +38,7 @@ from jobs.queue import (
     rollup_compaction,
     rollup_reads,
 )
+from jobs.queue._db import PreparedStatementsRefused
 from jobs.queue.claim import claim, claim_sql
 from jobs.queue.cycle import record_and_claim
 from jobs.queue.enqueue import enqueue, enqueue_many
@@ -97,6 +98,7 @@ __all__ = [
     "OnlyTenant",
     "Outcome",
     "OutcomeReport",
+    "PreparedStatementsRefused",
     "ProcessBeat",
     "Renewal",
     "ReplayReport",

@@ -6,16 +6,17 @@ import json
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext, suppress
 from datetime import timedelta
-from typing import Any
+from typing import Any, Self
 from weakref import WeakKeyDictionary
 
 import psycopg
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, ProgrammingError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.postgresql.psycopg_any import register_tzloader
 from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from psycopg.pq import Format
 
+from jobs.core.conf import jobs_settings
 from jobs.queue import _arrays
 
 _TIMESTAMPTZ = psycopg.adapters.types["timestamptz"].oid
@@ -29,16 +30,45 @@ def cursor(using: str | None) -> Iterator[CursorWrapper]:
 
 
 class _BoundCursor(psycopg.Cursor):
-    """Server-side binding, prepared as the connection's ``prepare_threshold`` says.
+    """Server-side binding, prepared when ``JOBS["PREPARED_STATEMENTS"]`` says so.
 
-    Django leaves it None, so nothing is prepared: a pooler in transaction mode keeps no
-    prepared statements unless it is made to (PgBouncer 1.21+, ``max_prepared_statements``).
-    A project connecting directly can set it in the database's ``OPTIONS``: a single enqueue
-    then costs the server 150 µs instead of 200, its statement parsed and planned once.
+    Off by default, so nothing is prepared: a pooler in transaction mode keeps no prepared
+    statements unless it is made to (PgBouncer 1.21+, ``max_prepared_statements``). The
+    connection's ``prepare_threshold`` (the database's ``OPTIONS``) is the project's choice
+    for its own statements and is not followed: a project that turns it on for its web
+    pages must not have the worker's statements prepared behind a pooler by the way. On, a
+    single enqueue costs the server 150 µs instead of 200, its statement parsed and planned
+    once a connection.
     """
 
     # The time zone its timestamps load in (the connection's when it was made).
     timezone: Any = None
+
+    def execute(
+        self,
+        query: Any,
+        params: Any = None,
+        *,
+        prepare: bool | None = None,
+        binary: bool | None = None,
+    ) -> Self:
+        if prepare is None:
+            prepare = bool(jobs_settings.PREPARED_STATEMENTS)
+        conn = self.connection
+        if not prepare or conn.prepare_threshold is not None:
+            return super().execute(query, params, prepare=prepare, binary=binary)
+        # psycopg prepares nothing on a connection whose threshold is None (Django's default,
+        # and the worker's own connections), even when asked; so it is lifted for this one
+        # statement, and the project's own statements keep the connection's choice.
+        conn.prepare_threshold = _NEVER_BY_COUNT
+        try:
+            return super().execute(query, params, prepare=True, binary=binary)
+        finally:
+            conn.prepare_threshold = None
+
+
+# A threshold no statement reaches by being run: only those asked to are prepared.
+_NEVER_BY_COUNT = 2**62
 
 
 #: A bound cursor whose last result has more rows than this is closed, not kept.
@@ -83,16 +113,38 @@ def bound_cursor(using: str | None) -> Iterator[CursorWrapper]:
         yield wrapped
     except BaseException as exc:
         _close(raw)
-        if _stale_plan(exc) and conn.get_autocommit() and not conn.in_atomic_block:
+        refused = _refused(exc)
+        stale = refused or _stale_plan(exc)
+        if stale and conn.get_autocommit() and not conn.in_atomic_block:
             # psycopg would run the same prepared statement on every later call; the next
             # use connects afresh instead (in a transaction, the rollback forgets them).
             conn.close()
+        if refused:
+            raise PreparedStatementsRefused(
+                f"{refused}. The queue prepares its statements because "
+                'JOBS["PREPARED_STATEMENTS"] is on, and this connection goes through a pooler '
+                "that does not keep them. Turn the setting off, or have the pooler keep them "
+                "(PgBouncer 1.21 or later with max_prepared_statements above 0)."
+            ) from exc
         raise
     result = raw.pgresult
     if (result is None or result.ntuples <= KEEP_ROWS) and conn not in _idle and _released(raw):
         _idle[conn] = raw
     else:
         _close(raw)
+
+
+class PreparedStatementsRefused(ProgrammingError):
+    """The server does not know a statement psycopg prepared on this connection: a pooler
+    lent the call another server connection (or one already holding the name)."""
+
+
+def _refused(exc: BaseException) -> psycopg.Error | None:
+    """The error, when the server refused a prepared statement's name: missing on this
+    server connection, or already taken there."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, psycopg.Error) else exc
+    refusals = (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)
+    return cause if isinstance(cause, refusals) else None
 
 
 def _stale_plan(exc: BaseException) -> bool:

@@ -43,6 +43,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 
 from jobs.core.conf import NOTIFY_CHANNEL
 from jobs.db import bounds as dbbounds
+from jobs.db import sessions
 from jobs.worker import metrics
 
 logger = logging.getLogger("jobs.worker")
@@ -249,22 +250,14 @@ def _connect(params: dict[str, Any]) -> psycopg.Connection[Any]:
 
 
 def _owns_its_session(conn: psycopg.Connection[Any]) -> bool:
-    """Whether the backend that answers on ``conn`` is the one the connection was opened with.
-
-    PostgreSQL names the backend process of a new session in its reply to the start-up (the
-    key a cancel request quotes, which libpq reports as ``backend_pid``). A pooler answers the
-    start-up itself, with a key of its own, as it cannot know which server connection will
-    run each statement: behind PgBouncer (any pool mode) and the other poolers the two differ.
-    A TCP or TLS proxy passes the reply through: the session is then the connection's own as
-    on a direct one. One statement, in a transaction of its own, that leaves nothing behind.
-    """
+    """Whether the backend that answers on ``conn`` is the one the connection was opened with
+    (:func:`jobs.db.sessions.owns_its_session`), through :func:`_backend`, which the proof
+    also reads."""
     return conn.info.backend_pid == _backend(conn)
 
 
 def _backend(conn: psycopg.Connection[Any]) -> int:
-    row = conn.execute("SELECT pg_backend_pid()").fetchone()
-    assert row is not None
-    return int(row[0])
+    return sessions.backend_pid(conn)
 
 
 def _unlisten(conn: psycopg.Connection[Any], backend: int) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import psycopg
 from django.db import connection
+from django.test import override_settings
 
 from jobs.db import bounds as dbbounds
 
@@ -24,6 +25,17 @@ def prepare_threshold(value: int | None) -> Iterator[None]:
     finally:
         options.clear()
         options.update(saved)
+        connection.close()
+
+
+@contextlib.contextmanager
+def queue_prepares(on: bool) -> Iterator[None]:
+    """``JOBS["PREPARED_STATEMENTS"]`` meanwhile, on a fresh connection (closed again after)."""
+    connection.close()
+    try:
+        with override_settings(JOBS={"PREPARED_STATEMENTS": on}):
+            yield
+    finally:
         connection.close()
 
 

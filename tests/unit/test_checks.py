@@ -152,6 +152,12 @@ def test_e008_notify_must_be_a_bool():
     ]
 
 
+def test_e008_prepared_statements_must_be_a_bool():
+    assert messages({"PREPARED_STATEMENTS": 1}) == [
+        ("jobs.E008", "JOBS['PREPARED_STATEMENTS'] must be True or False, got 1.", None)
+    ]
+
+
 def test_problems_are_all_reported_together():
     ids = [m[0] for m in messages({"X": 1, "LEASE": -1, "PRUNE_BATCH_SIZE": 0, "NOTIFY": 1})]
     assert sorted(ids) == ["jobs.E001", "jobs.E002", "jobs.E003", "jobs.E008"]

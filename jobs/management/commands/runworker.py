@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
@@ -134,4 +135,8 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
         if problems := databases.problems(config.database):
             raise CommandError(f"cannot run this worker: {problems[0]}")
+        pooled = databases.behind_a_pooler(config.database)
+        if pooled and "jobs.W030" not in settings.SILENCED_SYSTEM_CHECKS:
+            # As the system check would, were it asked to read the database (check --database).
+            self.stderr.write(f"(jobs.W030) {pooled}\n\tHINT: {databases.POOLER_HINT}")
         Worker(get_registry(), config).run()

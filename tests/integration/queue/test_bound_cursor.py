@@ -34,7 +34,7 @@ from jobs.queue import (
     _db,
 )
 from tests.support.noop_jobs import NAME, SCOPE, claim, enqueue
-from tests.support.prepared import other_session, prepare_threshold
+from tests.support.prepared import other_session, prepare_threshold, queue_prepares
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -155,16 +155,15 @@ def test_any_sequence_of_uses_answers_as_fresh_cursors_would(ops, value):
     assert select_json(value) == value
 
 
-@pytest.mark.parametrize("threshold, prepared", [(None, False), (0, True)])
-def test_statements_are_prepared_as_the_databases_options_say(threshold, prepared):
-    """Django leaves ``prepare_threshold`` None: nothing is prepared, which a pooler in
-    transaction mode needs unless it keeps prepared statements itself (PgBouncer 1.21+ with
-    ``max_prepared_statements``). A project that connects directly sets it in ``OPTIONS``,
-    and the queue's statements are prepared then too: the server parses and plans a single
-    enqueue once a connection, not once a job."""
+@pytest.mark.parametrize("threshold, prepared", [(None, False), (0, False), (None, True)])
+def test_statements_are_prepared_as_the_jobs_setting_says(threshold, prepared):
+    """Off by default: nothing is prepared, which a pooler in transaction mode needs unless it
+    keeps prepared statements itself (PgBouncer 1.21+ with ``max_prepared_statements``), even
+    where the project's ``OPTIONS`` prepare its own. ``JOBS["PREPARED_STATEMENTS"]`` on: the
+    server parses and plans a single enqueue once a connection, not once a job."""
     from jobs import queue
 
-    with prepare_threshold(threshold):
+    with prepare_threshold(threshold), queue_prepares(prepared):
         for n in range(3):
             queue.enqueue(queue.NewJob("prepared.v1", {"n": n}))
         with connection.cursor() as cur:
@@ -193,7 +192,7 @@ def test_a_statement_prepared_before_a_schema_change_fails_once_then_works(insid
         queue.claim(request, scope=queue.AllTenants(), worker="w")
         claims.append(1)
 
-    with prepare_threshold(0):
+    with queue_prepares(True):
         try:
             queue.enqueue_many([queue.NewJob("prepared.v1", {"n": n}) for n in range(5)])
             claim()

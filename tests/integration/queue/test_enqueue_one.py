@@ -36,7 +36,7 @@ from jobs.queue import (
 from tests.support.concurrency import Background
 from tests.support.enqueue import COLUMNS
 from tests.support.noop_jobs import NAME, claim
-from tests.support.prepared import prepare_threshold
+from tests.support.prepared import queue_prepares
 
 NAMES = ("one.a.v1", "one.b.v1")
 
@@ -318,10 +318,10 @@ def test_a_single_waiting_job_in_a_rolled_back_transaction_leaves_nothing():
 
 @pytest.mark.django_db(transaction=True)
 def test_migrating_back_to_0001_and_forward_with_prepared_calls_leaves_the_queue_working():
-    """``prepare_threshold = 0``: the call of ``jobs_enqueue_job`` and the pass are prepared
+    """``JOBS["PREPARED_STATEMENTS"]``: the call of ``jobs_enqueue_job`` and the pass are prepared
     on this connection; the functions are dropped (``migrate jobs 0001``) and made anew on
     it. Every later call answers."""
-    with prepare_threshold(0):
+    with queue_prepares(True):
         assert queue.enqueue(NewJob(NAME, {})).created
         assert queue.enqueue(NewJob(NAME, {}, job_id="prepared")).created
         pass_once([])

@@ -1,8 +1,9 @@
-"""What the queue prepares: nothing with Django's default, anything safely with
-``prepare_threshold = 0``, and never a statement on the worker's own connections."""
+"""What the queue prepares: nothing unless ``JOBS["PREPARED_STATEMENTS"]`` says so, whatever
+the database's ``OPTIONS`` say, and then every statement of the queue, safely."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import psycopg
@@ -18,7 +19,8 @@ from jobs.queue import AllTenants, ClaimRequest, InvalidJob, NewJob, Outcome, _d
 from jobs.worker.config import WorkerConfig
 from jobs.worker.runner import Worker
 from tests.support import noop_jobs
-from tests.support.prepared import other_session, prepare_threshold
+from tests.support.pgbouncer import pgbouncer_fixture, skip_reason  # noqa: F401
+from tests.support.prepared import other_session, prepare_threshold, queue_prepares
 from tests.support.worker import Echo, Recorder, registry
 
 enqueue_module = importlib.import_module("jobs.queue.enqueue")
@@ -82,6 +84,27 @@ def test_with_djangos_default_nothing_the_queue_does_is_prepared():
         assert prepared() == []
 
 
+@pytest.mark.django_db(transaction=True)
+def test_the_setting_off_prepares_nothing_even_where_the_options_would():
+    """A project's ``OPTIONS["prepare_threshold"] = 0`` is for its own statements: with
+    ``JOBS["PREPARED_STATEMENTS"]`` off (the default) no call of the queue prepares one."""
+    with prepare_threshold(0), queue_prepares(False):
+        every_kind_of_call()
+        every_kind_of_call()
+        assert prepared() == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_setting_on_prepares_the_queues_statements_without_any_options():
+    """``JOBS["PREPARED_STATEMENTS"] = True`` prepares the queue's statements from their first
+    use on a connection whose ``OPTIONS`` leave ``prepare_threshold`` unset (Django's default)."""
+    with prepare_threshold(None), queue_prepares(True):
+        every_kind_of_call()
+        statements = prepared()
+    for call in ("jobs_enqueue_job(", "Of two outcomes for one attempt", "jobs_batch"):
+        assert any(call in s for s in statements), (call, [s[:70] for s in statements])
+
+
 OPS = st.lists(
     st.sampled_from(
         ["calls", "close", "error-in-atomic", "rollback", "refused-after", "varied-sql"]
@@ -95,13 +118,13 @@ OPS = st.lists(
 @settings(max_examples=15, deadline=None, suppress_health_check=QUIET)
 @given(ops=OPS)
 @example(ops=["calls", "error-in-atomic", "close", "rollback", "refused-after", "varied-sql"])
-def test_with_threshold_0_any_sequence_of_queue_calls_works(ops):
-    """``OPTIONS["prepare_threshold"] = 0`` prepares every statement from its first use. Any
+def test_with_the_setting_on_any_sequence_of_queue_calls_works(ops):
+    """``JOBS["PREPARED_STATEMENTS"]`` prepares every statement from its first use. Any
     sequence of: every kind of queue call, a reconnect, a failed statement inside a
     transaction (savepoint rolled back), a rolled-back transaction that copied a batch, a
     dependency refused in a savepoint, more than psycopg's 100 cached statements of varying
     text; each call answers right, and the queue's statements are prepared indeed."""
-    with prepare_threshold(0):
+    with queue_prepares(True):
         for op in ops:
             if op == "calls":
                 every_kind_of_call()
@@ -136,10 +159,10 @@ def test_with_threshold_0_any_sequence_of_queue_calls_works(ops):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_with_threshold_0_a_plan_change_from_a_new_index_is_taken_in_stride():
+def test_with_the_setting_on_a_plan_change_from_a_new_index_is_taken_in_stride():
     """Another session adds an index and drops it again while the claim is prepared here:
     the server plans the statement again each time, and every claim answers."""
-    with prepare_threshold(0):
+    with queue_prepares(True):
         queue.enqueue_many([NewJob(NOOP, {"n": n}) for n in range(6)])
         assert len(claim()) == 1
         with other_session() as other:
@@ -174,14 +197,34 @@ def test_the_workers_own_connection_never_prepares_whatever_options_say():
 
 
 @pytest.mark.django_db(transaction=True)
+def test_with_the_setting_on_a_worker_runs_its_jobs_on_prepared_statements():
+    """A real Worker, with ``JOBS["PREPARED_STATEMENTS"]`` on and ``OPTIONS`` left alone, runs
+    its jobs; its loop connection, read between two passes, holds its pass prepared."""
+    with queue_prepares(True):
+        jobs = [enqueue(Echo(text=str(n))) for n in range(5)]
+        seen: list[str] = []
+
+        def until(_worker: Worker) -> bool:
+            done = Job.objects.filter(pk__in=[j.id for j in jobs], state="succeeded").count()
+            if done < len(jobs):
+                return False
+            seen.extend(prepared())  # the loop's own connection, bounded, in this thread
+            return True
+
+        config = WorkerConfig(install_signal_handlers=False, poll_interval=0.05)
+        Worker(registry(Recorder()), config).run(until=until)
+    assert any("jobs_worker_pass_v2(" in s for s in seen), seen
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_prepared_claim_recovers_after_a_migration_changes_a_returned_column():
-    """With ``prepare_threshold = 0`` the claim is prepared on the user's connection; a deploy's
-    migration (another session) widens ``jobs_job.priority``, a column the claim returns. The
-    first claim after it may fail, but the connection recovers: psycopg does not keep running
-    the stale statement, so later claims answer (as the ORM, unprepared, goes on).
+    """With ``JOBS["PREPARED_STATEMENTS"]`` the claim is prepared on the user's connection; a
+    deploy's migration (another session) widens ``jobs_job.priority``, a column the claim
+    returns. The first claim after it may fail, but the connection recovers: psycopg does not
+    keep running the stale statement, so later claims answer (as the ORM, unprepared, goes on).
     """
     failures = []
-    with prepare_threshold(0):
+    with queue_prepares(True):
         queue.enqueue_many([NewJob(NOOP, {"n": n}) for n in range(4)])
         assert len(claim()) == 1
         try:
@@ -212,7 +255,7 @@ def test_nothing_is_prepared_on_a_bounded_connection_whatever_options_say():
     """PgBouncer in transaction mode: no statement the worker or the scheduler sends on a
     connection of their own (``dbbounds.bounded``) may be prepared, whatever
     ``prepare_threshold`` the project's ``OPTIONS`` set (0 prepares every statement at once)
-    for its own connections, where the queue's statements follow it."""
+    for its own statements, while ``JOBS["PREPARED_STATEMENTS"]`` is off."""
     noop_jobs.enqueue(40)
     with prepare_threshold(0), dbbounds.bounded(connection):
         for _ in range(8):
@@ -227,3 +270,59 @@ def test_nothing_is_prepared_on_a_bounded_connection_whatever_options_say():
             queue.enqueue(NewJob(name=noop_jobs.NAME, payload={}))
             queue.enqueue_many([NewJob(name=noop_jobs.NAME, payload={})] * 2)
         assert prepared_statements() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_setting_on_prepares_the_queues_statements_on_a_bounded_connection_too():
+    """The worker's and scheduler's own connections (``dbbounds.bounded``) prepare nothing by
+    count, but ``JOBS["PREPARED_STATEMENTS"]`` reaches the queue's statements on them too."""
+    noop_jobs.enqueue(4)
+    with queue_prepares(True), dbbounds.bounded(connection):
+        [job] = noop_jobs.claim(1)
+        queue.renew([job])
+        queue.record([Outcome.succeeded(job)])
+        queue.enqueue(NewJob(name=noop_jobs.NAME, payload={}))
+        assert any("jobs_enqueue_job(" in s for s in prepared())
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_refused_prepared_statement_names_the_setting_then_the_next_call_works(inside):
+    """A pooler that does not keep prepared statements sends the next execution to a server
+    connection that never saw it (``prepared statement "_pg3_0" does not exist``), the same
+    as a ``DEALLOCATE ALL`` behind psycopg's back. The call fails with an error that names
+    ``JOBS["PREPARED_STATEMENTS"]`` and PgBouncer's ``max_prepared_statements``; the next call
+    works (outside a transaction the connection is replaced; inside, the rollback forgets)."""
+    with queue_prepares(True):
+        assert queue.enqueue(NewJob(NOOP, {})).created
+        with connection.cursor() as cur:
+            cur.execute("DEALLOCATE ALL")
+        block = transaction.atomic() if inside else contextlib.nullcontext()
+        with pytest.raises(queue.PreparedStatementsRefused) as refused, block:
+            queue.enqueue(NewJob(NOOP, {}))
+        message = str(refused.value)
+        assert 'JOBS["PREPARED_STATEMENTS"]' in message, message
+        assert "max_prepared_statements" in message, message
+        assert "does not exist" in message, message
+        assert queue.enqueue(NewJob(NOOP, {})).created
+        assert queue.enqueue(NewJob(NOOP, {})).created
+
+
+@pytest.mark.django_db(transaction=True)
+def test_through_a_pooler_that_keeps_none_each_call_works_or_is_refused_by_name(pgbouncer):
+    """PgBouncer in transaction mode, without ``max_prepared_statements`` (1.18 has none),
+    lends each transaction the next server connection. With the setting on, each queue call
+    either works or fails as ``PreparedStatementsRefused`` (missing there, or its name
+    already taken there), never as anything else, and the jobs table holds exactly the
+    calls that worked."""
+    worked, refused = 0, []
+    with queue_prepares(True), pgbouncer.routing():
+        for n in range(12):
+            try:
+                queue.enqueue(NewJob(NOOP, {"n": n}))
+                worked += 1
+            except queue.PreparedStatementsRefused as exc:
+                refused.append(str(exc))
+    assert worked and refused, (worked, refused)
+    assert all("max_prepared_statements" in message for message in refused), refused
+    assert Job.objects.count() == worked

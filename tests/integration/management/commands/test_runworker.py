@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import connection
+from django.test import override_settings
 
 from jobs.worker.config import WorkerConfig, env_scope, scope_from
+from jobs.worker.runner import Worker
+from tests.support.pgbouncer import pgbouncer_fixture, skip_reason  # noqa: F401
 
 
 @pytest.mark.parametrize(
@@ -68,3 +74,29 @@ def test_the_default_concurrency_is_twenty_threads(monkeypatch):
     parser = runworker.Command().create_parser("manage.py", "runworker")
     help_text = next(a.help for a in parser._actions if "--concurrency" in a.option_strings)
     assert "default 20" in help_text
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("silenced", [False, True])
+def test_runworker_warns_at_start_up_of_prepared_statements_behind_a_pooler(
+    pgbouncer, monkeypatch, silenced
+):
+    """As it checks the alias's tables, runworker warns (``jobs.W030``) when
+    ``JOBS["PREPARED_STATEMENTS"]`` is on and its database is reached through a pooler, then
+    runs; ``SILENCED_SYSTEM_CHECKS`` silences it, as it does the check."""
+    started: list[str] = []
+    monkeypatch.setattr(Worker, "run", lambda self: started.append(self.config.database))
+    err = io.StringIO()
+    silence = ["jobs.W030"] if silenced else []
+    with (
+        override_settings(JOBS={"PREPARED_STATEMENTS": True}, SILENCED_SYSTEM_CHECKS=silence),
+        pgbouncer.routing(),
+    ):
+        call_command("runworker", stderr=err)
+        connection.close()
+    assert started == ["default"]
+    warned = err.getvalue()
+    if silenced:
+        assert warned == ""
+    else:
+        assert "jobs.W030" in warned and "max_prepared_statements" in warned, warned
