@@ -57,6 +57,20 @@ DROPPED = {
 }
 
 
+def _installed_again() -> set[str]:
+    """The functions a migration after the squashed set installs again. Every migration reads
+    a function's file as it is now, so the squashed set installs their latest text too."""
+    loader = MigrationLoader(None, ignore_no_migrations=True)
+    [leaf] = loader.graph.leaf_nodes("jobs")
+    again: set[str] = set()
+    for app, name in loader.graph.forwards_plan(leaf):
+        if app == "jobs" and name > SQUASHED:
+            for operation in loader.graph.nodes[(app, name)].operations:
+                if isinstance(operation, InstallFunctions):
+                    again.update(operation.functions)
+    return again
+
+
 @pytest.mark.slow
 def test_the_squashed_migrations_build_the_schema_of_the_chain_they_replaced(squashed):
     described = schema.checked_in()
@@ -64,7 +78,9 @@ def test_the_squashed_migrations_build_the_schema_of_the_chain_they_replaced(squ
     expected = {key: value for key, value in described.items() if key not in DROPPED}
     assert sorted(set(squashed) - set(expected)) == [], "objects the description lacks"
     assert sorted(set(expected) - set(squashed)) == [], "objects the migrations did not build"
-    assert [key for key in expected if squashed[key] != expected[key]] == []
+    again = _installed_again()
+    differ = [key for key in expected if squashed[key] != expected[key]]
+    assert [key for key in differ if key.split("(")[0].removeprefix("function ") not in again] == []
 
 
 #: The history table and its partitions, one for each way a job ends.
@@ -86,6 +102,12 @@ CHANGES: dict[str, str | None] = {
         for table in HISTORY_TABLES
     },
     **{f"constraint {table}.jobs_jobhistory_run_after_not_null": None for table in HISTORY_TABLES},
+    # 0004: a keyless job holds no key.
+    "constraint jobs_job.jobs_job_active_holds_key": None,
+    "constraint jobs_job.jobs_job_active_keyed_holds_key": (
+        "c CHECK ((key_held OR (NOT ((state)::text = ANY ((ARRAY['queued'::character varying, "
+        "'running'::character varying])::text[]))) OR (NOT keyed)))"
+    ),
 }
 
 
@@ -178,6 +200,14 @@ def test_migrate_goes_back_and_forward_again_on_a_database_with_jobs(django_db_b
         _populate(alias)
         populated = _counts(alias)
         assert all(populated.values()), populated
+
+        # Back one migration and forward: what a later migration installed again stays
+        # installed, and jobs of either kind go in and are claimed.
+        call_command("migrate", "jobs", "0003", database=alias, verbosity=0)
+        queue.enqueue(NewJob(NAME, {"after": "going back"}), using=alias)
+        queue.enqueue(NewJob(NAME, job_id="after going back"), using=alias)
+        call_command("migrate", "jobs", database=alias, verbosity=0)
+        populated["jobs_job"] += 2
 
         # Back to the tables alone and forward: the functions go and come back, the rows stay.
         call_command("migrate", "jobs", "0001", database=alias, verbosity=0)

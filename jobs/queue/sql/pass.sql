@@ -64,8 +64,9 @@ written AS (
         progress = COALESCE(f.report, j.progress),
         claim_token = NULL,
         lease_expires_at = NULL,
-        -- A generated job_id is never submitted again: a finished keyless job lets it go.
-        key_held = (f.state = 'queued' OR j.keyed),
+        -- Only a key the caller chose is held, while the job is active and through its
+        -- window (a keyless row enqueued by an earlier release held its key while active).
+        key_held = j.keyed,
         -- A finished job keeps the identity of the worker that finished it.
         claimed_by = CASE WHEN f.state = 'queued' THEN '' ELSE j.claimed_by END,
         -- Back in the queue in its type's order now: tenant order may have begun meanwhile.
