@@ -221,7 +221,7 @@ def test_migrate_goes_back_and_forward_again_on_a_database_with_jobs(django_db_b
 
         # Back one migration and forward: what a later migration installed again stays
         # installed, and jobs of either kind go in and are claimed.
-        call_command("migrate", "jobs", "0003", database=alias, verbosity=0)
+        call_command("migrate", "jobs", "0004", database=alias, verbosity=0)
         queue.enqueue(NewJob(NAME, {"after": "going back"}), using=alias)
         queue.enqueue(NewJob(NAME, job_id="after going back"), using=alias)
         call_command("migrate", "jobs", database=alias, verbosity=0)

@@ -24,7 +24,7 @@ class Migration(migrations.Migration):
     atomic = False
 
     dependencies = [
-        ("jobs", "0003_waiting_jobs_have_no_due_time"),
+        ("jobs", "0004_history_ready"),
     ]
 
     operations = [
