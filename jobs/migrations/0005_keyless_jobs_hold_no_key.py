@@ -5,7 +5,9 @@ follows from the old one, so it is added ``NOT VALID`` beside it (a moment's loc
 the old one dropped, and the new one validated in a transaction of its own, which reads the
 table while enqueues, claims and outcomes go on (``VALIDATE CONSTRAINT`` takes a SHARE UPDATE
 EXCLUSIVE lock only). Rows that hold a generated key keep it until they end. The enqueue,
-the pass, the successor's insert and the release of waiting jobs write the new rule.
+the pass, the successor's insert and the release of waiting jobs write the new rule, and the
+pass moves a keyless job that ends into the history in the statement that ends it, once the
+history is ready for it (jobs_historyready).
 
 Going back keeps the new rule under the old name, and the functions as installed here.
 """
@@ -58,8 +60,8 @@ class Migration(migrations.Migration):
         InstallFunctions(
             {
                 "jobs_enqueue_job": "c211d598a646cd59",
-                "jobs_worker_pass_v2": "c7ada137a3477517",
-                "jobs_worker_fair_pass_v2": "247b5370f4d944ee",
+                "jobs_worker_pass_v2": "d90d0eebcdaa9eb0",
+                "jobs_worker_fair_pass_v2": "c4e1bfc9070f8e9a",
                 "jobs_batch_fire": "5b35733393a1f6b8",
                 "jobs_dependents_release": "837ee011cb58077d",
             },

@@ -37,3 +37,24 @@ def where(pk: int) -> str:
 
 
 MINUTE = timedelta(minutes=1)
+
+
+def ready_history(ahead: timedelta = timedelta(hours=2)) -> None:
+    """Attach the history's partitions from now to ``ahead`` for every end, and say so in
+    ``jobs_historyready``, as the scheduler keeps them: jobs that end then leave the jobs
+    table in the statement that ends them."""
+    from django.db import connection
+
+    from jobs.db.clock import database_now
+    from jobs.queue import history
+    from jobs.runs import TERMINAL_STATES
+
+    now = database_now()
+    with connection.cursor() as cur:
+        for state in TERMINAL_STATES:
+            history.ensure(cur, state, now, now + ahead)
+            cur.execute(
+                "INSERT INTO jobs_historyready (state, until) VALUES (%s, %s) "
+                "ON CONFLICT (state) DO UPDATE SET until = EXCLUDED.until",
+                [state, now + ahead],
+            )

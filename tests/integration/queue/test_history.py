@@ -9,6 +9,7 @@ boundary (replay from the history: control/test_replays.py).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import Iterator
@@ -26,11 +27,11 @@ from jobs import queue
 from jobs.control.tables import RunTable
 from jobs.db.clock import database_now
 from jobs.models import Job, JobHistory, ScheduleSlot
-from jobs.queue import history
+from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, batches, history
 from jobs.queue.history import DAY, HOUR, Partition, _floor, plan
 from jobs.scheduler.retention import Archive, Retention
 from tests.support.concurrency import Background
-from tests.support.history import MINUTE, finish, job, where
+from tests.support.history import MINUTE, NAME, finish, job, ready_history, where
 
 pytestmark = pytest.mark.django_db
 
@@ -513,3 +514,108 @@ def test_retention_never_drops_a_partition_holding_a_row_inside_its_retention():
     # once the partition's end is past, it goes (a day at most after the row's retention)
     history.drop_expired(now=_floor(row.finished_at, timedelta(days=1)) + timedelta(days=15))
     assert where(pk) == "gone"
+
+
+# -- A job that ends leaves the jobs table in the statement that ends it ----------------------
+
+#: Columns a job's row carries into the history whatever the moment it was written.
+SAME_ANY_TIME = (
+    "state", "attempts", "last_error", "error_detail", "result", "progress", "keyed",
+    "batch_id", "replayed_by", "payload", "name", "tenant", "queue", "priority",
+    "max_attempts", "attempt_log", "claimed_by",
+)  # fmt: skip
+
+ENDINGS = st.sampled_from(["succeeded", "result", "failed", "cancelled", "stopped", "progress"])
+
+
+def _end(kind: str, *, write) -> int:
+    """Enqueue, claim and end one keyless job as ``kind``, the outcome sent through ``write``;
+    its id."""
+    [enqueued] = queue.enqueue_many([job()])
+    [held] = queue.claim([ClaimRequest(NAME, 1)], scope=AllTenants(), worker="test-worker")
+    assert held.id == enqueued.id
+    outcome = {
+        "succeeded": lambda: Outcome.succeeded(held),
+        "result": lambda: Outcome.succeeded(held, {"answer": [4, 2], "text": "é\n"}),
+        "failed": lambda: Outcome.failed(held, code="rejected", detail="no such order"),
+        "cancelled": lambda: Outcome.cancelled(held),
+        # An operator asked the running job to stop; its handler then let go of it.
+        "stopped": lambda: Outcome.retry(held, code="handler_error", detail="interrupted"),
+        "progress": lambda: dataclasses.replace(
+            Outcome.succeeded(held), progress_json='{"done": 3, "total": 4}'
+        ),
+    }[kind]()
+    if kind == "stopped":
+        assert queue.cancel_running([held.id], by="alice") == [held.id]
+    write(outcome)
+    return held.id
+
+
+WRITES = {
+    "record": lambda outcome: queue.record([outcome]),
+    "record, uncounted": lambda outcome: queue.record([outcome], count=False),
+    "the pass": lambda outcome: queue.record_and_claim(
+        [outcome], [ClaimRequest(NAME, 1)], scope=AllTenants(), count=False
+    ),
+}
+
+
+def _row(pk: int) -> dict[str, Any]:
+    for model in (Job, JobHistory):
+        if (row := model.objects.filter(pk=pk).values().first()) is not None:
+            return row
+    raise AssertionError(f"job {pk} is in neither table")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("how", sorted(WRITES))
+@settings(max_examples=12, deadline=None)
+@given(kind=ENDINGS)
+def test_a_keyless_job_that_ends_leaves_in_the_statement_that_ends_it(how, kind):
+    """Its history row is the row the write would have left in the jobs table."""
+    try:
+        stays = _end(kind, write=WRITES[how])  # the history is not ready: the row stays
+        assert where(stays) == "jobs"
+        ready_history()
+        leaves = _end(kind, write=WRITES[how])
+        assert where(leaves) == "history"
+        kept, moved = _row(stays), _row(leaves)
+        assert {c: moved[c] for c in SAME_ANY_TIME} == {c: kept[c] for c in SAME_ANY_TIME}
+        assert moved["finished_at"] >= kept["finished_at"]
+    finally:  # each example starts with nothing
+        Job.objects.all().delete()
+        JobHistory.objects.all().delete()
+        with connection.cursor() as cur:
+            cur.execute("DELETE FROM jobs_historyready")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_jobs_that_end_stay_where_others_read_them_until_the_archive():
+    """A keyed job (its window), a batch member and a job others wait for (the settle trigger),
+    a retry, and any job while the history is not ready for its end, stay in the jobs table."""
+    ready_history()
+    keyed, member, waited_for, retried = (
+        queue.enqueue(job("order-7")).id,
+        batches.add(batches.open(None), [job()])[0].id,
+        queue.enqueue(job()).id,
+        queue.enqueue(job()).id,
+    )
+    queue.enqueue(NewJob(name="test.history.after.v1", after=(waited_for,)))
+    held = queue.claim([ClaimRequest(NAME, 4)], scope=AllTenants(), worker="test-worker")
+    assert sorted(h.id for h in held) == sorted([keyed, member, waited_for, retried])
+    report = queue.record(
+        [
+            Outcome.retry(h, code="handler_error", delay=3600)
+            if h.id == retried
+            else Outcome.succeeded(h)
+            for h in held
+        ]
+    )
+    assert len(report.applied) == 4
+    assert {pk: where(pk) for pk in (keyed, member, waited_for, retried)} == dict.fromkeys(
+        (keyed, member, waited_for, retried), "jobs"
+    )
+    with connection.cursor() as cur:
+        cur.execute("UPDATE jobs_historyready SET until = statement_timestamp()")
+    (late,) = finish(job())
+    assert where(late) == "jobs"
