@@ -330,3 +330,31 @@ class JobHistory(RunContract):
     def replayed_rows(cls, pks: Iterable[Any]) -> models.QuerySet[Any]:
         """A replayed finished job is back in the jobs table, under the same id."""
         return Job.objects.filter(pk__in=list(pks))
+
+
+class HistoryReady(models.Model):
+    """Up to when the history is ready for rows of one terminal state: every ``finished_at``
+    from now to ``until`` has its partition attached.
+
+    The worker's pass reads it (``jobs.queue.history.READY_UNTIL``) to write a row it ends
+    straight into the history, which it may do only where no partition has to be made. The
+    scheduler's archive duty moves ``until`` on (``jobs.queue.history.prepare_ahead``); a
+    state without a row is not ready, and its finished rows wait in the jobs table for the
+    archive pass. At most one row per terminal state, read by its primary key.
+    """
+
+    state = models.CharField(_("state"), max_length=16, primary_key=True)
+    until = models.DateTimeField(_("ready until"))
+
+    class Meta:
+        db_table = "jobs_historyready"
+        verbose_name = _("history readiness")
+        verbose_name_plural = _("history readiness")
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(state__in=TERMINAL_STATES), name="jobs_historyready_terminal"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.state} until {self.until:%Y-%m-%d %H:%M}"

@@ -86,6 +86,24 @@ CHANGES: dict[str, str | None] = {
         for table in HISTORY_TABLES
     },
     **{f"constraint {table}.jobs_jobhistory_run_after_not_null": None for table in HISTORY_TABLES},
+    # 0004: how far ahead the history is ready, one row per terminal state.
+    "table jobs_historyready": "kind r, persistence p, options -",
+    "column jobs_historyready.state": "position 1, character varying(16) NOT NULL",
+    "column jobs_historyready.until": "position 2, timestamp with time zone NOT NULL",
+    "constraint jobs_historyready.jobs_historyready_pkey": "p PRIMARY KEY (state)",
+    "constraint jobs_historyready.jobs_historyready_state_not_null": "n NOT NULL state",
+    "constraint jobs_historyready.jobs_historyready_until_not_null": "n NOT NULL until",
+    "constraint jobs_historyready.jobs_historyready_terminal": (
+        "c CHECK (((state)::text = ANY ((ARRAY['succeeded'::character varying, "
+        "'failed'::character varying, 'cancelled'::character varying])::text[])))"
+    ),
+    "index jobs_historyready_pkey": (
+        "CREATE UNIQUE INDEX jobs_historyready_pkey ON public.jobs_historyready USING btree (state)"
+    ),
+    "index jobs_historyready_state_3b42879d_like": (
+        "CREATE INDEX jobs_historyready_state_3b42879d_like ON public.jobs_historyready "
+        "USING btree (state varchar_pattern_ops)"
+    ),
 }
 
 
