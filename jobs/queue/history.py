@@ -15,41 +15,41 @@ bounded ``DELETE … RETURNING`` into ``INSERT`` that reads the terminal-row ind
               DROP TABLE
 
 A state whose retention is three days or less gets an hour per partition (a row lives up to
-an hour past its retention), a longer one a day per partition. Partition names carry their
-bounds in UTC (``jobs_jobhistory_failed_2026120100_2026120200``), so the module reads the
-layout from the catalog by name alone. A partition is created just before the first row that
-needs it moves, clipped so it never overlaps one made under another width. Rows already past
-their retention when they leave the jobs table are deleted, not moved.
+an hour past its retention), a longer one a day per partition
+(:mod:`jobs.queue.history_partitions` names, plans and makes them). A partition is created
+just before the first row that needs it moves. Rows already past their retention when they
+leave the jobs table are deleted, not moved.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, cast
 
 from django.db import DEFAULT_DB_ALIAS, OperationalError, transaction
 from django.db.backends.utils import CursorWrapper
-from django.utils import timezone
 
 from jobs.core.conf import jobs_settings
 from jobs.queue import _db
+from jobs.queue.history_partitions import DAY as DAY
+from jobs.queue.history_partitions import HOUR as HOUR
+from jobs.queue.history_partitions import PARENT as PARENT
+from jobs.queue.history_partitions import Partition as Partition
+from jobs.queue.history_partitions import create
+from jobs.queue.history_partitions import partitions as partitions
+from jobs.queue.history_partitions import plan as plan
+from jobs.queue.history_partitions import utc as _utc
 from jobs.runs import TERMINAL_STATES, RunState
 
 logger = logging.getLogger("jobs.scheduler")
 
-PARENT = "jobs_jobhistory"
 # pg_advisory_xact_lock key of partition creation ("jobs" history, as a 63-bit constant).
 _PARTITION_LOCK = 0x6A6F62735F68
-HOUR, DAY = timedelta(hours=1), timedelta(days=1)
 #: Retentions up to this long are kept in hourly partitions, longer ones in daily ones.
 HOURLY_UP_TO = timedelta(days=3)
-_STAMP = "%Y%m%d%H"
-_NAME = re.compile(rf"^{PARENT}_(?P<state>[a-z]+)_(?P<start>\d{{10}})_(?P<end>\d{{10}})$")
 
 # Columns a history row has, in the order both INSERTs below write them.
 COLUMNS = (
@@ -120,29 +120,6 @@ INSERT INTO {PARENT} ({COLUMNS}) SELECT {COLUMNS} FROM back
 """
 
 
-@dataclass(frozen=True)
-class Partition:
-    """One time partition of one state's history: rows finished in ``[start, end)``."""
-
-    state: str
-    start: datetime
-    end: datetime
-
-    @property
-    def name(self) -> str:
-        return f"{PARENT}_{self.state}_{self.start:{_STAMP}}_{self.end:{_STAMP}}"
-
-    @classmethod
-    def parse(cls, name: str) -> Partition | None:
-        match = _NAME.match(name)
-        if match is None or match["state"] not in TERMINAL_STATES:
-            return None
-        start, end = (
-            datetime.strptime(match[key], _STAMP).replace(tzinfo=UTC) for key in ("start", "end")
-        )
-        return cls(match["state"], start, end)
-
-
 def retention(state: str) -> timedelta:
     """How long finished rows of ``state`` are kept (the ``*_RETENTION`` settings)."""
     retentions: dict[str, timedelta] = {
@@ -165,17 +142,6 @@ def width(state: str) -> timedelta:
     return HOUR if retention(state) <= HOURLY_UP_TO else DAY
 
 
-def partitions(cur: CursorWrapper, state: str) -> list[Partition]:
-    """The time partitions of ``state``'s history, oldest first (read from the catalog)."""
-    cur.execute(
-        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
-        "WHERE i.inhparent = %s::regclass",
-        [f"{PARENT}_{state}"],
-    )
-    found = (Partition.parse(name) for (name,) in cur.fetchall())
-    return sorted((p for p in found if p is not None), key=lambda p: p.start)
-
-
 def ensure(cur: CursorWrapper, state: str, first: datetime, last: datetime) -> list[Partition]:
     """Create the partitions rows of ``state`` finished in ``[first, last]`` need; the new ones.
 
@@ -187,37 +153,7 @@ def ensure(cur: CursorWrapper, state: str, first: datetime, last: datetime) -> l
     first, last = _utc(first), _utc(last)
     with transaction.atomic(using=cur.db.alias):
         cur.execute("SELECT pg_advisory_xact_lock(%s)", [_PARTITION_LOCK])
-        created = plan(partitions(cur, state), state, first, last, width(state))
-        for partition in created:
-            cur.execute(f"CREATE TABLE {partition.name} (LIKE {PARENT} INCLUDING DEFAULTS)")
-            cur.execute(
-                f"ALTER TABLE {PARENT}_{state} ATTACH PARTITION {partition.name} "
-                "FOR VALUES FROM (%s) TO (%s)",
-                [partition.start, partition.end],
-            )
-    return created
-
-
-def plan(
-    existing: list[Partition], state: str, first: datetime, last: datetime, span: timedelta
-) -> list[Partition]:
-    """The partitions to add so every hour from ``first`` to ``last`` has one.
-
-    Each uncovered hour gets the partition of its bucket (``span``: an hour or a day), cut
-    short where an existing partition, made under another width, covers part of the bucket.
-    """
-    taken = list(existing)
-    added: list[Partition] = []
-    hour = _floor(first, HOUR)
-    while hour <= last:
-        if not any(p.start <= hour < p.end for p in taken):
-            bucket = _floor(hour, span)
-            start = max([bucket, *(p.end for p in taken if p.end <= hour)])
-            end = min([bucket + span, *(p.start for p in taken if p.start > hour)])
-            added.append(Partition(state, start, end))
-            taken.append(added[-1])
-        hour += HOUR
-    return added
+        return create(cur, state, first, last, width(state))
 
 
 def archive(
@@ -342,21 +278,6 @@ def _clock(cur: CursorWrapper) -> datetime:
     return cast(datetime, now)
 
 
-def _utc(moment: datetime) -> datetime:
-    """Aware UTC. With ``USE_TZ = False`` Django hands back naive times in ``TIME_ZONE``."""
-    if timezone.is_naive(moment):
-        moment = timezone.make_aware(moment, timezone.get_default_timezone())
-    return moment.astimezone(UTC)
-
-
 def _lock_timeout(exc: OperationalError) -> bool:
     """The statement gave up waiting for a lock (``lock_timeout``, SQLSTATE 55P03)."""
     return getattr(exc.__cause__, "sqlstate", None) == "55P03"
-
-
-def _floor(moment: datetime, span: timedelta) -> datetime:
-    """The start of the UTC hour or day ``moment`` falls in."""
-    moment = moment.astimezone(UTC)
-    if span == DAY:
-        return moment.replace(hour=0, minute=0, second=0, microsecond=0)
-    return moment.replace(minute=0, second=0, microsecond=0)

@@ -27,7 +27,8 @@ from jobs.control.tables import RunTable
 from jobs.db.clock import database_now
 from jobs.models import Job, JobHistory, ScheduleSlot
 from jobs.queue import history
-from jobs.queue.history import DAY, HOUR, Partition, _floor, plan
+from jobs.queue.history import DAY, HOUR, Partition, plan
+from jobs.queue.history_partitions import floor as _floor
 from jobs.scheduler.retention import Archive, Retention
 from tests.support.concurrency import Background
 from tests.support.history import MINUTE, finish, job, where
