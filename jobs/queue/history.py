@@ -19,6 +19,9 @@ an hour past its retention), a longer one a day per partition
 (:mod:`jobs.queue.history_partitions` names, plans and makes them). A partition is created
 just before the first row that needs it moves. Rows already past their retention when they
 leave the jobs table are deleted, not moved.
+
+Writers of the history never wait long on this module's DDL: each statement waits at most
+``DDL_LOCK_TIMEOUT`` (a tenth of a second) for a lock, then the work is left for the next pass.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from django.db import DEFAULT_DB_ALIAS, OperationalError, transaction
+from django.db import DEFAULT_DB_ALIAS, OperationalError
 from django.db.backends.utils import CursorWrapper
 
 from jobs.core.conf import jobs_settings
@@ -38,7 +41,7 @@ from jobs.queue.history_partitions import DAY as DAY
 from jobs.queue.history_partitions import HOUR as HOUR
 from jobs.queue.history_partitions import PARENT as PARENT
 from jobs.queue.history_partitions import Partition as Partition
-from jobs.queue.history_partitions import create
+from jobs.queue.history_partitions import create, ddl
 from jobs.queue.history_partitions import partitions as partitions
 from jobs.queue.history_partitions import plan as plan
 from jobs.queue.history_partitions import utc as _utc
@@ -46,8 +49,6 @@ from jobs.runs import TERMINAL_STATES, RunState
 
 logger = logging.getLogger("jobs.scheduler")
 
-# pg_advisory_xact_lock key of partition creation ("jobs" history, as a 63-bit constant).
-_PARTITION_LOCK = 0x6A6F62735F68
 #: Retentions up to this long are kept in hourly partitions, longer ones in daily ones.
 HOURLY_UP_TO = timedelta(days=3)
 
@@ -145,15 +146,14 @@ def width(state: str) -> timedelta:
 def ensure(cur: CursorWrapper, state: str, first: datetime, last: datetime) -> list[Partition]:
     """Create the partitions rows of ``state`` finished in ``[first, last]`` need; the new ones.
 
-    Each is created on its own and then attached: ``ATTACH PARTITION`` takes only a SHARE
-    UPDATE EXCLUSIVE lock on the state's table, so it neither waits for nor blocks readers of
-    the history (``CREATE TABLE … PARTITION OF`` would need ACCESS EXCLUSIVE). An advisory lock
-    makes concurrent callers take turns, so none attaches what another just did.
+    ``CREATE TABLE … (LIKE jobs_jobhistory)`` takes ACCESS SHARE on the history, as any reader
+    does, and ``ATTACH PARTITION`` SHARE UPDATE EXCLUSIVE on the state's table, which neither
+    readers nor writers of the history conflict with. Each statement waits at most
+    ``DDL_LOCK_TIMEOUT`` for a lock; then the error (SQLSTATE 55P03) is the caller's, and
+    nothing was created.
     """
-    first, last = _utc(first), _utc(last)
-    with transaction.atomic(using=cur.db.alias):
-        cur.execute("SELECT pg_advisory_xact_lock(%s)", [_PARTITION_LOCK])
-        return create(cur, state, first, last, width(state))
+    with ddl(cur):
+        return create(cur, state, _utc(first), _utc(last), width(state))
 
 
 def archive(
@@ -189,11 +189,7 @@ def archive(
             except OperationalError as exc:
                 if not _lock_timeout(exc):
                     raise
-                logger.warning(
-                    "archive: no partition for %s rows yet (waited for a lock); next pass",
-                    state,
-                    extra={"action": "archive_deferred", "state": state},
-                )
+                _deferred(state)
                 continue
             moved_total = kept_total = statements = 0
             # Rows that let go of their key, then key holders whose window has passed; the
@@ -228,7 +224,8 @@ def drop_expired(
     """Drop history partitions wholly past their state's retention; rows dropped per state.
 
     The counts are PostgreSQL's estimate (``reltuples``) where the partition was analysed,
-    an exact count otherwise: a drop costs the same whatever the partition holds.
+    an estimate from its size otherwise: a drop costs the same whatever the partition holds.
+    A partition that waited for a lock is left for the next pass.
     """
     dropped: dict[str, int] = {}
     with _db.cursor(using) as cur:
@@ -258,18 +255,31 @@ def _drop(cur: CursorWrapper, partition: Partition) -> int:
     """Drop one partition; the rows it held, as PostgreSQL's statistics estimate them.
 
     Never analysed, it is estimated from its size (about 40 rows a page): counting the rows
-    would cost what the drop saves.
+    would cost what the drop saves. ``DROP TABLE`` of a partition takes ACCESS EXCLUSIVE on
+    the state's table, which waits for every reader and writer of that state's history and
+    makes every later one wait behind it: so it waits at most ``DDL_LOCK_TIMEOUT``, and
+    a lock timeout (SQLSTATE 55P03) is the caller's to leave for the next pass.
     """
-    with transaction.atomic(using=cur.db.alias):
+    with ddl(cur):
         cur.execute(
             "SELECT CASE WHEN reltuples >= 0 THEN reltuples "
             "ELSE pg_relation_size(oid) / current_setting('block_size')::int * 40 END::bigint "
-            "FROM pg_class WHERE oid = %s::regclass",
+            "FROM pg_class WHERE oid = to_regclass(%s)",
             [partition.name],
         )
-        (rows,) = cur.fetchone()
+        found = cur.fetchone()
+        if found is None:  # dropped by someone else meanwhile
+            return 0
         cur.execute(f"DROP TABLE IF EXISTS {partition.name}")
-    return int(rows)
+    return int(found[0])
+
+
+def _deferred(state: str) -> None:
+    logger.warning(
+        "archive: no partition for %s rows yet (waited for a lock); next pass",
+        state,
+        extra={"action": "archive_deferred", "state": state},
+    )
 
 
 def _clock(cur: CursorWrapper) -> datetime:

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from jobs import queue
 from jobs.control.tables import RunTable
+from jobs.core.conf import jobs_settings
 from jobs.db.clock import database_now
 from jobs.models import Job, JobHistory, ScheduleSlot
 from jobs.queue import history
@@ -31,7 +32,7 @@ from jobs.queue.history import DAY, HOUR, Partition, plan
 from jobs.queue.history_partitions import floor as _floor
 from jobs.scheduler.retention import Archive, Retention
 from tests.support.concurrency import Background
-from tests.support.history import MINUTE, finish, job, where
+from tests.support.history import MINUTE, HistoryWriter, finish, job, where
 
 pytestmark = pytest.mark.django_db
 
@@ -514,3 +515,54 @@ def test_retention_never_drops_a_partition_holding_a_row_inside_its_retention():
     # once the partition's end is past, it goes (a day at most after the row's retention)
     history.drop_expired(now=_floor(row.finished_at, timedelta(days=1)) + timedelta(days=15))
     assert where(pk) == "gone"
+
+
+# DDL on the history while rows are written into it.
+
+#: Far from the times other tests leave partitions at.
+FUTURE = datetime(2040, 1, 1, tzinfo=UTC)
+
+
+def schedulers_lock_timeout():
+    """The scheduler's own bound on its connection's lock waits (``DB_LOCK_TIMEOUT``)."""
+    return lock_timeout(f"{int(jobs_settings.DB_LOCK_TIMEOUT.total_seconds() * 1000)}ms")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_long_reader_does_not_make_the_schedulers_ddl_hold_up_writers(caplog):
+    """Retention's DROP waits behind a reader of the history, and writers queue behind the
+    DROP: it gives up after a moment (and tries again next pass) instead of the scheduler's
+    lock timeout, seconds during which no finished row could be written."""
+    now = database_now()
+    with connection.cursor() as cur:
+        history.ensure(cur, "succeeded", now - HOUR, now + HOUR)  # where the writer writes
+        history.ensure(cur, "succeeded", now - DAY * 3, now - DAY * 3)  # expired
+    expired = [p for p in _partitions("succeeded") if p.end <= now - DAY]
+    assert expired
+
+    with (
+        HistoryWriter(("succeeded",)) as writer,
+        history_reader(),
+        schedulers_lock_timeout(),
+    ):
+        writer.wait_for_statements(3)
+        Retention().run_once()
+        Archive().run_once()
+        writer.wait_for_statements(3)
+
+    assert writer.errors == []
+    assert writer.longest < 0.5, f"a write waited {writer.longest:.2f} s"
+    assert set(expired) <= set(_partitions("succeeded"))  # left for the next pass
+    assert "drop_deferred" in [getattr(r, "action", None) for r in caplog.records]
+
+
+def test_ddl_inside_a_callers_transaction_leaves_its_lock_timeout_as_it_was():
+    """The short lock wait is the DDL's own: ``SET LOCAL`` would outlast it to the end of the
+    caller's transaction, cutting every later wait of the caller's to a tenth of a second."""
+    now = FUTURE + timedelta(days=500)
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("SET LOCAL lock_timeout = '7s'")
+        assert history.ensure(cur, "succeeded", now, now)  # made one
+        history.drop_expired(now=now + timedelta(days=2))  # and dropped it
+        cur.execute("SHOW lock_timeout")
+        assert cur.fetchone()[0] == "7s"
