@@ -16,9 +16,16 @@ bounded ``DELETE … RETURNING`` into ``INSERT`` that reads the terminal-row ind
 
 A state whose retention is three days or less gets an hour per partition (a row lives up to
 an hour past its retention), a longer one a day per partition
-(:mod:`jobs.queue.history_partitions` names, plans and makes them). A partition is created
-just before the first row that needs it moves. Rows already past their retention when they
-leave the jobs table are deleted, not moved.
+(:mod:`jobs.queue.history_partitions` names, plans and makes them). Rows already past their
+retention when they leave the jobs table are deleted, not moved.
+
+Ready ahead. The worker's pass may write a row it ends straight into the history, in the
+statement that ends it, where no DDL can run and no missing partition may fail it. So every
+archive pass first makes the partitions of the next :data:`LOOKAHEAD` widths (two hours, or
+two days) and records in ``jobs_historyready`` up to when each state is covered without a gap
+(:func:`prepare_ahead`); the pass reads that in :data:`READY_UNTIL`. Once all is ready, that
+costs one read of the catalog: partitions are made, and ``until`` moves, once an hour (or a
+day) per state.
 
 Writers of the history never wait long on this module's DDL: each statement waits at most
 ``DDL_LOCK_TIMEOUT`` (a tenth of a second) for a lock, then the work is left for the next pass.
@@ -41,7 +48,7 @@ from jobs.queue.history_partitions import DAY as DAY
 from jobs.queue.history_partitions import HOUR as HOUR
 from jobs.queue.history_partitions import PARENT as PARENT
 from jobs.queue.history_partitions import Partition as Partition
-from jobs.queue.history_partitions import create, ddl
+from jobs.queue.history_partitions import create, ddl, parsed
 from jobs.queue.history_partitions import partitions as partitions
 from jobs.queue.history_partitions import plan as plan
 from jobs.queue.history_partitions import utc as _utc
@@ -51,6 +58,21 @@ logger = logging.getLogger("jobs.scheduler")
 
 #: Retentions up to this long are kept in hourly partitions, longer ones in daily ones.
 HOURLY_UP_TO = timedelta(days=3)
+#: Partitions are made this many widths ahead of now: two hours, or two days.
+LOOKAHEAD = 2
+
+#: The time up to which the history is ready for finished rows of one state, as one SQL
+#: expression: ``{state}`` is replaced by the SQL of the state (a column, or a parameter).
+#:
+#: The contract for a statement that ends a job and writes its row straight into the history:
+#: a row of state S finished at T may be INSERTed into ``jobs_jobhistory`` if and only if
+#: T < READY_UNTIL for S. NULL (no row for S yet) means "not ready": the row stays in
+#: ``jobs_job``, where the archive pass moves it later. T is the statement's own
+#: ``statement_timestamp()``: every time from the database clock at which the scheduler set
+#: the value up to it has its partition attached, and retention never drops a partition that
+#: reaches the clock (any drop of one lowers the value in the same transaction). The read is
+#: one primary-key look-up in a table of at most three rows.
+READY_UNTIL = "(SELECT r.until FROM jobs_historyready r WHERE r.state = {state})"
 
 # Columns a history row has, in the order both INSERTs below write them.
 COLUMNS = (
@@ -121,6 +143,30 @@ INSERT INTO {PARENT} ({COLUMNS}) SELECT {COLUMNS} FROM back
 """
 
 
+# Every state's partitions and its ready time, with the clock: what prepare_ahead needs to see
+# that nothing is to be done, in one statement. (A cast of the name to regclass takes no lock.)
+_LAYOUT = f"""
+SELECT s.state, r.until, statement_timestamp(), ARRAY(
+    SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+    WHERE i.inhparent = ('{PARENT}_' || s.state)::regclass
+)
+FROM unnest(%(states)s::text[]) AS s(state)
+LEFT JOIN jobs_historyready r ON r.state = s.state
+"""
+
+_READY = """
+INSERT INTO jobs_historyready (state, until) VALUES (%(state)s, %(until)s)
+ON CONFLICT (state) DO UPDATE SET until = EXCLUDED.until
+"""
+
+# A partition that reaches the clock is being dropped: the state is ready up to its start at
+# most. (Retention never drops one; a drop run with a time ahead of the clock may.)
+_UNREADY = """
+UPDATE jobs_historyready SET until = %(start)s
+WHERE state = %(state)s AND until > %(start)s AND %(end)s > statement_timestamp()
+"""
+
+
 def retention(state: str) -> timedelta:
     """How long finished rows of ``state`` are kept (the ``*_RETENTION`` settings)."""
     retentions: dict[str, timedelta] = {
@@ -154,6 +200,65 @@ def ensure(cur: CursorWrapper, state: str, first: datetime, last: datetime) -> l
     """
     with ddl(cur):
         return create(cur, state, _utc(first), _utc(last), width(state))
+
+
+def prepare_ahead(
+    now: datetime | None = None, using: str = DEFAULT_DB_ALIAS
+) -> dict[str, datetime | None]:
+    """Make the history ready for rows finishing from ``now`` to :data:`LOOKAHEAD` widths
+    ahead, and record it for :data:`READY_UNTIL`; each state's ready time (None: not ready).
+
+    ``until`` becomes the end of the partitions that follow one another without a gap from
+    the one holding ``now`` (default: the database clock, which the pass's times never
+    precede). The archive duty calls it every pass: when every partition is there and every
+    ``until`` is right, that is one read of the catalog, with no DDL and no write. A state
+    whose partitions waited for a lock keeps its ``until`` and is tried again next pass. Call
+    it outside a transaction: each state that changes commits on its own.
+    """
+    ready: dict[str, datetime | None] = {}
+    with _db.cursor(using) as cur:
+        cur.execute(_LAYOUT, {"states": list(TERMINAL_STATES)})
+        for state, until, clock, names in cur.fetchall():
+            now = _utc(now or clock)
+            last = now + LOOKAHEAD * width(state)
+            until = None if until is None else _utc(until)
+            existing = parsed(names)
+            if until == _ready_until(existing, now) and not plan(
+                existing, state, now, last, width(state)
+            ):
+                ready[state] = until
+                continue
+            try:
+                ready[state] = _prepare(cur, state, now, last)
+            except OperationalError as exc:
+                if not _lock_timeout(exc):
+                    raise
+                _deferred(state)
+                ready[state] = until
+    return ready
+
+
+def _prepare(cur: CursorWrapper, state: str, now: datetime, last: datetime) -> datetime | None:
+    """Create what is missing, then record the coverage, under the lock that drops take too."""
+    with ddl(cur):
+        create(cur, state, now, last, width(state))
+        until = _ready_until(partitions(cur, state), now)
+        if until is None:
+            cur.execute("DELETE FROM jobs_historyready WHERE state = %s", [state])
+        else:
+            cur.execute(_READY, {"state": state, "until": until})
+    return until
+
+
+def _ready_until(layout: list[Partition], now: datetime) -> datetime | None:
+    """The end of the partitions that follow on from the one holding ``now``, without a gap."""
+    until = None
+    for partition in layout:  # oldest first, never overlapping
+        if (until is None and partition.start <= now < partition.end) or partition.start == until:
+            until = partition.end
+        elif until is not None:
+            break
+    return until
 
 
 def archive(
@@ -225,13 +330,14 @@ def drop_expired(
 
     The counts are PostgreSQL's estimate (``reltuples``) where the partition was analysed,
     an estimate from its size otherwise: a drop costs the same whatever the partition holds.
-    A partition that waited for a lock is left for the next pass.
+    A partition that reaches ``now`` is never dropped, whatever the retention: rows finishing
+    now go there. One that waited for a lock is left for the next pass.
     """
     dropped: dict[str, int] = {}
     with _db.cursor(using) as cur:
         now = _utc(now or _clock(cur))
         for state in TERMINAL_STATES:
-            age = (retentions or {}).get(state) or retention(state)
+            age = max((retentions or {}).get(state) or retention(state), timedelta(0))
             for partition in partitions(cur, state):
                 if partition.end > now - age:
                     break
@@ -271,6 +377,9 @@ def _drop(cur: CursorWrapper, partition: Partition) -> int:
         if found is None:  # dropped by someone else meanwhile
             return 0
         cur.execute(f"DROP TABLE IF EXISTS {partition.name}")
+        cur.execute(
+            _UNREADY, {"state": partition.state, "start": partition.start, "end": partition.end}
+        )
     return int(found[0])
 
 

@@ -1,18 +1,18 @@
 """Jobs run to an end and found again in the jobs table or the history table, and rows written
-straight into the history as the worker's pass will write them."""
+straight into the history as the worker's pass writes them."""
 
 from __future__ import annotations
 
 import itertools
 import threading
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.db import connection
 
 from jobs import queue
 from jobs.models import Job, JobHistory
-from jobs.queue import AllTenants, ClaimRequest, NewJob
+from jobs.queue import AllTenants, ClaimRequest, NewJob, history
 from tests.support.polling import wait_for
 
 NAME = "test.history.v1"
@@ -57,16 +57,42 @@ SELECT %(id)s, %(state)s, 1, '', '', {{at}}, {{at}}, 'history-row', '{NAME}', '{
 """
 
 
+def insert_row(cur, state: str, at: datetime, pk: int = 1) -> None:
+    """Write one finished row of ``state`` straight into the history, finished at ``at``."""
+    cur.execute(_ROW.format(at="%(at)s"), {"id": pk, "state": state, "at": at})
+
+
+def _when_ready(sql: str) -> str:
+    """``sql`` writing only where the history is ready for the row, as the pass must."""
+    ready = f"WHERE statement_timestamp() < {history.READY_UNTIL}".format(state="%(state)s")
+    return sql.format(at="statement_timestamp()") + ready
+
+
+def insert_if_ready(cur, state: str, pk: int = 1) -> int:
+    """Write a row of ``state`` finished now where the history is ready for it; rows written."""
+    cur.execute(_when_ready(_ROW), {"id": pk, "state": state})
+    return cur.rowcount
+
+
+def ready_until(state: str) -> datetime | None:
+    """The time up to which the history is ready for rows of ``state``, as the pass reads it."""
+    with connection.cursor() as cur:
+        cur.execute(f"SELECT {history.READY_UNTIL.format(state='%s')}", [state])
+        return cur.fetchone()[0]
+
+
 class HistoryWriter:
     """A connection of its own writing history rows in a loop, one transaction each.
 
-    It writes as the worker's pass will once it ends jobs straight into the history: a row
-    finished now, of each state in turn, into partitions the test made. Each statement is
-    timed, and every error is kept for the test to see.
+    It writes as the worker's pass does once it ends jobs straight into the history: a row
+    finished now, of each state in turn. With ``ready_only`` the statement reads
+    ``history.READY_UNTIL`` and writes only where the history says it is ready, as the pass
+    must; without it, it writes regardless (into partitions the test made). Each statement
+    is timed, and every error is kept for the test to see.
     """
 
-    def __init__(self, states: tuple[str, ...]) -> None:
-        self.sql = _ROW.format(at="statement_timestamp()")
+    def __init__(self, states: tuple[str, ...], *, ready_only: bool = False) -> None:
+        self.sql = _when_ready(_ROW) if ready_only else _ROW.format(at="statement_timestamp()")
         self.states = states
         self.statements = self.written = 0
         self.longest = 0.0
