@@ -39,6 +39,17 @@ def truncate() -> None:
         cur.execute("SELECT to_regclass('jobs_jobhistory') IS NOT NULL")
         if cur.fetchone()[0]:  # finished jobs the archive moved, where the app has it
             cur.execute("TRUNCATE jobs_jobhistory")
+    ready_history()
+
+
+def ready_history() -> None:
+    """Make the history ready ahead, as a deployment's scheduler keeps it, so jobs that end
+    leave the jobs table in the statement that ends them (where the app does that)."""
+    from jobs.queue import history
+
+    prepare_ahead = getattr(history, "prepare_ahead", None)
+    if prepare_ahead is not None:
+        prepare_ahead()
 
 
 def vacuum() -> None:
