@@ -60,8 +60,8 @@ class Migration(migrations.Migration):
         InstallFunctions(
             {
                 "jobs_enqueue_job": "c211d598a646cd59",
-                "jobs_worker_pass_v2": "d90d0eebcdaa9eb0",
-                "jobs_worker_fair_pass_v2": "c4e1bfc9070f8e9a",
+                "jobs_worker_pass_v2": "8e1694fd1848e0db",
+                "jobs_worker_fair_pass_v2": "2feb1bd7ceb8865b",
                 "jobs_batch_fire": "5b35733393a1f6b8",
                 "jobs_dependents_release": "837ee011cb58077d",
             },

@@ -95,25 +95,22 @@ o AS (
                            report, ord)
     ORDER BY o.id, o.token, o.ord DESC
 ),
-ready AS MATERIALIZED (
-    -- The ends whose history partition is attached (jobs.queue.history.READY_UNTIL).
-    SELECT COALESCE(array_agg(r.state::text), '{}') AS states FROM jobs_historyready r
-    WHERE r.until > statement_timestamp()
-),
 free AS (
     -- An attempt an operator asked to stop is not retried or handed back: it ends cancelled.
     SELECT j.id, o.token, o.code, o.detail, o.delay, o.at, o.attempts_delta, o.result,
            o.report, j.batch_id, s.state,
            j.cancel_requested_at IS NOT NULL
-               AND (o.state IN ('queued', 'cancelled')) AS stopped,
-           -- Ends here and leaves for the history: keyless, in no batch, waited for by none.
-           s.state <> 'queued' AND NOT j.keyed AND j.batch_id IS NULL AND NOT j.depended_on
-               AND s.state = ANY((SELECT states FROM ready)::text[]) AS leaves{FIGURES}
+               AND (o.state IN ('queued', 'cancelled')) AS stopped, l.leaves{FIGURES}
     FROM jobs_job j JOIN o ON j.id = o.id
     CROSS JOIN LATERAL (
         SELECT CASE WHEN j.cancel_requested_at IS NOT NULL AND o.state = 'queued'
                     THEN 'cancelled' ELSE o.state END AS state
     ) s
+    CROSS JOIN LATERAL (
+        -- Ends, and leaves for the history: keyless, in no batch, waited for by none.
+        SELECT s.state <> 'queued' AND NOT j.keyed AND j.batch_id IS NULL
+               AND NOT j.depended_on AND s.state = ANY({READY}) AS leaves
+    ) l
     WHERE j.claim_token = o.token AND j.state || '' = 'running'{FIRST_READ}
     FOR UPDATE OF j SKIP LOCKED
 ),
@@ -202,6 +199,11 @@ _FIGURES = """,
 _COUNTED = """,
               j.name, f.state, j.last_error AS code, f.attempts_delta >= 0 AS ran_attempt,
               CASE WHEN f.attempts_delta >= 0 THEN f.ran END AS ran, f.waited"""
+# The ends the history is ready for (jobs.queue.history.READY_UNTIL), read once a statement.
+_READY = (
+    "(SELECT COALESCE(array_agg(r.state::text), '{}') FROM jobs_historyready r"
+    " WHERE r.until > statement_timestamp())::text[]"
+)
 # The rollup's columns of ``written``, from the rows that stay and from those that leave.
 _COUNTED_NAMES = ", name, state, code, ran_attempt, ran, waited"
 _MOVED_COUNTED = """, name, state, last_error, attempts_delta >= 0,
@@ -236,6 +238,7 @@ def _outcome_ctes(count: bool, wait: bool) -> str:
         .replace("{MOVED_COUNTED}", _MOVED_COUNTED if count else "")
         .replace("{MOVED_FIGURES}", ", f.ran, f.waited" if count else "")
         .replace("{MOVED}", _MOVED)
+        .replace("{READY}", _READY)
         .replace("{HISTORY}", history.COLUMNS)
         .replace("{FIRST}", _BATCHES_FIRST if wait else "")
         .replace(

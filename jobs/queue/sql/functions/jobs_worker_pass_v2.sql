@@ -37,25 +37,22 @@ BEGIN
                                    report, ord)
             ORDER BY o.id, o.token, o.ord DESC
         ),
-        ready AS MATERIALIZED (
-            -- The ends whose history partition is attached (jobs.queue.history.READY_UNTIL).
-            SELECT COALESCE(array_agg(r.state::text), '{}') AS states FROM jobs_historyready r
-            WHERE r.until > statement_timestamp()
-        ),
         free AS (
             -- An attempt an operator asked to stop is not retried or handed back: it ends cancelled.
             SELECT j.id, o.token, o.code, o.detail, o.delay, o.at, o.attempts_delta, o.result,
                    o.report, j.batch_id, s.state,
                    j.cancel_requested_at IS NOT NULL
-                       AND (o.state IN ('queued', 'cancelled')) AS stopped,
-                   -- Ends here and leaves for the history: keyless, in no batch, waited for by none.
-                   s.state <> 'queued' AND NOT j.keyed AND j.batch_id IS NULL AND NOT j.depended_on
-                       AND s.state = ANY((SELECT states FROM ready)::text[]) AS leaves
+                       AND (o.state IN ('queued', 'cancelled')) AS stopped, l.leaves
             FROM jobs_job j JOIN o ON j.id = o.id
             CROSS JOIN LATERAL (
                 SELECT CASE WHEN j.cancel_requested_at IS NOT NULL AND o.state = 'queued'
                             THEN 'cancelled' ELSE o.state END AS state
             ) s
+            CROSS JOIN LATERAL (
+                -- Ends, and leaves for the history: keyless, in no batch, waited for by none.
+                SELECT s.state <> 'queued' AND NOT j.keyed AND j.batch_id IS NULL
+                       AND NOT j.depended_on AND s.state = ANY((SELECT COALESCE(array_agg(r.state::text), '{}') FROM jobs_historyready r WHERE r.until > statement_timestamp())::text[]) AS leaves
+            ) l
             WHERE j.claim_token = o.token AND j.state || '' = 'running'
             FOR UPDATE OF j SKIP LOCKED
         ),
@@ -238,25 +235,22 @@ BEGIN
                                    report, ord)
             ORDER BY o.id, o.token, o.ord DESC
         ),
-        ready AS MATERIALIZED (
-            -- The ends whose history partition is attached (jobs.queue.history.READY_UNTIL).
-            SELECT COALESCE(array_agg(r.state::text), '{}') AS states FROM jobs_historyready r
-            WHERE r.until > statement_timestamp()
-        ),
         free AS (
             -- An attempt an operator asked to stop is not retried or handed back: it ends cancelled.
             SELECT j.id, o.token, o.code, o.detail, o.delay, o.at, o.attempts_delta, o.result,
                    o.report, j.batch_id, s.state,
                    j.cancel_requested_at IS NOT NULL
-                       AND (o.state IN ('queued', 'cancelled')) AS stopped,
-                   -- Ends here and leaves for the history: keyless, in no batch, waited for by none.
-                   s.state <> 'queued' AND NOT j.keyed AND j.batch_id IS NULL AND NOT j.depended_on
-                       AND s.state = ANY((SELECT states FROM ready)::text[]) AS leaves
+                       AND (o.state IN ('queued', 'cancelled')) AS stopped, l.leaves
             FROM jobs_job j JOIN o ON j.id = o.id
             CROSS JOIN LATERAL (
                 SELECT CASE WHEN j.cancel_requested_at IS NOT NULL AND o.state = 'queued'
                             THEN 'cancelled' ELSE o.state END AS state
             ) s
+            CROSS JOIN LATERAL (
+                -- Ends, and leaves for the history: keyless, in no batch, waited for by none.
+                SELECT s.state <> 'queued' AND NOT j.keyed AND j.batch_id IS NULL
+                       AND NOT j.depended_on AND s.state = ANY((SELECT COALESCE(array_agg(r.state::text), '{}') FROM jobs_historyready r WHERE r.until > statement_timestamp())::text[]) AS leaves
+            ) l
             WHERE j.claim_token = o.token AND j.state || '' = 'running'
             FOR UPDATE OF j SKIP LOCKED
         ),
