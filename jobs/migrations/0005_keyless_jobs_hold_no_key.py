@@ -9,7 +9,8 @@ the pass, the successor's insert and the release of waiting jobs write the new r
 pass moves a keyless job that ends into the history in the statement that ends it, once the
 history is ready for it (jobs_historyready).
 
-Going back keeps the new rule under the old name, and the functions as installed here.
+Going back keeps the new rule under the old name and the functions installed again here as
+they are; it drops the new passes, whose predecessors were left as they were.
 """
 
 from django.db import migrations, models
@@ -57,11 +58,18 @@ class Migration(migrations.Migration):
                 ),
             ],
         ),
+        # The pass reads the history's readiness (0004): a function of a new name, so the
+        # previous release's workers keep calling theirs, as it was, during a rolling deploy
+        # and after going back, when this one is dropped.
+        InstallFunctions(
+            {
+                "jobs_worker_pass_v3": "e7c26fc4dbab3869",
+                "jobs_worker_fair_pass_v3": "6f1c6a9e9a0e58b8",
+            }
+        ),
         InstallFunctions(
             {
                 "jobs_enqueue_job": "c211d598a646cd59",
-                "jobs_worker_pass_v2": "8e1694fd1848e0db",
-                "jobs_worker_fair_pass_v2": "2feb1bd7ceb8865b",
                 "jobs_batch_fire": "5b35733393a1f6b8",
                 "jobs_dependents_release": "837ee011cb58077d",
             },

@@ -202,6 +202,14 @@ def ensure(cur: CursorWrapper, state: str, first: datetime, last: datetime) -> l
         return create(cur, state, _utc(first), _utc(last), width(state))
 
 
+#: How long before the scheduler's clock a statement that ends a job may have read its own and
+#: still find ``until`` set: a statement reads its clock when it starts, and the table after
+#: waiting for a lock, or later still inside a database function. The partitions from this
+#: long before now are made and counted too, so a pass that started just before an hour
+#: began finds the previous hour's partition there.
+CLOCK_SKEW = timedelta(minutes=1)
+
+
 def prepare_ahead(
     now: datetime | None = None, using: str = DEFAULT_DB_ALIAS
 ) -> dict[str, datetime | None]:
@@ -209,8 +217,7 @@ def prepare_ahead(
     ahead, and record it for :data:`READY_UNTIL`; each state's ready time (None: not ready).
 
     ``until`` becomes the end of the partitions that follow one another without a gap from
-    the one holding ``now`` (default: the database clock, which the pass's times never
-    precede). The archive duty calls it every pass: when every partition is there and every
+    the one holding :data:`CLOCK_SKEW` before ``now`` (default: the database clock). The archive duty calls it every pass: when every partition is there and every
     ``until`` is right, that is one read of the catalog, with no DDL and no write. A state
     whose partitions waited for a lock keeps its ``until`` and is tried again next pass. Call
     it outside a transaction: each state that changes commits on its own.
@@ -220,16 +227,18 @@ def prepare_ahead(
         cur.execute(_LAYOUT, {"states": list(TERMINAL_STATES)})
         for state, until, clock, names in cur.fetchall():
             now = _utc(now or clock)
+            # From a moment before: a statement reads its clock before it reads the table.
+            since = now - CLOCK_SKEW
             last = now + LOOKAHEAD * width(state)
             until = None if until is None else _utc(until)
             existing = parsed(names)
-            if until == _ready_until(existing, now) and not plan(
-                existing, state, now, last, width(state)
+            if until == _ready_until(existing, since) and not plan(
+                existing, state, since, last, width(state)
             ):
                 ready[state] = until
                 continue
             try:
-                ready[state] = _prepare(cur, state, now, last)
+                ready[state] = _prepare(cur, state, since, last)
             except OperationalError as exc:
                 if not _lock_timeout(exc):
                     raise

@@ -86,6 +86,18 @@ def test_the_squashed_migrations_build_the_schema_of_the_chain_they_replaced(squ
 #: The history table and its partitions, one for each way a job ends.
 HISTORY_TABLES = [f"jobs_jobhistory{part}" for part in ("", "_cancelled", "_failed", "_succeeded")]
 
+PASS_ARGUMENTS = (
+    "boolean,bigint[],uuid[],text[],text[],text[],double precision[],timestamp with time "
+    "zone[],integer[],jsonb[],jsonb[],text[],integer[],integer[],integer,double precision,text,"
+    "text,text"
+)
+FAIR_PASS_ARGUMENTS = (
+    "bigint[],uuid[],text[],text[],text[],double precision[],timestamp with time zone[],"
+    "integer[],jsonb[],jsonb[],text[],integer[],integer[],integer[],integer[],double precision[],"
+    "double precision[],double precision[],double precision[],boolean[],boolean[],text[],"
+    "double precision[],integer,double precision,text,text,text"
+)
+
 #: What each migration after the squashed set changes in the description: key -> the new
 #: definition (None: the object is gone).
 CHANGES: dict[str, str | None] = {
@@ -120,7 +132,11 @@ CHANGES: dict[str, str | None] = {
         "CREATE INDEX jobs_historyready_state_3b42879d_like ON public.jobs_historyready "
         "USING btree (state varchar_pattern_ops)"
     ),
-    # 0005: a keyless job holds no key.
+    # 0005: a keyless job holds no key; the pass of a new name, which reads 0004's table
+    # (a function's text is the file's, compared by test_the_database_runs_the_functions_in_
+    # the_files: here only whether it is installed).
+    "function jobs_worker_pass_v3(" + PASS_ARGUMENTS + ")": "installed",
+    "function jobs_worker_fair_pass_v3(" + FAIR_PASS_ARGUMENTS + ")": "installed",
     "constraint jobs_job.jobs_job_active_holds_key": None,
     "constraint jobs_job.jobs_job_active_keyed_holds_key": (
         "c CHECK ((key_held OR (NOT ((state)::text = ANY ((ARRAY['queued'::character varying, "
@@ -139,6 +155,10 @@ def test_the_migrations_after_the_squashed_set_change_only_what_they_say(
         key: latest.get(key)
         for key in sorted(set(latest) | set(squashed))
         if latest.get(key) != squashed.get(key)
+    }
+    changed = {
+        key: "installed" if key.startswith("function ") and value is not None else value
+        for key, value in changed.items()
     }
     assert changed == CHANGES
 
@@ -308,3 +328,35 @@ def test_waiting_jobs_lose_the_old_placeholder_date_and_get_it_back_when_reverse
         assert due_times() == {"due": "a time", "waiting": None, "gone": None}
         call_command("migrate", "jobs", SQUASHED, database=alias, verbosity=0)
         assert due_times() == {"due": "a time", "waiting": "placeholder", "gone": "placeholder"}
+
+
+@pytest.mark.slow
+def test_going_back_to_the_previous_release_keeps_its_workers_pass_working(
+    django_db_blocker, monkeypatch
+):
+    """Rolling the release back (``migrate jobs 0003``) leaves the pass the previous release's
+    workers call as it was: 0005 installs the new pass under a new name and drops it going
+    back, so the old one never reads what 0004's reversal drops."""
+    from jobs.queue import cycle
+
+    with django_db_blocker.unblock(), schema.throwaway_database("previous") as alias:
+        call_command("migrate", database=alias, verbosity=0)
+        queue.enqueue(NewJob(NAME, {"n": 1}), using=alias)
+        call_command("migrate", "jobs", "0003", database=alias, verbosity=0)
+        with connections[alias].cursor() as cur:
+            cur.execute("SELECT to_regclass('jobs_historyready')")
+            assert cur.fetchone() == (None,)  # 0004 reversed
+        # The previous release's worker: its function, the same arguments.
+        monkeypatch.setattr(cycle, "_PASS_CALL", cycle._PASS_CALL.replace("_v3(", "_v2("))
+        report, claimed = queue.record_and_claim(
+            [], [ClaimRequest(NAME, 5)], scope=AllTenantsExcept("worker"), count=False, using=alias
+        )
+        assert len(claimed) == 1
+        report, _ = queue.record_and_claim(
+            [Outcome.succeeded(claimed[0])],
+            [ClaimRequest(NAME, 5)],
+            scope=AllTenantsExcept("worker"),
+            count=False,
+            using=alias,
+        )
+        assert report.applied == (claimed[0].id,)

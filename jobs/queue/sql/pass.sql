@@ -3,14 +3,14 @@
 
 -- name: pass
 -- The worker's pass for names without flow controls: its outcomes written and the
--- next jobs claimed in one call (functions/jobs_worker_pass_v2.sql), whose plan
+-- next jobs claimed in one call (functions/jobs_worker_pass_v3.sql), whose plan
 -- each connection keeps. p_walk picks the claim's form for the server.
-SELECT * FROM jobs_worker_pass_v2(%(walk)s, %(ids)b::bigint[], %(tokens)b::uuid[], %(states)b::text[], %(codes)b::text[], %(details)b::text[], %(delays)b::float8[], %(ats)b::timestamptz[], %(deltas)b::integer[], %(results)b::jsonb[], %(reports)b::jsonb[], %(names)b::text[], %(limits)b::integer[], %(caps)b::integer[], %(total)s::integer, %(lease)s::float8, %(worker)s::text, %(pick_tenant)s::text, %(pick_component)s::text)
+SELECT * FROM jobs_worker_pass_v3(%(walk)s, %(ids)b::bigint[], %(tokens)b::uuid[], %(states)b::text[], %(codes)b::text[], %(details)b::text[], %(delays)b::float8[], %(ats)b::timestamptz[], %(deltas)b::integer[], %(results)b::jsonb[], %(reports)b::jsonb[], %(names)b::text[], %(limits)b::integer[], %(caps)b::integer[], %(total)s::integer, %(lease)s::float8, %(worker)s::text, %(pick_tenant)s::text, %(pick_component)s::text)
 ;
 
 -- name: fair_pass
--- The same for names all fair with no limit (functions/jobs_worker_fair_pass_v2.sql).
-SELECT * FROM jobs_worker_fair_pass_v2(%(ids)b::bigint[], %(tokens)b::uuid[], %(states)b::text[], %(codes)b::text[], %(details)b::text[], %(delays)b::float8[], %(ats)b::timestamptz[], %(deltas)b::integer[], %(results)b::jsonb[], %(reports)b::jsonb[], %(names)b::text[], %(limits)b::integer[], %(caps)b::integer[], %(gcaps)b::integer[], %(tcaps)b::integer[], %(rates)b::float8[], %(bursts)b::float8[], %(trates)b::float8[], %(tbursts)b::float8[], %(gated)b::boolean[], %(ordered)b::boolean[], %(afters)b::text[], %(lshares)b::float8[], %(total)s::integer, %(lease)s::float8, %(worker)s::text, %(pick_tenant)s::text, %(pick_component)s::text)
+-- The same for names all fair with no limit (functions/jobs_worker_fair_pass_v3.sql).
+SELECT * FROM jobs_worker_fair_pass_v3(%(ids)b::bigint[], %(tokens)b::uuid[], %(states)b::text[], %(codes)b::text[], %(details)b::text[], %(delays)b::float8[], %(ats)b::timestamptz[], %(deltas)b::integer[], %(results)b::jsonb[], %(reports)b::jsonb[], %(names)b::text[], %(limits)b::integer[], %(caps)b::integer[], %(gcaps)b::integer[], %(tcaps)b::integer[], %(rates)b::float8[], %(bursts)b::float8[], %(trates)b::float8[], %(tbursts)b::float8[], %(gated)b::boolean[], %(ordered)b::boolean[], %(afters)b::text[], %(lshares)b::float8[], %(total)s::integer, %(lease)s::float8, %(worker)s::text, %(pick_tenant)s::text, %(pick_component)s::text)
 ;
 
 -- name: pass_inline

@@ -588,7 +588,9 @@ def test_after_prepare_ahead_a_row_finished_any_time_before_until_has_its_partit
             assert not any(p.start == until for p in layout)  # the end of the coverage
             # (A product is rounded to the microsecond: kept below until.)
             inside = now + (until - now - timedelta(microseconds=1)) * into
-            for pk, at in enumerate((now, inside, until - timedelta(microseconds=1))):
+            # From CLOCK_SKEW before now: a pass that read its clock just before an hour began.
+            earliest = now - history.CLOCK_SKEW
+            for pk, at in enumerate((earliest, now, inside, until - timedelta(microseconds=1))):
                 with transaction.atomic():
                     insert_row(cur, state, at, pk)  # no partition: raises here
             raise Rollback
