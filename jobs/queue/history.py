@@ -217,8 +217,9 @@ def prepare_ahead(
     ahead, and record it for :data:`READY_UNTIL`; each state's ready time (None: not ready).
 
     ``until`` becomes the end of the partitions that follow one another without a gap from
-    the one holding :data:`CLOCK_SKEW` before ``now`` (default: the database clock). The archive duty calls it every pass: when every partition is there and every
-    ``until`` is right, that is one read of the catalog, with no DDL and no write. A state
+    the one holding :data:`CLOCK_SKEW` before ``now`` (default: the database clock). The
+    archive duty calls it every pass: when every partition is there and every ``until`` is
+    right, that is one read of the catalog, with no DDL and no write. A state
     whose partitions waited for a lock keeps its ``until`` and is tried again next pass. Call
     it outside a transaction: each state that changes commits on its own.
     """

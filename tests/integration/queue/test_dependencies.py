@@ -325,5 +325,5 @@ def test_after_names_a_keyless_job_by_its_id_and_says_so_for_its_generated_job_i
     upstream = queue.enqueue(NewJob(name=UP))
     waiting = queue.enqueue(NewJob(name=DOWN, after=(upstream.id,)))
     assert waiting.created
-    with pytest.raises(InvalidJob, match="enqueued without a job_id.*by its id"):
+    with pytest.raises(InvalidJob, match=r"enqueued without a job_id.*by its id"):
         queue.enqueue(NewJob(name=DOWN, after=(upstream.job_id,)))
