@@ -51,6 +51,7 @@ import sys
 import time
 
 from _common import (
+    EVERY_JOB,
     PostgresCpu,
     db_counters,
     enqueue_noops,
@@ -74,7 +75,9 @@ def db_span() -> float:
     from django.db import connection
 
     with connection.cursor() as cur:
-        cur.execute("SELECT extract(epoch FROM max(finished_at) - min(started_at)) FROM jobs_job")
+        cur.execute(
+            f"SELECT extract(epoch FROM max(finished_at) - min(started_at)) FROM {EVERY_JOB}"
+        )
         (span,) = cur.fetchone()
     return float(span)
 
@@ -89,15 +92,15 @@ def all_running_rate() -> float:
 
     with connection.cursor() as cur:
         cur.execute(
-            """
+            f"""
             WITH up AS (
                 SELECT max(first) AS at FROM (
-                    SELECT min(started_at) AS first FROM jobs_job GROUP BY claimed_by
+                    SELECT min(started_at) AS first FROM {EVERY_JOB} GROUP BY claimed_by
                 ) AS workers
             )
             SELECT count(*) FILTER (WHERE finished_at > up.at),
                    extract(epoch FROM max(finished_at) - up.at)
-            FROM jobs_job, up GROUP BY up.at
+            FROM {EVERY_JOB}, up GROUP BY up.at
             """
         )
         count, span = cur.fetchone()

@@ -38,6 +38,7 @@ import sys
 import time
 
 from _common import (
+    EVERY_JOB,
     PostgresCpu,
     percentile,
     report_problems,
@@ -83,7 +84,7 @@ def wait_claimed(job: str, timeout: float) -> None:
         while True:
             cur.execute("SELECT state FROM jobs_job WHERE id = %s", [job])
             row = cur.fetchone()
-            if row is None or row[0] != "queued":
+            if row is None or row[0] != "queued":  # gone: it ended and left for the history
                 return
             if time.monotonic() > deadline:
                 raise SystemExit(f"A's job {job} was not claimed within {timeout:g} s")
@@ -106,7 +107,7 @@ def latencies(tenant: str) -> list[float]:
 
     with connection.cursor() as cur:
         cur.execute(
-            "SELECT extract(epoch FROM started_at - run_after) * 1000 FROM jobs_job "
+            f"SELECT extract(epoch FROM started_at - run_after) * 1000 FROM {EVERY_JOB} "
             "WHERE tenant = %s",
             [tenant],
         )
@@ -117,7 +118,9 @@ def db_span() -> float:
     from django.db import connection
 
     with connection.cursor() as cur:
-        cur.execute("SELECT extract(epoch FROM max(finished_at) - min(started_at)) FROM jobs_job")
+        cur.execute(
+            f"SELECT extract(epoch FROM max(finished_at) - min(started_at)) FROM {EVERY_JOB}"
+        )
         (span,) = cur.fetchone()
     return float(span)
 

@@ -47,6 +47,7 @@ import sys
 import time
 
 from _common import (
+    EVERY_JOB,
     UNFINISHED,
     PostgresCpu,
     counts,
@@ -95,7 +96,7 @@ def overlap_peak(name: str) -> int:
         cur.execute(
             "SELECT coalesce(max(inside), 0) FROM (SELECT sum(step) OVER (ORDER BY at, step "
             "ROWS UNBOUNDED PRECEDING) AS inside FROM (SELECT started_at AS at, 1 AS step "
-            "FROM jobs_job WHERE name = %s UNION ALL SELECT finished_at, -1 FROM jobs_job "
+            f"FROM {EVERY_JOB} WHERE name = %s UNION ALL SELECT finished_at, -1 FROM {EVERY_JOB} "
             "WHERE name = %s) AS steps) AS running",
             [name, name],
         )
@@ -144,7 +145,9 @@ def gate(args: argparse.Namespace, pg: PostgresCpu) -> tuple[list[object], bool]
     with connection.cursor() as cur:
         cur.execute(f"SELECT cur, peak FROM {GAUGE_TABLE} WHERE name = %s", [name])
         left, peak = cur.fetchone()
-        cur.execute("SELECT extract(epoch FROM max(finished_at) - min(started_at)) FROM jobs_job")
+        cur.execute(
+            f"SELECT extract(epoch FROM max(finished_at) - min(started_at)) FROM {EVERY_JOB}"
+        )
         span = float(cur.fetchone()[0])
     if left != 0:
         raise SystemExit(f"the gauge ends at {left} handlers inside, not 0")
@@ -214,7 +217,7 @@ def rate(args: argparse.Namespace, pg: PostgresCpu) -> tuple[list[object], bool]
         left = counts().get("queued", 0)
     with connection.cursor() as cur:
         cur.execute(
-            "SELECT extract(epoch FROM started_at) FROM jobs_job WHERE name = %s "
+            f"SELECT extract(epoch FROM started_at) FROM {EVERY_JOB} WHERE name = %s "
             "AND started_at >= to_timestamp(%s) AND started_at < to_timestamp(%s) "
             "ORDER BY started_at",
             [name, begin, end],

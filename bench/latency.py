@@ -25,7 +25,15 @@ import random
 import sys
 import time
 
-from _common import percentile, report_problems, running_workers, setup_bench, table, truncate
+from _common import (
+    JOB_BY_ID,
+    percentile,
+    report_problems,
+    running_workers,
+    setup_bench,
+    table,
+    truncate,
+)
 
 TARGET_P50_MS = 10.0
 
@@ -47,10 +55,7 @@ def one_job(n: int) -> tuple[float, float, float]:
     deadline = time.monotonic() + 10
     with connection.cursor() as cur:
         while True:
-            cur.execute(
-                "SELECT state, result, extract(epoch FROM started_at) FROM jobs_job WHERE id = %s",
-                [enqueued.id],
-            )
+            cur.execute(JOB_BY_ID, {"id": enqueued.id})
             state, result, claimed = cur.fetchone()
             if state == "succeeded":
                 seen = time.time()

@@ -79,6 +79,7 @@ from functools import cache
 from typing import Any
 
 from _common import (
+    EVERY_JOB,
     PostgresCpu,
     out_path,
     percentile,
@@ -680,7 +681,7 @@ def explain(sizes: Sizes, result: Result) -> None:
 
 def max_id() -> int:
     with cursor() as cur:
-        cur.execute("SELECT COALESCE(max(id), 0) FROM jobs_job")
+        cur.execute(f"SELECT COALESCE(max(id), 0) FROM {EVERY_JOB}")
         return int(cur.fetchone()[0])
 
 
@@ -732,7 +733,10 @@ def wait_drained(after: int, expected: int, workers: Sequence[Any], timeout: flo
                 raise SystemExit(f"timed out after {timeout:.0f}s with no-op jobs left")
             time.sleep(0.01)
         cur.execute(
-            "SELECT count(*) FROM jobs_job WHERE id > %s AND name = %s AND state = 'succeeded'",
+            "SELECT count(*) FROM ("
+            " SELECT id, name, state FROM jobs_job UNION ALL"
+            " SELECT id, name, state FROM jobs_jobhistory"
+            ") AS j WHERE id > %s AND name = %s AND state = 'succeeded'",
             [after, NOOP],
         )
         done = cur.fetchone()[0]
@@ -771,6 +775,7 @@ def measure_enqueue_and_drain(
     result.drain_rate, result.cpu_per_job = drain(after, expected, timeout=600, pg=pg)
     with cursor() as cur:
         cur.execute("DELETE FROM jobs_job WHERE id > %s AND name = %s", [after, NOOP])
+        cur.execute("DELETE FROM jobs_jobhistory WHERE id > %s AND name = %s", [after, NOOP])
 
 
 # -- table statistics -------------------------------------------------------------------------

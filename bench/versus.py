@@ -83,6 +83,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import psutil
 from _common import (
+    JOB_BY_ID,
     PostgresCpu,
     WorkerProcess,
     counts,
@@ -502,10 +503,7 @@ def jobs_one(n: int) -> tuple[float, float, float]:
     deadline = time.monotonic() + 10
     with connection.cursor() as cur:
         while True:
-            cur.execute(
-                "SELECT state, result, extract(epoch FROM started_at) FROM jobs_job WHERE id = %s",
-                [enqueued.id],
-            )
+            cur.execute(JOB_BY_ID, {"id": enqueued.id})
             state, result, claimed = cur.fetchone()
             if state == "succeeded":
                 seen = time.time()

@@ -34,6 +34,7 @@ import sys
 import time
 
 from _common import (
+    EVERY_JOB,
     PostgresCpu,
     running_workers,
     setup_bench,
@@ -102,7 +103,9 @@ def db_rate(expected: int) -> float:
     from django.db import connection
 
     with connection.cursor() as cur:
-        cur.execute("SELECT extract(epoch FROM max(finished_at) - min(started_at)) FROM jobs_job")
+        cur.execute(
+            f"SELECT extract(epoch FROM max(finished_at) - min(started_at)) FROM {EVERY_JOB}"
+        )
         (span,) = cur.fetchone()
     return expected / float(span)
 

@@ -30,11 +30,14 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
+from django.contrib.admin.utils import quote
 from django.core import checks
+from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse
-from django.urls import URLPattern, path
+from django.shortcuts import redirect
+from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
@@ -232,6 +235,10 @@ class JobAdmin(JobDisplay):
         """The job's page, with "Cancel…" for an active job and a stopping job's request."""
         extra = dict(extra_context or {})
         job = self.get_object(request, object_id) if request.method == "GET" else None
+        if request.method == "GET" and job is None:
+            moved = self._history_page(request, object_id)
+            if moved is not None:
+                return moved
         if job is not None:
             asked = job.cancel_requested_at
             if cancels.can_cancel(request.user) and eligible(job):
@@ -244,6 +251,22 @@ class JobAdmin(JobDisplay):
             # A running job's page refreshes its progress in place (jobs.admin.live).
             extra["live"] = job.state == RunState.RUNNING or live.is_live(request)
         return live.respond(request, super().change_view(request, object_id, form_url, extra))
+
+    def _history_page(self, request: HttpRequest, object_id: str) -> HttpResponse | None:
+        """A redirect to the job's page in the history, if it has left for it and the user may
+        read it there: most jobs leave as they end, so a page open on a running job finds it
+        there at its next refresh."""
+        history = self.admin_site._registry.get(JobHistory)
+        if history is None or not history.has_view_permission(request):
+            return None
+        try:
+            found = history.get_queryset(request).filter(pk=object_id).exists()
+        except (ValueError, ValidationError):
+            return None
+        if not found:
+            return None
+        page = reverse(f"{self.admin_site.name}:jobs_jobhistory_change", args=[quote(object_id)])
+        return redirect(page + (f"?{request.GET.urlencode()}" if request.GET else ""))
 
 
 admin.site.register(Pause, PauseAdmin)

@@ -68,9 +68,10 @@ def enqueue(
 ) -> Enqueued:
     """Enqueue one typed job, or return the job already holding its ``(tenant, job_id)``.
 
-    ``after`` lists jobs (enqueue results, row ids, or job_ids of the same tenant) this one
-    waits for: it is claimed only once all of them have succeeded. If one fails for good or
-    is cancelled, this job is cancelled (``on_dependency_failure="cancel"``, the default) or
+    ``after`` lists jobs (enqueue results, row ids, or job_ids you chose, of the same tenant;
+    a job enqueued without one is named by its row id) this one waits for: it is claimed
+    only once all of them have succeeded. If one fails for good or is cancelled, this job is
+    cancelled (``on_dependency_failure="cancel"``, the default) or
     failed (``"fail"``). See ``docs/workflows.md``. ``using`` names the database alias; by
     default the job goes to its type's (``@job(..., database=...)``, else
     ``JOBS["DATABASE"]``), see ``docs/databases.md``.

@@ -12,7 +12,8 @@ The files are read as they are now, so on a new database an earlier migration in
 function's latest text, which the later migration then installs again. A function whose
 arguments or result change gets a new name (``_v2``, ``_v3``): workers of the previous
 release keep calling the old one while a deploy rolls out, and a later migration drops it.
-Going back drops the functions a migration installed (and their triggers).
+Going back drops the functions a migration installed first (and their triggers), and keeps
+those a migration installed again (:class:`InstallFunctions`).
 
 (The module's name starts with ``_``: Django's migration loader passes it by.)
 """
@@ -44,16 +45,26 @@ def digest(name: str) -> str:
 
 
 class InstallFunctions(migrations.RunSQL):
-    """Create or replace functions from their files; going back, drop them."""
+    """Create or replace functions from their files; going back, drop them.
 
-    def __init__(self, functions: Mapping[str, str]) -> None:
+    ``again=True`` marks a migration that installs functions an earlier one installed
+    first: going back past it keeps them as they are, since the text it replaced is not
+    shipped, and dropping them would leave the earlier migration's schema without them. Such
+    a migration keeps the functions' new text working on the schema it goes back to.
+    """
+
+    def __init__(self, functions: Mapping[str, str], *, again: bool = False) -> None:
         #: Each function installed, with the digest of its file when the migration was made.
         self.functions = dict(functions)
         super().__init__(
             sql=[text(name) for name in self.functions],
-            reverse_sql=[
-                f"DROP FUNCTION IF EXISTS {name} CASCADE" for name in reversed(self.functions)
-            ],
+            reverse_sql=(
+                migrations.RunSQL.noop
+                if again
+                else [
+                    f"DROP FUNCTION IF EXISTS {name} CASCADE" for name in reversed(self.functions)
+                ]
+            ),
         )
 
     def describe(self) -> str:

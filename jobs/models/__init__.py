@@ -1,7 +1,7 @@
-"""The app's tables, one module a concern: the jobs table and its history (:mod:`.jobs`), the
-operator's tables (:mod:`.operators`), recorded schedule slots (:mod:`.schedules`), the
-console's rollups (:mod:`.console`), flow control's state (:mod:`.flow`), and workflows:
-batches, dependencies, effects (:mod:`.workflows`).
+"""The app's tables, one module a concern: the jobs table, its history and how far ahead the
+history is ready (:mod:`.jobs`), the operator's tables (:mod:`.operators`), recorded schedule
+slots (:mod:`.schedules`), the console's rollups (:mod:`.console`), flow control's state
+(:mod:`.flow`), and workflows: batches, dependencies, effects (:mod:`.workflows`).
 
 Every state change of the jobs table goes through :mod:`jobs.queue`. The models import
 nothing above them; the run contract they share is :mod:`jobs.runs`.
@@ -10,6 +10,7 @@ nothing above them; the run contract they share is :mod:`jobs.runs`.
 from jobs.models.console import BacklogSample, HistogramField, Rollup, RollupOutcome
 from jobs.models.flow import FairAccount, FlowGate, TenantBucket, TenantWeight
 from jobs.models.jobs import (
+    HistoryReady,
     Job,
     JobHistory,
     default_max_attempts,
@@ -39,6 +40,7 @@ __all__ = [
     "FairAccount",
     "FlowGate",
     "HistogramField",
+    "HistoryReady",
     "Job",
     "JobHistory",
     "Pause",

@@ -70,10 +70,12 @@ class Job(RunContract):
     """One unit of work. A retry is the same row with ``attempts + 1``, never a new row.
 
     ``key_held`` says whether this row holds its ``(tenant, job_id)`` idempotency key. Active
-    rows always hold it (a check constraint); terminal rows keep holding it through their
-    window (``SUCCESS_WINDOW`` after success, ``FAILURE_WINDOW`` after failure) so a repeat
-    enqueue returns them instead of running the work again, then let it go. The partial
-    UNIQUE index over key-holding rows is the whole idempotency lock: the database decides.
+    rows with a key the caller chose always hold it (a check constraint); terminal rows keep
+    holding it through their window (``SUCCESS_WINDOW`` after success, ``FAILURE_WINDOW``
+    after failure) so a repeat enqueue returns them instead of running the work again, then
+    let it go. The partial UNIQUE index over key-holding rows is the whole idempotency lock:
+    the database decides. A keyless job's generated key can never be presented again, so
+    it never holds it: its insert and its claim write no entry in that index.
 
     A finished row that holds no key moves to :class:`JobHistory` at the next archive pass, so
     this table holds active work and the keys of recent work, not the whole past.
@@ -101,7 +103,7 @@ class Job(RunContract):
     started_at = models.DateTimeField(_("started at"), null=True, blank=True)
     key_held = models.BooleanField(_("holds its job id"), default=True)
     # False when enqueue generated the job_id: nobody can submit that id again, so the row
-    # lets its key go as soon as it finishes and leaves this table at the next archive pass.
+    # never holds its key and leaves this table at the next archive pass once it finishes.
     keyed = models.BooleanField(
         _("keyed"),
         db_default=True,
@@ -169,8 +171,8 @@ class Job(RunContract):
                 name="jobs_job_key_lock",
             ),
             models.CheckConstraint(
-                condition=Q(key_held=True) | ~Q(state__in=ACTIVE_STATES),
-                name="jobs_job_active_holds_key",
+                condition=Q(key_held=True) | ~Q(state__in=ACTIVE_STATES) | Q(keyed=False),
+                name="jobs_job_active_keyed_holds_key",
             ),
             models.CheckConstraint(
                 condition=Q(priority__gte=PRIORITY_MIN, priority__lte=PRIORITY_MAX),
@@ -330,3 +332,31 @@ class JobHistory(RunContract):
     def replayed_rows(cls, pks: Iterable[Any]) -> models.QuerySet[Any]:
         """A replayed finished job is back in the jobs table, under the same id."""
         return Job.objects.filter(pk__in=list(pks))
+
+
+class HistoryReady(models.Model):
+    """Up to when the history is ready for rows of one terminal state: every ``finished_at``
+    from now to ``until`` has its partition attached.
+
+    The worker's pass reads it (``jobs.queue.history.READY_UNTIL``) to write a row it ends
+    straight into the history, which it may do only where no partition has to be made. The
+    scheduler's archive duty moves ``until`` on (``jobs.queue.history.prepare_ahead``); a
+    state without a row is not ready, and its finished rows wait in the jobs table for the
+    archive pass. At most one row per terminal state, read by its primary key.
+    """
+
+    state = models.CharField(_("state"), max_length=16, primary_key=True)
+    until = models.DateTimeField(_("ready until"))
+
+    class Meta:
+        db_table = "jobs_historyready"
+        verbose_name = _("history readiness")
+        verbose_name_plural = _("history readiness")
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(state__in=TERMINAL_STATES), name="jobs_historyready_terminal"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.state} until {self.until:%Y-%m-%d %H:%M}"

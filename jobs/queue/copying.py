@@ -122,7 +122,8 @@ _COPY_COLUMNS = (
     ("keyed", "bool"),
     ("replayed_by", "text"),
 )
-_COPY_CONSTANTS = ("queued", 0, "", "", "", True, False, "")
+# Every copied job is keyless: it holds no key (jobs.queue.keys).
+_COPY_CONSTANTS = ("queued", 0, "", "", "", False, False, "")
 _COPY = (
     "COPY jobs_job ("
     + ", ".join(name for name, _ in _COPY_COLUMNS)

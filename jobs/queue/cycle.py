@@ -98,7 +98,7 @@ _PASS_ARGUMENTS = {
     **_CLAIM_ARGUMENTS,
 }
 # The pass for names that are all fair with no limit (jobs.queue.claim.TIERED_FORM), as
-# jobs_worker_fair_pass_v2: the same outcome write, the fair claim; its arguments are the flow
+# jobs_worker_fair_pass_v3: the same outcome write, the fair claim; its arguments are the flow
 # claim's (jobs.queue.flow_claim.WANTED), most of them unused by this form but kept so the claim's
 # text is the flow claim's own.
 _FAIR_PASS_ARGUMENTS = {
@@ -155,8 +155,8 @@ def _call(function: str, arguments: dict[str, str], first: str = "") -> str:
 
 # The functions' names carry a version: a change of their arguments or columns is a new
 # function, and workers of the previous release keep calling theirs during a rolling deploy.
-PASS_FUNCTION = "jobs_worker_pass_v2"
-FAIR_PASS_FUNCTION = "jobs_worker_fair_pass_v2"
+PASS_FUNCTION = "jobs_worker_pass_v3"
+FAIR_PASS_FUNCTION = "jobs_worker_fair_pass_v3"
 _PASS_CALL = _call(PASS_FUNCTION, _PASS_ARGUMENTS, "%(walk)s, ")
 _FAIR_PASS_CALL = _call(FAIR_PASS_FUNCTION, _FAIR_PASS_ARGUMENTS)
 
@@ -187,7 +187,7 @@ def _pass_query(claim_ctes: str, after: str = "") -> str:
 
 
 def pass_function() -> str:
-    """``CREATE OR REPLACE FUNCTION jobs_worker_pass_v2``: :func:`record_and_claim`'s statement
+    """``CREATE OR REPLACE FUNCTION jobs_worker_pass_v3``: :func:`record_and_claim`'s statement
     for names without flow controls, as a function whose plan each connection keeps.
 
     Rendered into jobs/queue/sql/functions/, whose file the migrations install: a change to
@@ -211,7 +211,7 @@ def pass_function() -> str:
 
 
 def fair_pass_function() -> str:
-    """``CREATE OR REPLACE FUNCTION jobs_worker_fair_pass_v2``: the pass for names that are all
+    """``CREATE OR REPLACE FUNCTION jobs_worker_fair_pass_v3``: the pass for names that are all
     fair with no limit (:data:`~jobs.queue.claim.TIERED_FORM`), with a kept plan as
     :func:`pass_function`'s. Planned inline every pass, it cost the fair drain about 26 µs of
     PostgreSQL CPU a job more than the plain one (bench/fairness.py). Rendered and installed

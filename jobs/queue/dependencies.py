@@ -104,7 +104,8 @@ def prepare(cur: CursorWrapper, rows: list[dict[str, Any]]) -> None:
             else:
                 raise InvalidJob(
                     f"after: no job holds job_id {item!r} in tenant {row['tenant']} "
-                    f"(name a job that let its key go by its row id)"
+                    f"(name a job enqueued without a job_id, or one that let its key go, by "
+                    f"its id)"
                 )
         row["upstream"] = list(dict.fromkeys(upstream))
     states, tenants = _states(cur, {id_ for row in rows for id_ in row["upstream"]})

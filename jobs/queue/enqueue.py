@@ -292,7 +292,7 @@ def _insert(
                    CASE WHEN r.waiting_on = 0  -- a job that waits for others is not due yet
                         THEN COALESCE(r.run_after, %(base)s + make_interval(secs => r.delay))
                    END,
-                   'queued', 0, '', '', '', TRUE, r.keyed, '', %(base)s, """
+                   'queued', 0, '', '', '', r.keyed, r.keyed, '', %(base)s, """
         + _FAIR.format(name="r.name")
         + """, r.batch_id, r.waiting_on
             FROM unnest(

@@ -39,7 +39,7 @@ _INSERT_ONE = (
         )
         VALUES (
             p_job_id, p_name, p_payload, p_tenant, p_queue, p_priority, p_max_attempts,
-            v_run_after, 'queued', 0, '', '', '', TRUE, p_keyed, '', v_at,
+            v_run_after, 'queued', 0, '', '', '', p_keyed, p_keyed, '', v_at,
             """
     + _FAIR_OF_ONE.format(name="p_name")
     + """,

@@ -15,41 +15,64 @@ bounded ``DELETE … RETURNING`` into ``INSERT`` that reads the terminal-row ind
               DROP TABLE
 
 A state whose retention is three days or less gets an hour per partition (a row lives up to
-an hour past its retention), a longer one a day per partition. Partition names carry their
-bounds in UTC (``jobs_jobhistory_failed_2026120100_2026120200``), so the module reads the
-layout from the catalog by name alone. A partition is created just before the first row that
-needs it moves, clipped so it never overlaps one made under another width. Rows already past
-their retention when they leave the jobs table are deleted, not moved.
+an hour past its retention), a longer one a day per partition
+(:mod:`jobs.queue.history_partitions` names, plans and makes them). Rows already past their
+retention when they leave the jobs table are deleted, not moved.
+
+Ready ahead. The worker's pass may write a row it ends straight into the history, in the
+statement that ends it, where no DDL can run and no missing partition may fail it. So every
+archive pass first makes the partitions of the next :data:`LOOKAHEAD` widths (two hours, or
+two days) and records in ``jobs_historyready`` up to when each state is covered without a gap
+(:func:`prepare_ahead`); the pass reads that in :data:`READY_UNTIL`. Once all is ready, that
+costs one read of the catalog: partitions are made, and ``until`` moves, once an hour (or a
+day) per state.
+
+Writers of the history never wait long on this module's DDL: each statement waits at most
+``DDL_LOCK_TIMEOUT`` (a tenth of a second) for a lock, then the work is left for the next pass.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, cast
 
-from django.db import DEFAULT_DB_ALIAS, OperationalError, transaction
+from django.db import DEFAULT_DB_ALIAS, OperationalError
 from django.db.backends.utils import CursorWrapper
-from django.utils import timezone
 
 from jobs.core.conf import jobs_settings
 from jobs.queue import _db
+from jobs.queue.history_partitions import DAY as DAY
+from jobs.queue.history_partitions import HOUR as HOUR
+from jobs.queue.history_partitions import PARENT as PARENT
+from jobs.queue.history_partitions import Partition as Partition
+from jobs.queue.history_partitions import create, ddl, parsed
+from jobs.queue.history_partitions import partitions as partitions
+from jobs.queue.history_partitions import plan as plan
+from jobs.queue.history_partitions import utc as _utc
 from jobs.runs import TERMINAL_STATES, RunState
 
 logger = logging.getLogger("jobs.scheduler")
 
-PARENT = "jobs_jobhistory"
-# pg_advisory_xact_lock key of partition creation ("jobs" history, as a 63-bit constant).
-_PARTITION_LOCK = 0x6A6F62735F68
-HOUR, DAY = timedelta(hours=1), timedelta(days=1)
 #: Retentions up to this long are kept in hourly partitions, longer ones in daily ones.
 HOURLY_UP_TO = timedelta(days=3)
-_STAMP = "%Y%m%d%H"
-_NAME = re.compile(rf"^{PARENT}_(?P<state>[a-z]+)_(?P<start>\d{{10}})_(?P<end>\d{{10}})$")
+#: Partitions are made this many widths ahead of now: two hours, or two days.
+LOOKAHEAD = 2
+
+#: The time up to which the history is ready for finished rows of one state, as one SQL
+#: expression: ``{state}`` is replaced by the SQL of the state (a column, or a parameter).
+#:
+#: The contract for a statement that ends a job and writes its row straight into the history:
+#: a row of state S finished at T may be INSERTed into ``jobs_jobhistory`` if and only if
+#: T < READY_UNTIL for S. NULL (no row for S yet) means "not ready": the row stays in
+#: ``jobs_job``, where the archive pass moves it later. T is the statement's own
+#: ``statement_timestamp()``: every time from the database clock at which the scheduler set
+#: the value up to it has its partition attached, and retention never drops a partition that
+#: reaches the clock (any drop of one lowers the value in the same transaction). The read is
+#: one primary-key look-up in a table of at most three rows.
+READY_UNTIL = "(SELECT r.until FROM jobs_historyready r WHERE r.state = {state})"
 
 # Columns a history row has, in the order both INSERTs below write them.
 COLUMNS = (
@@ -120,27 +143,28 @@ INSERT INTO {PARENT} ({COLUMNS}) SELECT {COLUMNS} FROM back
 """
 
 
-@dataclass(frozen=True)
-class Partition:
-    """One time partition of one state's history: rows finished in ``[start, end)``."""
+# Every state's partitions and its ready time, with the clock: what prepare_ahead needs to see
+# that nothing is to be done, in one statement. (A cast of the name to regclass takes no lock.)
+_LAYOUT = f"""
+SELECT s.state, r.until, statement_timestamp(), ARRAY(
+    SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+    WHERE i.inhparent = ('{PARENT}_' || s.state)::regclass
+)
+FROM unnest(%(states)s::text[]) AS s(state)
+LEFT JOIN jobs_historyready r ON r.state = s.state
+"""
 
-    state: str
-    start: datetime
-    end: datetime
+_READY = """
+INSERT INTO jobs_historyready (state, until) VALUES (%(state)s, %(until)s)
+ON CONFLICT (state) DO UPDATE SET until = EXCLUDED.until
+"""
 
-    @property
-    def name(self) -> str:
-        return f"{PARENT}_{self.state}_{self.start:{_STAMP}}_{self.end:{_STAMP}}"
-
-    @classmethod
-    def parse(cls, name: str) -> Partition | None:
-        match = _NAME.match(name)
-        if match is None or match["state"] not in TERMINAL_STATES:
-            return None
-        start, end = (
-            datetime.strptime(match[key], _STAMP).replace(tzinfo=UTC) for key in ("start", "end")
-        )
-        return cls(match["state"], start, end)
+# A partition that reaches the clock is being dropped: the state is ready up to its start at
+# most. (Retention never drops one; a drop run with a time ahead of the clock may.)
+_UNREADY = """
+UPDATE jobs_historyready SET until = %(start)s
+WHERE state = %(state)s AND until > %(start)s AND %(end)s > statement_timestamp()
+"""
 
 
 def retention(state: str) -> timedelta:
@@ -165,59 +189,86 @@ def width(state: str) -> timedelta:
     return HOUR if retention(state) <= HOURLY_UP_TO else DAY
 
 
-def partitions(cur: CursorWrapper, state: str) -> list[Partition]:
-    """The time partitions of ``state``'s history, oldest first (read from the catalog)."""
-    cur.execute(
-        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
-        "WHERE i.inhparent = %s::regclass",
-        [f"{PARENT}_{state}"],
-    )
-    found = (Partition.parse(name) for (name,) in cur.fetchall())
-    return sorted((p for p in found if p is not None), key=lambda p: p.start)
-
-
 def ensure(cur: CursorWrapper, state: str, first: datetime, last: datetime) -> list[Partition]:
     """Create the partitions rows of ``state`` finished in ``[first, last]`` need; the new ones.
 
-    Each is created on its own and then attached: ``ATTACH PARTITION`` takes only a SHARE
-    UPDATE EXCLUSIVE lock on the state's table, so it neither waits for nor blocks readers of
-    the history (``CREATE TABLE … PARTITION OF`` would need ACCESS EXCLUSIVE). An advisory lock
-    makes concurrent callers take turns, so none attaches what another just did.
+    ``CREATE TABLE … (LIKE jobs_jobhistory)`` takes ACCESS SHARE on the history, as any reader
+    does, and ``ATTACH PARTITION`` SHARE UPDATE EXCLUSIVE on the state's table, which neither
+    readers nor writers of the history conflict with. Each statement waits at most
+    ``DDL_LOCK_TIMEOUT`` for a lock; then the error (SQLSTATE 55P03) is the caller's, and
+    nothing was created.
     """
-    first, last = _utc(first), _utc(last)
-    with transaction.atomic(using=cur.db.alias):
-        cur.execute("SELECT pg_advisory_xact_lock(%s)", [_PARTITION_LOCK])
-        created = plan(partitions(cur, state), state, first, last, width(state))
-        for partition in created:
-            cur.execute(f"CREATE TABLE {partition.name} (LIKE {PARENT} INCLUDING DEFAULTS)")
-            cur.execute(
-                f"ALTER TABLE {PARENT}_{state} ATTACH PARTITION {partition.name} "
-                "FOR VALUES FROM (%s) TO (%s)",
-                [partition.start, partition.end],
-            )
-    return created
+    with ddl(cur):
+        return create(cur, state, _utc(first), _utc(last), width(state))
 
 
-def plan(
-    existing: list[Partition], state: str, first: datetime, last: datetime, span: timedelta
-) -> list[Partition]:
-    """The partitions to add so every hour from ``first`` to ``last`` has one.
+#: How long before the scheduler's clock a statement that ends a job may have read its own and
+#: still find ``until`` set: a statement reads its clock when it starts, and the table after
+#: waiting for a lock, or later still inside a database function. The partitions from this
+#: long before now are made and counted too, so a pass that started just before an hour
+#: began finds the previous hour's partition there.
+CLOCK_SKEW = timedelta(minutes=1)
 
-    Each uncovered hour gets the partition of its bucket (``span``: an hour or a day), cut
-    short where an existing partition, made under another width, covers part of the bucket.
+
+def prepare_ahead(
+    now: datetime | None = None, using: str = DEFAULT_DB_ALIAS
+) -> dict[str, datetime | None]:
+    """Make the history ready for rows finishing from ``now`` to :data:`LOOKAHEAD` widths
+    ahead, and record it for :data:`READY_UNTIL`; each state's ready time (None: not ready).
+
+    ``until`` becomes the end of the partitions that follow one another without a gap from
+    the one holding :data:`CLOCK_SKEW` before ``now`` (default: the database clock). The
+    archive duty calls it every pass: when every partition is there and every ``until`` is
+    right, that is one read of the catalog, with no DDL and no write. A state
+    whose partitions waited for a lock keeps its ``until`` and is tried again next pass. Call
+    it outside a transaction: each state that changes commits on its own.
     """
-    taken = list(existing)
-    added: list[Partition] = []
-    hour = _floor(first, HOUR)
-    while hour <= last:
-        if not any(p.start <= hour < p.end for p in taken):
-            bucket = _floor(hour, span)
-            start = max([bucket, *(p.end for p in taken if p.end <= hour)])
-            end = min([bucket + span, *(p.start for p in taken if p.start > hour)])
-            added.append(Partition(state, start, end))
-            taken.append(added[-1])
-        hour += HOUR
-    return added
+    ready: dict[str, datetime | None] = {}
+    with _db.cursor(using) as cur:
+        cur.execute(_LAYOUT, {"states": list(TERMINAL_STATES)})
+        for state, until, clock, names in cur.fetchall():
+            now = _utc(now or clock)
+            # From a moment before: a statement reads its clock before it reads the table.
+            since = now - CLOCK_SKEW
+            last = now + LOOKAHEAD * width(state)
+            until = None if until is None else _utc(until)
+            existing = parsed(names)
+            if until == _ready_until(existing, since) and not plan(
+                existing, state, since, last, width(state)
+            ):
+                ready[state] = until
+                continue
+            try:
+                ready[state] = _prepare(cur, state, since, last)
+            except OperationalError as exc:
+                if not _lock_timeout(exc):
+                    raise
+                _deferred(state)
+                ready[state] = until
+    return ready
+
+
+def _prepare(cur: CursorWrapper, state: str, now: datetime, last: datetime) -> datetime | None:
+    """Create what is missing, then record the coverage, under the lock that drops take too."""
+    with ddl(cur):
+        create(cur, state, now, last, width(state))
+        until = _ready_until(partitions(cur, state), now)
+        if until is None:
+            cur.execute("DELETE FROM jobs_historyready WHERE state = %s", [state])
+        else:
+            cur.execute(_READY, {"state": state, "until": until})
+    return until
+
+
+def _ready_until(layout: list[Partition], now: datetime) -> datetime | None:
+    """The end of the partitions that follow on from the one holding ``now``, without a gap."""
+    until = None
+    for partition in layout:  # oldest first, never overlapping
+        if (until is None and partition.start <= now < partition.end) or partition.start == until:
+            until = partition.end
+        elif until is not None:
+            break
+    return until
 
 
 def archive(
@@ -253,11 +304,7 @@ def archive(
             except OperationalError as exc:
                 if not _lock_timeout(exc):
                     raise
-                logger.warning(
-                    "archive: no partition for %s rows yet (waited for a lock); next pass",
-                    state,
-                    extra={"action": "archive_deferred", "state": state},
-                )
+                _deferred(state)
                 continue
             moved_total = kept_total = statements = 0
             # Rows that let go of their key, then key holders whose window has passed; the
@@ -292,13 +339,15 @@ def drop_expired(
     """Drop history partitions wholly past their state's retention; rows dropped per state.
 
     The counts are PostgreSQL's estimate (``reltuples``) where the partition was analysed,
-    an exact count otherwise: a drop costs the same whatever the partition holds.
+    an estimate from its size otherwise: a drop costs the same whatever the partition holds.
+    A partition that reaches ``now`` is never dropped, whatever the retention: rows finishing
+    now go there. One that waited for a lock is left for the next pass.
     """
     dropped: dict[str, int] = {}
     with _db.cursor(using) as cur:
         now = _utc(now or _clock(cur))
         for state in TERMINAL_STATES:
-            age = (retentions or {}).get(state) or retention(state)
+            age = max((retentions or {}).get(state) or retention(state), timedelta(0))
             for partition in partitions(cur, state):
                 if partition.end > now - age:
                     break
@@ -322,18 +371,34 @@ def _drop(cur: CursorWrapper, partition: Partition) -> int:
     """Drop one partition; the rows it held, as PostgreSQL's statistics estimate them.
 
     Never analysed, it is estimated from its size (about 40 rows a page): counting the rows
-    would cost what the drop saves.
+    would cost what the drop saves. ``DROP TABLE`` of a partition takes ACCESS EXCLUSIVE on
+    the state's table, which waits for every reader and writer of that state's history and
+    makes every later one wait behind it: so it waits at most ``DDL_LOCK_TIMEOUT``, and
+    a lock timeout (SQLSTATE 55P03) is the caller's to leave for the next pass.
     """
-    with transaction.atomic(using=cur.db.alias):
+    with ddl(cur):
         cur.execute(
             "SELECT CASE WHEN reltuples >= 0 THEN reltuples "
             "ELSE pg_relation_size(oid) / current_setting('block_size')::int * 40 END::bigint "
-            "FROM pg_class WHERE oid = %s::regclass",
+            "FROM pg_class WHERE oid = to_regclass(%s)",
             [partition.name],
         )
-        (rows,) = cur.fetchone()
+        found = cur.fetchone()
+        if found is None:  # dropped by someone else meanwhile
+            return 0
         cur.execute(f"DROP TABLE IF EXISTS {partition.name}")
-    return int(rows)
+        cur.execute(
+            _UNREADY, {"state": partition.state, "start": partition.start, "end": partition.end}
+        )
+    return int(found[0])
+
+
+def _deferred(state: str) -> None:
+    logger.warning(
+        "archive: no partition for %s rows yet (waited for a lock); next pass",
+        state,
+        extra={"action": "archive_deferred", "state": state},
+    )
 
 
 def _clock(cur: CursorWrapper) -> datetime:
@@ -342,21 +407,6 @@ def _clock(cur: CursorWrapper) -> datetime:
     return cast(datetime, now)
 
 
-def _utc(moment: datetime) -> datetime:
-    """Aware UTC. With ``USE_TZ = False`` Django hands back naive times in ``TIME_ZONE``."""
-    if timezone.is_naive(moment):
-        moment = timezone.make_aware(moment, timezone.get_default_timezone())
-    return moment.astimezone(UTC)
-
-
 def _lock_timeout(exc: OperationalError) -> bool:
     """The statement gave up waiting for a lock (``lock_timeout``, SQLSTATE 55P03)."""
     return getattr(exc.__cause__, "sqlstate", None) == "55P03"
-
-
-def _floor(moment: datetime, span: timedelta) -> datetime:
-    """The start of the UTC hour or day ``moment`` falls in."""
-    moment = moment.astimezone(UTC)
-    if span == DAY:
-        return moment.replace(hour=0, minute=0, second=0, microsecond=0)
-    return moment.replace(minute=0, second=0, microsecond=0)

@@ -107,7 +107,7 @@ def requeue_expired(
         SET state = CASE WHEN asked THEN 'cancelled' ELSE 'queued' END,
             run_after = CASE WHEN asked THEN j.run_after ELSE {_NOW} END,
             finished_at = CASE WHEN asked THEN {_NOW} END,
-            key_held = NOT asked OR j.keyed,
+            key_held = j.keyed,
             last_error = CASE WHEN asked THEN %(cancelled)s ELSE %(code)s END,
             error_detail = CASE WHEN asked
                 THEN 'cancelled by ' || j.cancel_requested_by

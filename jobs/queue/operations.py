@@ -34,7 +34,7 @@ WITH target AS (
     FOR UPDATE OF j
 )
 UPDATE jobs_job j
-SET state = 'queued', attempts = 0, run_after = statement_timestamp(), key_held = TRUE,
+SET state = 'queued', attempts = 0, run_after = statement_timestamp(), key_held = j.keyed,
     fair = """
     + flow.FAIR_AT_ENQUEUE.format(name="j.name")
     + """,

@@ -25,13 +25,39 @@ from django.utils import timezone
 
 from jobs.core.progress import Progress
 from jobs.db import bounds as dbbounds
-from jobs.queue import _db, attempts, bound, flow, rollup, text
+from jobs.queue import _db, attempts, bound, flow, history, rollup, text
 from jobs.queue._arrays import Array, array
 from jobs.queue.bound import RunRows
 from jobs.queue.types import ClaimedJob, Outcome, OutcomeReport, clamp_delay
 
 # What a stopped attempt's error says (the row's columns before the write).
 _STOPPED_DETAIL = "('cancelled while running, asked by ' || j.cancel_requested_by)"
+
+# What the write sets where an attempt ends, for the row that stays (``updated``) and the one
+# that leaves for the history (``moved``) alike: ``j`` the row as it was, ``f`` its outcome.
+_WRITTEN = {
+    "attempts": "j.attempts + f.attempts_delta",
+    # A hand-back ran nothing: its claim is no attempt's start (jobs.queue.attempts).
+    "started_at": "CASE WHEN f.attempts_delta < 0 THEN NULL ELSE j.started_at END",
+    "last_error": "CASE WHEN f.stopped THEN 'cancelled' ELSE COALESCE(f.code, j.last_error) END",
+    "error_detail": (
+        f"CASE WHEN f.stopped THEN {_STOPPED_DETAIL} ELSE COALESCE(f.detail, j.error_detail) END"
+    ),
+    "result": "f.result",
+    # The handler's last progress report, if the lease renewals had not written it.
+    "progress": "COALESCE(f.report, j.progress)",
+}
+# A row that leaves, as its history row: what the write sets, and the rest as it was (an
+# ending attempt adds nothing to the log: it stays in the columns, jobs.queue.attempts).
+_MOVED = ",\n              ".join(
+    f"{_WRITTEN[column]} AS {column}"
+    if column in _WRITTEN
+    else {
+        "state": "f.state AS state",
+        "finished_at": "statement_timestamp() AS finished_at",
+    }.get(column, f"j.{column}")
+    for column in history.COLUMNS.split(", ")
+)
 
 # The outcome write's CTEs: the outcomes, the rows still held under their tokens (rows another
 # session holds locked are skipped and reported busy, never waited for), and the write. A job
@@ -72,12 +98,19 @@ o AS (
 free AS (
     -- An attempt an operator asked to stop is not retried or handed back: it ends cancelled.
     SELECT j.id, o.token, o.code, o.detail, o.delay, o.at, o.attempts_delta, o.result,
-           o.report, j.batch_id,
-           CASE WHEN j.cancel_requested_at IS NOT NULL AND o.state = 'queued'
-                THEN 'cancelled' ELSE o.state END AS state,
+           o.report, j.batch_id, s.state,
            j.cancel_requested_at IS NOT NULL
-               AND (o.state IN ('queued', 'cancelled')) AS stopped{FIGURES}
+               AND (o.state IN ('queued', 'cancelled')) AS stopped, l.leaves{FIGURES}
     FROM jobs_job j JOIN o ON j.id = o.id
+    CROSS JOIN LATERAL (
+        SELECT CASE WHEN j.cancel_requested_at IS NOT NULL AND o.state = 'queued'
+                    THEN 'cancelled' ELSE o.state END AS state
+    ) s
+    CROSS JOIN LATERAL (
+        -- Ends, and leaves for the history: keyless, in no batch, waited for by none.
+        SELECT s.state <> 'queued' AND NOT j.keyed AND j.batch_id IS NULL
+               AND NOT j.depended_on AND s.state = ANY({READY}) AS leaves
+    ) l
     WHERE j.claim_token = o.token AND j.state || '' = 'running'{FIRST_READ}
     FOR UPDATE OF j SKIP LOCKED
 ),
@@ -87,27 +120,38 @@ settling AS MATERIALIZED (
     WHERE b.id IN (SELECT f.batch_id FROM free f WHERE f.state <> 'queued')
     FOR NO KEY UPDATE OF b{SKIP}
 ),
-written AS (
+moved AS (
+    -- A job that leaves: its row as the write below would have left it, into the history.
+    DELETE FROM jobs_job j USING free f
+    WHERE j.id = f.id AND f.leaves
+    RETURNING {MOVED},
+              f.token, f.stopped, f.attempts_delta{MOVED_FIGURES}
+),
+archived AS (
+    INSERT INTO jobs_jobhistory ({HISTORY}) SELECT {HISTORY} FROM moved
+),
+unlinked AS (
+    -- What a finished job waited for matters no more once it leaves (jobs.queue.dependencies).
+    DELETE FROM jobs_dependency d WHERE d.job IN (SELECT m.id FROM moved m)
+),
+updated AS (
     UPDATE jobs_job j
     SET state = f.state,
-        attempts = j.attempts + f.attempts_delta,
+        attempts = {SET_attempts},
         run_after = CASE WHEN f.state = 'queued'
                          THEN COALESCE(f.at, statement_timestamp() + make_interval(secs => f.delay))
                          ELSE j.run_after END,
         finished_at = CASE WHEN f.state = 'queued' THEN NULL ELSE statement_timestamp() END,
-        -- A hand-back ran nothing: its claim is no attempt's start (jobs.queue.attempts).
-        started_at = CASE WHEN f.attempts_delta < 0 THEN NULL ELSE j.started_at END,
-        last_error = CASE WHEN f.stopped THEN 'cancelled' ELSE COALESCE(f.code, j.last_error) END,
-        error_detail = CASE WHEN f.stopped THEN """
-    + _STOPPED_DETAIL
-    + """ ELSE COALESCE(f.detail, j.error_detail) END,
-        result = f.result,
-        -- The handler's last progress report, if the lease renewals had not written it.
-        progress = COALESCE(f.report, j.progress),
+        started_at = {SET_started_at},
+        last_error = {SET_last_error},
+        error_detail = {SET_error_detail},
+        result = {SET_result},
+        progress = {SET_progress},
         claim_token = NULL,
         lease_expires_at = NULL,
-        -- A generated job_id is never submitted again: a finished keyless job lets it go.
-        key_held = (f.state = 'queued' OR j.keyed),
+        -- Only a key the caller chose is held, while the job is active and through its
+        -- window (a keyless row enqueued by an earlier release held its key while active).
+        key_held = j.keyed,
         -- A finished job keeps the identity of the worker that finished it.
         claimed_by = CASE WHEN f.state = 'queued' THEN '' ELSE j.claimed_by END,
         -- Back in the queue in its type's order now: tenant order may have begun meanwhile.
@@ -121,11 +165,17 @@ written AS (
     + attempts.entry_sql(row="j", outcome="'retry'", code="f.code", error="f.detail")
     + """ ELSE j.attempt_log END
     FROM free f
-    WHERE j.id = f.id
+    WHERE j.id = f.id AND NOT f.leaves
       AND (f.batch_id IS NULL OR f.state = 'queued' OR f.batch_id IN (SELECT id FROM settling))
     RETURNING j.id, f.token, CASE WHEN f.stopped THEN j.error_detail END AS stopped,
               j.depended_on AND f.state <> 'queued' AS settles,
               j.name AS wname, j.tenant AS wtenant{COUNTED}
+),
+written AS (
+    SELECT id, token, stopped, settles, wname, wtenant{COUNTED_NAMES} FROM updated
+    UNION ALL
+    SELECT id, token, CASE WHEN stopped THEN error_detail END, FALSE, name, tenant{MOVED_COUNTED}
+    FROM moved
 ),
 -- Held under their token but not written: another session holds the row locked. Looked
 -- for only when some outcome was not written: comparing each outcome with every written one
@@ -149,6 +199,15 @@ _FIGURES = """,
 _COUNTED = """,
               j.name, f.state, j.last_error AS code, f.attempts_delta >= 0 AS ran_attempt,
               CASE WHEN f.attempts_delta >= 0 THEN f.ran END AS ran, f.waited"""
+# The ends the history is ready for (jobs.queue.history.READY_UNTIL), read once a statement.
+_READY = (
+    "(SELECT COALESCE(array_agg(r.state::text), '{}') FROM jobs_historyready r"
+    " WHERE r.until > statement_timestamp())::text[]"
+)
+# The rollup's columns of ``written``, from the rows that stay and from those that leave.
+_COUNTED_NAMES = ", name, state, code, ran_attempt, ran, waited"
+_MOVED_COUNTED = """, name, state, last_error, attempts_delta >= 0,
+           CASE WHEN attempts_delta >= 0 THEN ran END, waited"""
 #: The outcome write's CTEs, ``True`` with the figures the rollup's CTE reads. As a statement of
 #: its own (:func:`record`) it waits for a batch row another session holds, as long as the
 #: connection's lock timeout allows; in the worker's pass (``PASS_OUTCOME_CTES``) it never
@@ -169,9 +228,18 @@ batches_first AS MATERIALIZED (
 
 
 def _outcome_ctes(count: bool, wait: bool) -> str:
+    text = _OUTCOME_CTES
+    for column, expression in _WRITTEN.items():
+        text = text.replace(f"{{SET_{column}}}", expression)
     return (
-        _OUTCOME_CTES.replace("{FIGURES}", _FIGURES if count else "")
+        text.replace("{FIGURES}", _FIGURES if count else "")
         .replace("{COUNTED}", _COUNTED if count else "")
+        .replace("{COUNTED_NAMES}", _COUNTED_NAMES if count else "")
+        .replace("{MOVED_COUNTED}", _MOVED_COUNTED if count else "")
+        .replace("{MOVED_FIGURES}", ", f.ran, f.waited" if count else "")
+        .replace("{MOVED}", _MOVED)
+        .replace("{READY}", _READY)
+        .replace("{HISTORY}", history.COLUMNS)
         .replace("{FIRST}", _BATCHES_FIRST if wait else "")
         .replace(
             "{FIRST_READ}", "\n      AND (SELECT count(*) FROM batches_first) >= 0" if wait else ""

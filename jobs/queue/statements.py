@@ -91,7 +91,7 @@ _FLOW_FORMS: dict[str, tuple[flow.FlowForm, str]] = {
         _form(tiered=True),
         "Fair names without tenant limits: their rows and the tenants' accounts come from\n"
         "jobs_fair_pick_v2, and the accounts are written after the claim. (The worker's pass\n"
-        "of such names is jobs_worker_fair_pass_v2, which holds this claim.)",
+        "of such names is jobs_worker_fair_pass_v3, which holds this claim.)",
     ),
     "claim_lower_share": (
         _form(plain=True, reserved=True),
@@ -137,13 +137,13 @@ def pass_file() -> str:
         _named(
             "pass",
             "The worker's pass for names without flow controls: its outcomes written and the\n"
-            "next jobs claimed in one call (functions/jobs_worker_pass_v2.sql), whose plan\n"
+            "next jobs claimed in one call (functions/jobs_worker_pass_v3.sql), whose plan\n"
             "each connection keeps. p_walk picks the claim's form for the server.",
             _PASS_CALL,
         ),
         _named(
             "fair_pass",
-            "The same for names all fair with no limit (functions/jobs_worker_fair_pass_v2.sql).",
+            "The same for names all fair with no limit (functions/jobs_worker_fair_pass_v3.sql).",
             _FAIR_PASS_CALL,
         ),
         _named(
@@ -195,8 +195,8 @@ RENDERED: dict[str, Callable[[], str]] = {
     "claim.sql": claim_file,
     "pass.sql": pass_file,
     "outcomes.sql": outcomes_file,
-    "functions/jobs_worker_pass_v2.sql": _function(pass_function),
-    "functions/jobs_worker_fair_pass_v2.sql": _function(fair_pass_function),
+    "functions/jobs_worker_pass_v3.sql": _function(pass_function),
+    "functions/jobs_worker_fair_pass_v3.sql": _function(fair_pass_function),
     "functions/jobs_fair_pick_v2.sql": _function(fair_pick_function),
     "functions/jobs_enqueue_job.sql": _function(enqueue_function),
 }

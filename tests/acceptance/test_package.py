@@ -379,7 +379,7 @@ class TestBuiltPackage:
             "jobs/management/commands/runworker.py",
             "jobs/templates/admin/jobs/app_index.html",
             # Read by the migrations, which install the functions from them.
-            "jobs/queue/sql/functions/jobs_worker_pass_v2.sql",
+            "jobs/queue/sql/functions/jobs_worker_pass_v3.sql",
             "jobs/queue/sql/claim.sql",
         ):
             assert required in names

@@ -438,7 +438,7 @@ SELECT * FROM claimed
 -- name: claim_fair
 -- Fair names without tenant limits: their rows and the tenants' accounts come from
 -- jobs_fair_pick_v2, and the accounts are written after the claim. (The worker's pass
--- of such names is jobs_worker_fair_pass_v2, which holds this claim.)
+-- of such names is jobs_worker_fair_pass_v3, which holds this claim.)
 WITH
 paused AS (
     SELECT COALESCE(array_agg(p.value::text) FILTER (WHERE p.kind = 'job_type'), '{}') AS names,

@@ -65,3 +65,26 @@ def test_a_refresh_leaves_the_operators_message_for_their_next_page(ops):
     assert message not in ops.get("/admin/jobs/job/").content.decode()  # read once
     job.refresh_from_db()
     assert job.state == RunState.CANCELLED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_running_jobs_page_refreshed_as_it_ends_shows_how_it_ended(ops):
+    """A job that left for the history as it ended: its page sends the operator there."""
+    from jobs import queue
+    from jobs.queue import AllTenants, ClaimRequest, Outcome
+    from tests.support.history import NAME, job, ready_history
+
+    ready_history()  # a scheduler runs, as in production
+    queue.enqueue(job())
+    [held] = queue.claim([ClaimRequest(NAME, 1)], scope=AllTenants(), worker="w")
+    page = f"/admin/jobs/job/{held.id}/change/"
+    opened = ops.get(page)
+    assert opened.status_code == 200 and opened.context["live"], opened.get("Location")
+    assert queue.record([Outcome.succeeded(held)]).applied == (held.id,)
+
+    refreshed = ops.get(page, **LIVE)
+    # Either the same page with the job's end, or a way to its page in the history.
+    history_page = f"/admin/jobs/jobhistory/{held.id}/change/"
+    assert (refreshed.status_code, refreshed.get("Location")) == (302, history_page)
+    ended = ops.get(history_page)
+    assert ended.status_code == 200 and "succeeded" in ended.content.decode()

@@ -317,3 +317,13 @@ def test_after_refuses_a_row_id_of_another_tenant():
     other = enqueue(tenant="tenant-b")
     with pytest.raises(InvalidJob):
         enqueue(DOWN, tenant="tenant-a", after=(other,))
+
+
+@pytest.mark.django_db
+def test_after_names_a_keyless_job_by_its_id_and_says_so_for_its_generated_job_id():
+    """A job enqueued without a job_id holds no key, so its generated job_id names nothing."""
+    upstream = queue.enqueue(NewJob(name=UP))
+    waiting = queue.enqueue(NewJob(name=DOWN, after=(upstream.id,)))
+    assert waiting.created
+    with pytest.raises(InvalidJob, match=r"enqueued without a job_id.*by its id"):
+        queue.enqueue(NewJob(name=DOWN, after=(upstream.job_id,)))

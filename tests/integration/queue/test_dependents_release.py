@@ -444,10 +444,11 @@ def _settles_each_way() -> None:
     right = enqueue_one(DOWN, after=(top,), on_dependency_failure="fail")
     bottom = enqueue_one(DOWN, after=(left, right), on_dependency_failure="fail")
     end_one(UP, "failed")
+    # Keyless, none of them holds a key.
     assert state_of(left) == ("cancelled", 0, False, "dependency_failed")
-    assert state_of(right) == ("failed", 0, True, "dependency_failed")
+    assert state_of(right) == ("failed", 0, False, "dependency_failed")
     # Reached by two paths, ended once, by the lowest upstream's edge (left ended cancelled).
-    assert state_of(bottom) == ("failed", 0, True, "dependency_failed")
+    assert state_of(bottom) == ("failed", 0, False, "dependency_failed")
     assert Job.objects.get(pk=bottom).error_detail == (
         f"job {left}, which this job waited for, ended cancelled"
     )

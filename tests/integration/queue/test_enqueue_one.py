@@ -330,7 +330,7 @@ def test_migrating_back_to_0001_and_forward_with_prepared_calls_leaves_the_queue
             with connection.cursor() as cur:
                 cur.execute(
                     "SELECT proname FROM pg_proc "
-                    "WHERE proname IN ('jobs_enqueue_job', 'jobs_worker_pass_v2')"
+                    "WHERE proname IN ('jobs_enqueue_job', 'jobs_worker_pass_v3')"
                 )
                 assert cur.fetchall() == []
         finally:

@@ -9,8 +9,10 @@ boundary (replay from the history: control/test_replays.py).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -19,18 +21,33 @@ from typing import Any
 import pytest
 from django.db import OperationalError, connection, transaction
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jobs import queue
 from jobs.control.tables import RunTable
+from jobs.core.conf import jobs_settings
 from jobs.db.clock import database_now
 from jobs.models import Job, JobHistory, ScheduleSlot
-from jobs.queue import history
-from jobs.queue.history import DAY, HOUR, Partition, _floor, plan
+from jobs.queue import AllTenants, ClaimRequest, NewJob, Outcome, batches, history
+from jobs.queue.history import DAY, HOUR, Partition, plan
+from jobs.queue.history_partitions import floor as _floor
+from jobs.runs import TERMINAL_STATES
 from jobs.scheduler.retention import Archive, Retention
-from tests.support.concurrency import Background
-from tests.support.history import MINUTE, finish, job, where
+from tests.support.concurrency import Background, Producer
+from tests.support.history import (
+    MINUTE,
+    NAME,
+    HistoryWriter,
+    finish,
+    insert_if_ready,
+    insert_row,
+    job,
+    ready_history,
+    ready_until,
+    where,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -513,3 +530,334 @@ def test_retention_never_drops_a_partition_holding_a_row_inside_its_retention():
     # once the partition's end is past, it goes (a day at most after the row's retention)
     history.drop_expired(now=_floor(row.finished_at, timedelta(days=1)) + timedelta(days=15))
     assert where(pk) == "gone"
+
+
+# The history made ready ahead of the rows: the worker's pass writes a finished row straight
+# into the history only where history.READY_UNTIL says its partition waits for it.
+
+HOURLY, DAILY = timedelta(days=1), timedelta(days=14)  # retentions kept hourly, and daily
+#: Far from the times other tests leave partitions at: each example starts from none.
+FUTURE = datetime(2040, 1, 1, tzinfo=UTC)
+
+
+def retained(state: str, kept: timedelta):
+    return override_settings(JOBS={f"{state.upper()}_RETENTION": kept})
+
+
+def schedulers_lock_timeout():
+    """The scheduler's own bound on its connection's lock waits (``DB_LOCK_TIMEOUT``)."""
+    return lock_timeout(f"{int(jobs_settings.DB_LOCK_TIMEOUT.total_seconds() * 1000)}ms")
+
+
+def drop_partitions_from(state: str, moment: datetime) -> None:
+    with connection.cursor() as cur:
+        for part in history.partitions(cur, state):
+            if part.end > moment:
+                cur.execute(f"DROP TABLE {part.name}")
+
+
+class Rollback(Exception):
+    """Undoes an example's partitions and rows."""
+
+
+@given(
+    state=st.sampled_from(TERMINAL_STATES),
+    kept=st.sampled_from([HOURLY, DAILY]),
+    minutes=st.integers(0, 60 * 24 * 9),
+    others=st.lists(st.tuples(st.integers(-30, 60), st.integers(0, 6)), max_size=3),
+    into=st.floats(0, 1, exclude_max=True),
+)
+@settings(max_examples=30, deadline=None)
+def test_after_prepare_ahead_a_row_finished_any_time_before_until_has_its_partition(
+    state, kept, minutes, others, into
+):
+    now = FUTURE + timedelta(minutes=minutes, seconds=minutes % 59)
+    try:
+        with transaction.atomic(), connection.cursor() as cur:
+            # Partitions made earlier under the other width (the retention changed since).
+            with retained(state, DAILY if kept == HOURLY else HOURLY):
+                for start, hours in others:
+                    first = now + timedelta(hours=start)
+                    history.ensure(cur, state, first, first + timedelta(hours=hours))
+            with retained(state, kept):
+                history.prepare_ahead(now=now)
+                span = history.width(state)
+            until = ready_until(state)
+            assert until is not None and until - now >= 2 * span  # two widths ahead
+            layout = history.partitions(cur, state)
+            assert not any(p.start == until for p in layout)  # the end of the coverage
+            # (A product is rounded to the microsecond: kept below until.)
+            inside = now + (until - now - timedelta(microseconds=1)) * into
+            # From CLOCK_SKEW before now: a pass that read its clock just before an hour began.
+            earliest = now - history.CLOCK_SKEW
+            for pk, at in enumerate((earliest, now, inside, until - timedelta(microseconds=1))):
+                with transaction.atomic():
+                    insert_row(cur, state, at, pk)  # no partition: raises here
+            raise Rollback
+    except Rollback:
+        pass
+
+
+@pytest.mark.django_db(transaction=True)
+def test_prepare_ahead_once_ready_reads_one_statement_and_writes_nothing():
+    now = database_now()
+    history.prepare_ahead(now=now)
+    ready = {state: ready_until(state) for state in TERMINAL_STATES}
+    assert all(until and until > now for until in ready.values()), ready
+    with connection.cursor() as cur:
+        cur.execute("SELECT xmin::text FROM jobs_historyready ORDER BY state")
+        versions = cur.fetchall()
+
+    with CaptureQueriesContext(connection) as queries:
+        history.prepare_ahead(now=now + MINUTE)
+
+    assert len(queries) == 1, [q["sql"] for q in queries]
+    with connection.cursor() as cur:
+        cur.execute("SELECT xmin::text FROM jobs_historyready ORDER BY state")
+        assert cur.fetchall() == versions  # no row written again
+    assert {state: ready_until(state) for state in TERMINAL_STATES} == ready
+
+
+def test_the_pass_writes_into_the_history_only_once_it_is_ready():
+    with connection.cursor() as cur:
+        cur.execute("DELETE FROM jobs_historyready")
+        assert ready_until("succeeded") is None
+        assert insert_if_ready(cur, "succeeded") == 0  # the row stays in the jobs table
+        history.prepare_ahead()
+        assert insert_if_ready(cur, "succeeded") == 1
+
+
+def test_until_never_points_past_a_dropped_partition():
+    now = database_now()
+    history.prepare_ahead(now=now)
+    # Retention run with a time ahead of the clock drops partitions the clock has not
+    # reached: the history is no longer ready from the first of them on.
+    later = now + timedelta(days=3)
+    history.drop_expired(now=later)
+    with connection.cursor() as cur:
+        layout = history.partitions(cur, "succeeded")
+    until = ready_until("succeeded")
+    hour = _floor(now, HOUR)
+    while until is not None and hour < until:
+        assert any(p.start <= hour < p.end for p in layout), f"{hour} is ready, with no partition"
+        hour += HOUR
+    with connection.cursor() as cur:
+        insert_if_ready(cur, "succeeded")  # written or not, never refused
+
+    history.prepare_ahead(now=now)  # the next pass makes it ready again
+    assert ready_until("succeeded") - now >= HOUR
+
+
+@pytest.mark.parametrize("kept", [timedelta(0), -timedelta(hours=5)])
+def test_retention_never_drops_a_partition_at_or_after_now(kept):
+    """Not even with a retention of nothing (or less): rows finishing now go there."""
+    now = database_now()
+    history.prepare_ahead(now=now)
+    until = ready_until("succeeded")  # hourly partitions: the next three hours' are there
+    with retained("succeeded", kept):
+        history.drop_expired(now=now)
+    history.drop_expired(retentions={"succeeded": kept}, now=now)
+
+    assert ready_until("succeeded") == until
+    with connection.cursor() as cur:
+        for pk, at in enumerate((now, until - SECOND)):
+            with transaction.atomic():
+                insert_row(cur, "succeeded", at, pk)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_writers_of_the_history_never_wait_on_prepare_ahead_and_retention(caplog):
+    """A connection writing history rows all along never waits more than a moment.
+
+    Once the worker's pass writes finished rows straight into the history, that happens
+    continuously, and any DDL on the history queues behind the writes in flight while every
+    new write queues behind the DDL. Here the scheduler's DDL runs over and over: partitions
+    made ahead (ATTACH PARTITION), and expired ones dropped (DROP TABLE: ACCESS EXCLUSIVE on
+    the state's table).
+    """
+    now = database_now()
+    with HistoryWriter(TERMINAL_STATES, ready_only=True) as writer:
+        for hour in range(8):
+            with connection.cursor() as cur:  # expired, so that retention drops them
+                history.ensure(cur, "succeeded", now - DAY * 3 - HOUR * hour, now - DAY * 3)
+                history.ensure(cur, "cancelled", now - DAY * 9, now - DAY * 9)
+            with schedulers_lock_timeout():  # a wait this long would raise, failing the test
+                history.drop_expired(now=database_now())
+                history.prepare_ahead(now=database_now() + HOUR * hour)
+            writer.wait_for_statements(5)
+
+    assert writer.errors == []
+    assert writer.longest < 0.5, f"a write waited {writer.longest:.2f} s"
+    assert writer.written > 0  # the history was ready for the pass
+    deferred = {getattr(r, "action", None) for r in caplog.records} & {"drop_deferred"}
+    assert deferred or not [p for p in _partitions("succeeded") if p.end <= now - DAY]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_long_reader_does_not_make_the_schedulers_ddl_hold_up_writers(caplog):
+    """Retention's DROP waits behind a reader of the history, and writers queue behind the
+    DROP: it gives up after a moment (and tries again next pass) instead of the scheduler's
+    lock timeout, seconds during which no finished row could be written."""
+    now = database_now()
+    with connection.cursor() as cur:
+        history.ensure(cur, "succeeded", now - HOUR, now + HOUR)  # where the writer writes
+        history.ensure(cur, "succeeded", now - DAY * 3, now - DAY * 3)  # expired
+    expired = [p for p in _partitions("succeeded") if p.end <= now - DAY]
+    assert expired
+
+    with (
+        HistoryWriter(("succeeded",)) as writer,
+        history_reader(),
+        schedulers_lock_timeout(),
+    ):
+        writer.wait_for_statements(3)
+        Retention().run_once()
+        Archive().run_once()
+        writer.wait_for_statements(3)
+
+    assert writer.errors == []
+    assert writer.longest < 0.5, f"a write waited {writer.longest:.2f} s"
+    assert set(expired) <= set(_partitions("succeeded"))  # left for the next pass
+    assert "drop_deferred" in [getattr(r, "action", None) for r in caplog.records]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_prepare_ahead_behind_a_lock_on_the_history_defers_within_a_moment(caplog):
+    """A session holding a lock ATTACH PARTITION needs (a manual ANALYZE or CREATE INDEX on
+    the history) holds up the preparation only a moment; it is tried again next pass."""
+    now = FUTURE + timedelta(days=400)
+    drop_partitions_from("failed", now - DAY)  # as a database kept from an earlier run has
+    holder = Producer(
+        lambda: connection.cursor().execute(
+            "LOCK TABLE jobs_jobhistory_failed IN SHARE UPDATE EXCLUSIVE MODE"
+        )
+    ).start()
+    try:
+        with schedulers_lock_timeout():
+            started = time.monotonic()
+            history.prepare_ahead(now=now)
+            took = time.monotonic() - started
+    finally:
+        assert holder.finish() is None
+    assert took < jobs_settings.DB_LOCK_TIMEOUT.total_seconds() / 2  # not the scheduler's wait
+    assert ready_until("failed") is None
+    assert "archive_deferred" in [getattr(r, "action", None) for r in caplog.records]
+    history.prepare_ahead(now=now)  # the next pass
+    assert ready_until("failed") - now >= DAY
+
+
+def test_ddl_inside_a_callers_transaction_leaves_its_lock_timeout_as_it_was():
+    """The short lock wait is the DDL's own: ``SET LOCAL`` would outlast it to the end of the
+    caller's transaction, cutting every later wait of the caller's to a tenth of a second."""
+    now = FUTURE + timedelta(days=500)
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("SET LOCAL lock_timeout = '7s'")
+        assert history.ensure(cur, "succeeded", now, now)  # made one
+        history.drop_expired(now=now + timedelta(days=2))  # and dropped it
+        cur.execute("SHOW lock_timeout")
+        assert cur.fetchone()[0] == "7s"
+
+
+# -- A job that ends leaves the jobs table in the statement that ends it ----------------------
+
+#: Columns a job's row carries into the history whatever the moment it was written.
+SAME_ANY_TIME = (
+    "state", "attempts", "last_error", "error_detail", "result", "progress", "keyed",
+    "batch_id", "replayed_by", "payload", "name", "tenant", "queue", "priority",
+    "max_attempts", "attempt_log", "claimed_by",
+)  # fmt: skip
+
+ENDINGS = st.sampled_from(["succeeded", "result", "failed", "cancelled", "stopped", "progress"])
+
+
+def _end(kind: str, *, write) -> int:
+    """Enqueue, claim and end one keyless job as ``kind``, the outcome sent through ``write``;
+    its id."""
+    [enqueued] = queue.enqueue_many([job()])
+    [held] = queue.claim([ClaimRequest(NAME, 1)], scope=AllTenants(), worker="test-worker")
+    assert held.id == enqueued.id
+    outcome = {
+        "succeeded": lambda: Outcome.succeeded(held),
+        "result": lambda: Outcome.succeeded(held, {"answer": [4, 2], "text": "é\n"}),
+        "failed": lambda: Outcome.failed(held, code="rejected", detail="no such order"),
+        "cancelled": lambda: Outcome.cancelled(held),
+        # An operator asked the running job to stop; its handler then let go of it.
+        "stopped": lambda: Outcome.retry(held, code="handler_error", detail="interrupted"),
+        "progress": lambda: dataclasses.replace(
+            Outcome.succeeded(held), progress_json='{"done": 3, "total": 4}'
+        ),
+    }[kind]()
+    if kind == "stopped":
+        assert queue.cancel_running([held.id], by="alice") == [held.id]
+    write(outcome)
+    return held.id
+
+
+WRITES = {
+    "record": lambda outcome: queue.record([outcome]),
+    "record, uncounted": lambda outcome: queue.record([outcome], count=False),
+    "the pass": lambda outcome: queue.record_and_claim(
+        [outcome], [ClaimRequest(NAME, 1)], scope=AllTenants(), count=False
+    ),
+}
+
+
+def _row(pk: int) -> dict[str, Any]:
+    for model in (Job, JobHistory):
+        if (row := model.objects.filter(pk=pk).values().first()) is not None:
+            return row
+    raise AssertionError(f"job {pk} is in neither table")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("how", sorted(WRITES))
+@settings(max_examples=12, deadline=None)
+@given(kind=ENDINGS)
+def test_a_keyless_job_that_ends_leaves_in_the_statement_that_ends_it(how, kind):
+    """Its history row is the row the write would have left in the jobs table."""
+    try:
+        stays = _end(kind, write=WRITES[how])  # the history is not ready: the row stays
+        assert where(stays) == "jobs"
+        ready_history()
+        leaves = _end(kind, write=WRITES[how])
+        assert where(leaves) == "history"
+        kept, moved = _row(stays), _row(leaves)
+        assert {c: moved[c] for c in SAME_ANY_TIME} == {c: kept[c] for c in SAME_ANY_TIME}
+        assert moved["finished_at"] >= kept["finished_at"]
+    finally:  # each example starts with nothing
+        Job.objects.all().delete()
+        JobHistory.objects.all().delete()
+        with connection.cursor() as cur:
+            cur.execute("DELETE FROM jobs_historyready")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_jobs_that_end_stay_where_others_read_them_until_the_archive():
+    """A keyed job (its window), a batch member and a job others wait for (the settle trigger),
+    a retry, and any job while the history is not ready for its end, stay in the jobs table."""
+    ready_history()
+    keyed, member, waited_for, retried = (
+        queue.enqueue(job("order-7")).id,
+        batches.add(batches.open(None), [job()])[0].id,
+        queue.enqueue(job()).id,
+        queue.enqueue(job()).id,
+    )
+    queue.enqueue(NewJob(name="test.history.after.v1", after=(waited_for,)))
+    held = queue.claim([ClaimRequest(NAME, 4)], scope=AllTenants(), worker="test-worker")
+    assert sorted(h.id for h in held) == sorted([keyed, member, waited_for, retried])
+    report = queue.record(
+        [
+            Outcome.retry(h, code="handler_error", delay=3600)
+            if h.id == retried
+            else Outcome.succeeded(h)
+            for h in held
+        ]
+    )
+    assert len(report.applied) == 4
+    assert {pk: where(pk) for pk in (keyed, member, waited_for, retried)} == dict.fromkeys(
+        (keyed, member, waited_for, retried), "jobs"
+    )
+    with connection.cursor() as cur:
+        cur.execute("UPDATE jobs_historyready SET until = statement_timestamp()")
+    (late,) = finish(job())
+    assert where(late) == "jobs"

@@ -39,6 +39,7 @@ from jobs.queue import (
     keys,
     operations,
 )
+from jobs.queue.enqueue import COPY_AT_LEAST
 from tests.support.history import where
 from tests.support.keyed_rows import DAY, MINUTE, UP, backend, insert, outcome_of
 from tests.support.polling import wait_for
@@ -430,3 +431,39 @@ def test_two_keyed_enqueues_releasing_one_expired_holder_make_one_row():
     assert len({r.id for r in results}) == 1 and sorted(r.created for r in results) == [False, True]
     assert list(Job.objects.filter(key_held=True).values_list("pk", flat=True)) == [results[0].id]
     assert not Job.objects.get(pk=holder).key_held
+
+
+def _enqueue_keyless(how: str, count: int) -> list[int]:
+    jobs = [NewJob(name=UP, payload={"n": n}) for n in range(count)]
+    if how == "one":
+        return [queue.enqueue(job).id for job in jobs]
+    if how == "in a transaction":
+        with transaction.atomic():
+            return [e.id for e in queue.enqueue_many(jobs)]
+    return [e.id for e in queue.enqueue_many(jobs)]  # by COPY from COPY_AT_LEAST jobs on
+
+
+@pytest.mark.parametrize(
+    ("how", "count"),
+    [("one", 3), ("in a transaction", 3), ("by copy", COPY_AT_LEAST)],
+)
+def test_a_keyless_job_stays_out_of_the_key_lock_its_whole_life(how, count):
+    """Its generated key can never be presented again: the unique index would guard nothing
+    and cost an entry on every insert and claim."""
+    keyless = _enqueue_keyless(how, count)
+    keyed = queue.enqueue(NewJob(name=UP, job_id="invoice-7")).id
+
+    def holding() -> set[int]:
+        return set(Job.objects.filter(key_held=True).values_list("pk", flat=True))
+
+    assert holding() == {keyed}
+    claimed = queue.claim([queue.ClaimRequest(UP, count + 1)], scope=queue.AllTenants())
+    assert holding() == {keyed}
+    for job in claimed:
+        assert queue.retry(job, delay=0, code="handler_error")
+    assert holding() == {keyed}
+    claimed = queue.claim([queue.ClaimRequest(UP, count + 1)], scope=queue.AllTenants())
+    for job in claimed:
+        assert queue.complete(job)
+    assert holding() == {keyed}
+    assert set(Job.objects.filter(pk__in=keyless).values_list("state", flat=True)) == {"succeeded"}

@@ -3,7 +3,7 @@
 The one-time filter ``(SELECT count(*) FROM written) < (SELECT count(*) FROM o)`` in the
 ``busy`` CTE must change nothing a batch reports or writes, on any of the paths that carry
 the CTEs: ``record()`` counted and not, the inline pass, and the worker's pass functions
-(``jobs_worker_pass_v2``, ``jobs_worker_fair_pass_v2``). It cannot: ``written`` has one row per
+(``jobs_worker_pass_v3``, ``jobs_worker_fair_pass_v3``). It cannot: ``written`` has one row per
 row updated, every such row was matched by outcomes of its id under its own token, and rows
 of different ids are different outcomes; so ``count(written) = count(o)`` only when every
 outcome's token is among the written ones, when the anti join finds nothing busy anyway.
@@ -49,11 +49,11 @@ FILTER = re.compile(r"\(SELECT count\(\*\) FROM written\) < \(SELECT count\(\*\)
 PATHS = ("record", "record uncounted", "pass statement", "pass function", "fair pass function")
 # What each path's one statement starts with (None: no statement for an empty batch).
 CALLS = {
-    "pass function": "SELECT * FROM jobs_worker_pass_v2(",
-    "fair pass function": "SELECT * FROM jobs_worker_fair_pass_v2(",
+    "pass function": "SELECT * FROM jobs_worker_pass_v3(",
+    "fair pass function": "SELECT * FROM jobs_worker_fair_pass_v3(",
 }
 # The functions the code calls.
-FUNCTIONS = ("jobs_worker_pass_v2", "jobs_worker_fair_pass_v2")
+FUNCTIONS = ("jobs_worker_pass_v3", "jobs_worker_fair_pass_v3")
 
 
 def run(path: str, batch: list[Outcome]) -> OutcomeReport:

@@ -278,8 +278,8 @@ BY = "operator@test"
 
 
 FUNCTIONS = {
-    "pass function": "SELECT * FROM jobs_worker_pass_v2(",
-    "fair pass function": "SELECT * FROM jobs_worker_fair_pass_v2(",
+    "pass function": "SELECT * FROM jobs_worker_pass_v3(",
+    "fair pass function": "SELECT * FROM jobs_worker_fair_pass_v3(",
 }
 
 

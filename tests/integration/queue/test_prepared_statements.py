@@ -213,7 +213,7 @@ def test_with_the_setting_on_a_worker_runs_its_jobs_on_prepared_statements():
 
         config = WorkerConfig(install_signal_handlers=False, poll_interval=0.05)
         Worker(registry(Recorder()), config).run(until=until)
-    assert any("jobs_worker_pass_v2(" in s for s in seen), seen
+    assert any("jobs_worker_pass_v3(" in s for s in seen), seen
 
 
 @pytest.mark.django_db(transaction=True)

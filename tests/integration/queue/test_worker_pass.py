@@ -1,4 +1,4 @@
-"""The worker's pass as a function (``jobs_worker_pass_v2``): the statement a worker runs every
+"""The worker's pass as a function (``jobs_worker_pass_v3``): the statement a worker runs every
 pass for job types without flow controls, with a plan each connection keeps.
 
 It must write and claim exactly what the inline statement did: what ``record()`` then
@@ -110,7 +110,7 @@ def test_the_pass_writes_and_claims_what_record_then_claim_would(
 
         if sum(asked):  # with or without outcomes: one call of the function
             assert [s["sql"].split("(", 1)[0] for s in statements] == [
-                "SELECT * FROM jobs_worker_pass_v2"
+                "SELECT * FROM jobs_worker_pass_v3"
             ]
         assert report == expected_report
         assert [(j.id, j.attempts, j.max_attempts) for j in claimed] == [
@@ -180,7 +180,7 @@ def test_the_fair_pass_writes_and_claims_what_record_then_claim_would(
     backlog, kinds, scope, asked, cursor
 ):
     # Both names fair (one keeping a share for lower classes): the pass is one call of
-    # jobs_worker_fair_pass_v2, and must do what the inline statement it replaces does (outcomes
+    # jobs_worker_fair_pass_v3, and must do what the inline statement it replaces does (outcomes
     # and the fair claim in one snapshot, where the jobs it ends still count as running).
     with transaction.atomic():
         flow.ensure(FAIR)
@@ -215,7 +215,7 @@ def test_the_fair_pass_writes_and_claims_what_record_then_claim_would(
 
         if sum(asked):
             assert [s["sql"].split("(", 1)[0] for s in statements] == [
-                "SELECT * FROM jobs_worker_fair_pass_v2"
+                "SELECT * FROM jobs_worker_fair_pass_v3"
             ]
         assert report == expected_report
         assert [(j.id, j.tenant, j.attempts, j.max_attempts) for j in claimed] == [

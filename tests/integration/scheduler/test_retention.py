@@ -1,19 +1,23 @@
-"""Retention deletes terminal rows past their age, in bounded batches, and nothing else."""
+"""Retention deletes terminal rows past their age, in bounded batches, and nothing else; the
+archive duty keeps the history ready ahead of the rows."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
 import pytest
+from django.db import connection
 
 from jobs.db.clock import database_now
 from jobs.models import Job, ScheduleSlot
-from jobs.scheduler.retention import Retention, RetentionConfig
+from jobs.queue import history
+from jobs.scheduler.retention import Archive, Retention, RetentionConfig
 from tests.support.factories import JobFactory
 
 pytestmark = pytest.mark.django_db
 
 MINUTE = timedelta(minutes=1)
+HOUR = timedelta(hours=1)
 # The defaults: SUCCEEDED_RETENTION, FAILED_RETENTION, CANCELLED_RETENTION, SLOT_RETENTION.
 AGES = {"succeeded": timedelta(hours=24), "failed": timedelta(days=14), "cancelled": timedelta(7)}
 
@@ -86,3 +90,19 @@ def test_finished_batches_go_after_their_retention(now):
 
     assert counts == {"jobs.batch:finished": 1}
     assert set(Batch.objects.values_list("pk", flat=True)) == {young}
+
+
+def test_the_archive_duty_keeps_the_history_ready_ahead_as_time_passes(now):
+    """Each archive pass makes the history ready for rows finishing in the hours ahead, so the
+    worker's pass can write them there, and moves ``until`` on as time passes."""
+    duty = Archive()
+    readiness = []
+    for hours in (0, 1, 2, 30):
+        at = now + timedelta(hours=hours)
+        duty.run_once(at)
+        with connection.cursor() as cur:
+            cur.execute(f"SELECT {history.READY_UNTIL.format(state='%s')}", ["succeeded"])
+            (until,) = cur.fetchone()
+        assert until - at >= 2 * HOUR, hours  # succeeded rows: hourly partitions
+        readiness.append(until)
+    assert readiness == sorted(readiness) and len(set(readiness)) == len(readiness)

@@ -29,7 +29,8 @@ BEGIN
     VALUES (
         s->>'job_id', s->>'name', s->'payload', s->>'tenant', s->>'queue',
         (s->>'priority')::smallint, (s->>'max_attempts')::integer, statement_timestamp(),
-        'queued', 0, '', '', '', TRUE, (s->>'keyed')::boolean, '', statement_timestamp(),
+        'queued', 0, '', '', '', (s->>'keyed')::boolean, (s->>'keyed')::boolean, '',
+        statement_timestamp(),
         COALESCE((SELECT f.tenant_ordered FROM jobs_flow f WHERE f.name = s->>'name'), FALSE)
     )
     ON CONFLICT (tenant, job_id) WHERE key_held DO NOTHING

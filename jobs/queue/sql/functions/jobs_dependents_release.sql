@@ -42,7 +42,7 @@ BEGIN
             SET state = CASE WHEN e.on_failure = 'fail' THEN 'failed' ELSE 'cancelled' END,
                 -- A cancelled job lets its job_id go at once, a failed one keeps it through
                 -- its window (as operator cancels and failures do).
-                key_held = e.on_failure = 'fail',
+                key_held = j.keyed AND e.on_failure = 'fail',
                 waiting_on = 0,
                 run_after = statement_timestamp(),
                 finished_at = statement_timestamp(),

@@ -29,7 +29,7 @@ BEGIN
         )
         VALUES (
             p_job_id, p_name, p_payload, p_tenant, p_queue, p_priority, p_max_attempts,
-            v_run_after, 'queued', 0, '', '', '', TRUE, p_keyed, '', v_at,
+            v_run_after, 'queued', 0, '', '', '', p_keyed, p_keyed, '', v_at,
             EXISTS (SELECT FROM jobs_flow f WHERE f.name = p_name AND f.tenant_ordered),
             p_batch_id, p_waiting_on
         )
@@ -43,7 +43,7 @@ BEGIN
         )
         VALUES (
             p_job_id, p_name, p_payload, p_tenant, p_queue, p_priority, p_max_attempts,
-            v_run_after, 'queued', 0, '', '', '', TRUE, p_keyed, '', v_at,
+            v_run_after, 'queued', 0, '', '', '', p_keyed, p_keyed, '', v_at,
             EXISTS (SELECT FROM jobs_flow f WHERE f.name = p_name AND f.tenant_ordered),
             p_batch_id, p_waiting_on
         )

@@ -1,5 +1,6 @@
--- Rendered from jobs/queue/cycle.py by scripts/render-sql:
--- edit the code, not this file, then run it (a test fails while the two differ).
+-- The pass of the previous release, kept as it installed it: its workers call it during a
+-- rolling deploy, and after going back past the migration that installs the next one. Not
+-- rendered and never changed; a later migration drops it.
 CREATE OR REPLACE FUNCTION jobs_worker_fair_pass_v2(
     p_ids bigint[],
     p_tokens uuid[],
