@@ -123,7 +123,9 @@ def test_retention_drops_whole_partitions_once_their_last_hour_is_past():
     with connection.cursor() as cur:  # the count of a drop is PostgreSQL's estimate
         cur.execute(f"ANALYZE {part.name}")
     kept = history.drop_expired(now=part.end + timedelta(hours=24) - SECOND)
-    assert kept == {} and where(old) == "history"
+    # Nothing with a row in it goes (empty partitions earlier tests left behind may).
+    assert not any(kept.values()) and where(old) == "history"
+    assert part in _partitions("succeeded")
 
     dropped = history.drop_expired(now=part.end + timedelta(hours=24))
     assert dropped == {"succeeded": 1}
