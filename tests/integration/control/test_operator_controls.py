@@ -902,9 +902,10 @@ def test_pauses_only_remove_rows_from_the_claim(claim_form, scope, via):
 def test_no_claim_started_after_the_pause_committed_takes_a_paused_job(claim_form):
     """Claimers on their own connections race a pause; every claim statement issued after
     pause() returned (committed) takes nothing of the paused type."""
-    for _ in range(60):
-        queue.enqueue(NewJob(NOOP))
-        queue.enqueue(NewJob(OTHER))
+    # Enough that claims of one job at a time cannot take them all before the pause, on a
+    # loaded machine too: the test needs paused jobs left queued.
+    queue.enqueue_many([NewJob(NOOP) for _ in range(400)])
+    queue.enqueue_many([NewJob(OTHER) for _ in range(400)])
     committed = threading.Event()
     stop = threading.Event()
     walk = claim_form == "walk"

@@ -297,7 +297,9 @@ def test_tasks_waiting_behind_python_that_runs_get_threads_slowly():
         early = [at - submitted for at in started if at - submitted < 0.15]
     finally:
         assert pool.shutdown(timeout=10)
-    assert len(early) <= 2, early
+    # Behind I/O all six start within 150 ms. Here two, and a third on a host so loaded that
+    # the first thread's CPU time stalls as a wait would (it then looks like waiting on I/O).
+    assert len(early) <= 3, early
 
 
 def _count_cpu_clock_reads(monkeypatch) -> list[str]:
