@@ -208,11 +208,14 @@ def _consistency(durations: dict[str, timedelta]) -> list[CheckMessage]:
 
 
 def _payload_classes() -> list[type[Payload]]:
+    """Every Payload class made. A class whose definition raised (a missing or invalid name)
+    stays among its base's subclasses until it is collected, without a name: left out."""
     found: list[type[Payload]] = []
     stack = list(Payload.__subclasses__())
     while stack:
         cls = stack.pop()
-        found.append(cls)
+        if hasattr(cls, "job_name"):
+            found.append(cls)
         stack.extend(cls.__subclasses__())
     return sorted(set(found), key=_label)
 
