@@ -73,6 +73,12 @@ LOOKAHEAD = 2
 #: reaches the clock (any drop of one lowers the value in the same transaction). The read is
 #: one primary-key look-up in a table of at most three rows.
 READY_UNTIL = "(SELECT r.until FROM jobs_historyready r WHERE r.state = {state})"
+#: The same for every end at once: the states the history is ready for now, as a text array
+#: (empty, never NULL, when none is), read once a statement (the outcome write's ``leaves``).
+READY_STATES = (
+    "(SELECT COALESCE(array_agg(r.state::text), '{}') FROM jobs_historyready r"
+    " WHERE r.until > statement_timestamp())::text[]"
+)
 
 # Columns a history row has, in the order both INSERTs below write them.
 COLUMNS = (

@@ -199,11 +199,6 @@ _FIGURES = """,
 _COUNTED = """,
               j.name, f.state, j.last_error AS code, f.attempts_delta >= 0 AS ran_attempt,
               CASE WHEN f.attempts_delta >= 0 THEN f.ran END AS ran, f.waited"""
-# The ends the history is ready for (jobs.queue.history.READY_UNTIL), read once a statement.
-_READY = (
-    "(SELECT COALESCE(array_agg(r.state::text), '{}') FROM jobs_historyready r"
-    " WHERE r.until > statement_timestamp())::text[]"
-)
 # The rollup's columns of ``written``, from the rows that stay and from those that leave.
 _COUNTED_NAMES = ", name, state, code, ran_attempt, ran, waited"
 _MOVED_COUNTED = """, name, state, last_error, attempts_delta >= 0,
@@ -238,7 +233,7 @@ def _outcome_ctes(count: bool, wait: bool) -> str:
         .replace("{MOVED_COUNTED}", _MOVED_COUNTED if count else "")
         .replace("{MOVED_FIGURES}", ", f.ran, f.waited" if count else "")
         .replace("{MOVED}", _MOVED)
-        .replace("{READY}", _READY)
+        .replace("{READY}", history.READY_STATES)
         .replace("{HISTORY}", history.COLUMNS)
         .replace("{FIRST}", _BATCHES_FIRST if wait else "")
         .replace(
